@@ -1,0 +1,1 @@
+"""The `moekit` command line: one module per command (info, demo, bench, tune, eplb)."""

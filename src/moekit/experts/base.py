@@ -1,0 +1,149 @@
+"""The contract every experts backend keeps: weights, the problem description, capabilities.
+
+A backend computes, for hidden states x [T, H] and a routing result (weights [T, k] fp32,
+ids [T, k] int32):
+
+    out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])            (default)
+    out[t] = sum_j expert_{ids[t, j]}(w[t, j] * x[t])            (apply_router_weight_on_input)
+
+with expert_e(x) = W2_e act(W13_e x + b13_e) + b2_e, accumulating in fp32 and returning
+x's dtype. Experts mapped to -1 by an expert_map contribute zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+from ..config import ActivationParams
+
+__all__ = [
+    "ExpertWeights",
+    "ExpertsProblem",
+    "ExpertsBackend",
+    "BACKENDS",
+    "register_backend",
+    "get_backend",
+]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """All per-expert tensors of one layer, canonical layout (ARCHITECTURE.md).
+
+    w13: [E, 2I, H] (gated: rows 0..I-1 gate, I..2I-1 up) or [E, I, H] (non-gated).
+    w2:  [E, H, I].
+    b13: [E, 2I] or [E, I], optional.  b2: [E, H], optional.
+    scales: quantization tensors keyed by name, each with E as its first dimension.
+    quant: the quantization scheme name, or None for unquantized weights.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: Optional[torch.Tensor] = None
+    b2: Optional[torch.Tensor] = None
+    scales: Dict[str, torch.Tensor] = field(default_factory=dict)
+    quant: Optional[str] = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def per_expert_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every tensor whose first dimension indexes experts (EPLB moves them together)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                yield f.name, value
+        for name, value in self.scales.items():
+            yield name, value
+
+
+@dataclass(frozen=True)
+class ExpertsProblem:
+    """What a backend needs to know to say whether it can serve a call."""
+
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype  # activation dtype
+    weight_dtype: torch.dtype
+    activation: str
+    has_bias: bool
+    has_expert_map: bool
+    apply_router_weight_on_input: bool
+    num_experts: int  # local E
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    top_k: int
+    quant: Optional[str] = None
+    requires_grad: bool = False
+
+    def describe(self) -> str:
+        q = self.quant or "unquantized"
+        return (
+            f"{self.device} {str(self.dtype).replace('torch.', '')} {q} act={self.activation} "
+            f"E={self.num_experts} H={self.hidden_size} I={self.intermediate_size} k={self.top_k}"
+        )
+
+
+class ExpertsBackend:
+    """Base class of experts backends. Subclasses set `name` and implement `unsupported`
+    (a sentence saying why not, or None) and `apply`."""
+
+    name: str = ""
+    description: str = ""
+    # Whether the forward can be captured in a CUDA graph (no host synchronisation).
+    graph_safe: bool = False
+
+    def available(self) -> Optional[str]:
+        """Why this backend cannot run on this machine at all, or None."""
+        return None
+
+    def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
+        """Why this backend cannot serve `problem`, as a sentence, or None if it can."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        weights: ExpertWeights,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        activation: str,
+        activation_params: ActivationParams,
+        apply_router_weight_on_input: bool,
+        expert_map: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Compute the routed output.
+
+        Args:
+            x: [T, H] activations (validated, contiguous).
+            weights: ExpertWeights with E local experts.
+            topk_weights: [T, k] fp32.  topk_ids: [T, k] int32 (global ids when expert_map is set).
+            expert_map: [E_global] int32 global -> local id, -1 for experts held elsewhere.
+        Returns:
+            [T, H] fp32 (the caller casts to x's dtype once).
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<experts backend {self.name}>"
+
+
+BACKENDS: Dict[str, ExpertsBackend] = {}
+
+
+def register_backend(backend: ExpertsBackend) -> ExpertsBackend:
+    """Add a backend instance to the registry under backend.name."""
+    if not backend.name:
+        raise ValueError("a backend needs a non-empty name")
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> ExpertsBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]

@@ -1,0 +1,113 @@
+"""`cpu`: the fast CPU path. fp32 compute from weights of any float dtype, in cache-sized blocks.
+
+Why this shape: on AVX2 machines without AVX-512 torch's bf16 matmul is 10-100x slower
+than fp32, while keeping an fp32 copy of all experts doubles memory and the bytes streamed
+per token. So each expert's weights are converted to fp32 one block of the intermediate
+dimension at a time (about BLOCK_BYTES of fp32, sized to stay in L2/L3), used at once
+by fp32 GEMMs, and dropped. Both cores work through torch's intra-op threads.
+
+Pipeline: stable sort of (t, j) assignments by expert (one bincount, one host read of the
+counts: fine on CPU) -> per active expert, per I-block: h = x_e W13_blk^T -> act ->
+y_e += a W2_blk^T -> weight -> deterministic sum over k.
+
+Supports: CPU, fp32/bf16/fp16 activations and weights, biases, expert_map, every
+activation, weights on input, autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..activations import apply_activation, is_gated
+from .base import ExpertsBackend, ExpertsProblem, register_backend
+from .common import combine_k, local_ids, sort_by_expert
+
+__all__ = ["CPUBackend", "BLOCK_BYTES"]
+
+# fp32 bytes of one converted weight block (w13 rows + w2 columns of one I-slice).
+BLOCK_BYTES = 3 * 1024 * 1024
+
+
+def _block_size(H: int, I: int, gated: bool) -> int:
+    per_i = (3 if gated else 2) * H * 4  # fp32 bytes per intermediate index
+    ib = max(16, BLOCK_BYTES // per_i)
+    if ib >= I:
+        return I
+    return max(16, (ib // 16) * 16)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+class CPUBackend(ExpertsBackend):
+    name = "cpu"
+    description = "fp32 GEMMs from any-precision weights in cache-sized blocks (CPU)"
+
+    def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
+        if problem.device != "cpu":
+            return f"runs on CPU tensors only, got device {problem.device!r}"
+        if problem.quant is not None:
+            return f"unquantized weights only, got quant={problem.quant!r}"
+        return None
+
+    def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
+              apply_router_weight_on_input, expert_map):
+        T, k = topk_ids.shape
+        H = x.shape[1]
+        E = weights.num_experts
+        gated = is_gated(activation)
+        I = weights.w2.shape[2]
+        ib = _block_size(H, I, gated)
+        ids_flat = local_ids(topk_ids, expert_map).reshape(-1)  # [T*k]
+        order, counts = sort_by_expert(ids_flat, E)
+        counts_list = counts.tolist()
+        n_valid = sum(counts_list)
+        x32 = _f32(x)  # [T, H]
+        w_sorted = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
+        x_sorted = x32[order[:n_valid] // k]  # [n_valid, H]
+        if apply_router_weight_on_input:
+            x_sorted = x_sorted * w_sorted[:n_valid]
+        y_sorted = x32.new_zeros((T * k, H))  # rows >= n_valid stay zero (non-local)
+        start = 0
+        for e, n in enumerate(counts_list):
+            if n == 0:
+                continue
+            end = start + n
+            y_sorted[start:end] = self._expert(
+                x_sorted[start:end], weights, e, I, ib, gated, activation, activation_params)
+            start = end
+        if not apply_router_weight_on_input:
+            y_sorted = y_sorted * w_sorted
+        return combine_k(y_sorted, order, T, k)
+
+    @staticmethod
+    def _expert(x_e, weights, e, I, ib, gated, activation, activation_params):
+        """One expert's output [n, H] fp32 for its rows x_e [n, H] fp32, block by block over I."""
+        w13_e, w2_e = weights.w13[e], weights.w2[e]  # [2I or I, H], [H, I]
+        b13_e = None if weights.b13 is None else _f32(weights.b13[e])
+        y = None
+        for i0 in range(0, I, ib):
+            i1 = min(I, i0 + ib)
+            if gated:
+                if i0 == 0 and i1 == I:
+                    w_blk = _f32(w13_e)  # [2I, H]
+                    b_blk = b13_e
+                else:
+                    w_blk = torch.cat((_f32(w13_e[i0:i1]), _f32(w13_e[I + i0:I + i1])))  # [2ib, H]
+                    b_blk = None if b13_e is None else torch.cat((b13_e[i0:i1], b13_e[I + i0:I + i1]))
+            else:
+                w_blk = _f32(w13_e[i0:i1])  # [ib, H]
+                b_blk = None if b13_e is None else b13_e[i0:i1]
+            h = x_e @ w_blk.t() if b_blk is None else torch.addmm(b_blk, x_e, w_blk.t())  # [n, 2ib]
+            a = apply_activation(h, activation, activation_params)  # [n, ib]
+            part = a @ _f32(w2_e[:, i0:i1]).t()  # [n, H]
+            y = part if y is None else y.add_(part)
+        if weights.b2 is not None:
+            y = y + _f32(weights.b2[e])
+        return y
+
+
+register_backend(CPUBackend())

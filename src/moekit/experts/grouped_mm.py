@@ -1,0 +1,82 @@
+"""`grouped_mm`: sort assignments by expert, then two torch grouped GEMMs.
+
+Pipeline: flatten (t, j) assignments -> stable sort by local expert -> gather x rows ->
+grouped GEMM over w13 -> activation -> grouped GEMM over w2 -> weight -> deterministic
+sum over k. GEMMs run in the weights' dtype (fp32 accumulate inside), the k-sum in fp32.
+
+Supports: CPU (fp32, bf16) and CUDA (bf16, SM90 kernels in torch), biases, expert_map,
+every activation, weights on input, autograd. No host synchronisation, so it can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..activations import apply_activation
+from .base import ExpertsBackend, ExpertsProblem, register_backend
+from .common import combine_k, local_ids, sort_by_expert
+
+__all__ = ["GroupedMMBackend"]
+
+_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class GroupedMMBackend(ExpertsBackend):
+    name = "grouped_mm"
+    description = "torch grouped GEMM after a sort by expert"
+    graph_safe = True
+
+    def available(self) -> Optional[str]:
+        if _grouped_mm is None:
+            return f"torch {torch.__version__} has no grouped_mm (needs torch >= 2.8)"
+        return None
+
+    def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
+        if problem.quant is not None:
+            return f"grouped_mm runs unquantized weights only, got quant={problem.quant!r}"
+        if problem.dtype != problem.weight_dtype:
+            return f"activation dtype {problem.dtype} differs from weight dtype {problem.weight_dtype}"
+        if problem.device == "cpu":
+            if problem.dtype not in (torch.float32, torch.bfloat16):
+                return f"torch's CPU grouped_mm takes float32 or bfloat16, got {problem.dtype}"
+        elif problem.device == "cuda":
+            if problem.dtype != torch.bfloat16:
+                return f"torch's CUDA grouped_mm takes bfloat16 only, got {problem.dtype}"
+            if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+                return "torch's CUDA grouped_mm needs compute capability 9.0 or newer"
+        else:
+            return f"device {problem.device!r} is not supported (cpu, cuda)"
+        return None
+
+    def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
+              apply_router_weight_on_input, expert_map):
+        T, k = topk_ids.shape
+        E = weights.num_experts
+        ids_flat = local_ids(topk_ids, expert_map).reshape(-1)  # [T*k]
+        order, counts = sort_by_expert(ids_flat, E)  # [T*k], [E]
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] group ends
+        ids_sorted = ids_flat[order]  # [T*k]
+        valid = (ids_sorted >= 0).unsqueeze(-1)  # [T*k, 1]; rows past offs[-1] are non-local
+        e_sorted = ids_sorted.clamp_min(0)  # only to index biases; masked below
+        w_sorted = topk_weights.reshape(-1)[order].unsqueeze(-1)  # [T*k, 1] fp32
+        x_sorted = x[order // k]  # [T*k, H]
+        if apply_router_weight_on_input:
+            x_sorted = (x_sorted.float() * w_sorted).to(x.dtype)
+        h = _grouped_mm(x_sorted, weights.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        if weights.b13 is not None:
+            h = h + weights.b13[e_sorted]
+        a = apply_activation(h, activation, activation_params)  # [T*k, I]
+        y = _grouped_mm(a, weights.w2.transpose(1, 2), offs=offs).float()  # [T*k, H]
+        if weights.b2 is not None:
+            y = y + weights.b2[e_sorted].float()
+        if not apply_router_weight_on_input:
+            y = y * w_sorted
+        # Rows of non-local experts are not computed by grouped_mm: zero them explicitly.
+        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return combine_k(y, order, T, k)
+
+
+register_backend(GroupedMMBackend())

@@ -1,0 +1,225 @@
+"""FusedMoE: the nn.Module a model uses. A thin coordinator over router, experts and runner."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .activations import check_activation, is_gated
+from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
+from .experts.base import ExpertWeights
+from .runner import MoERunner
+from .shared_experts import SharedMLP, fused_shared_weights
+
+__all__ = ["FusedMoE", "RoutedExperts"]
+
+_layer_ids = itertools.count()
+
+
+def _check_shape(name: str, t: torch.Tensor, shape) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+class RoutedExperts(nn.Module):
+    """Holds the routed experts' weights in the canonical layout.
+
+    Parameters: w13 [E, 2I, H] (or [E, I, H] non-gated), w2 [E, H, I], optional b13, b2.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
+                 bias: bool, dtype: Optional[torch.dtype], device) -> None:
+        super().__init__()
+        E, H, I = num_experts, hidden_size, intermediate_size
+        rows = 2 * I if is_gated(activation) else I
+        kw = dict(dtype=dtype, device=device)
+        self.w13 = nn.Parameter(torch.empty(E, rows, H, **kw))
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **kw))
+        self.b13 = nn.Parameter(torch.zeros(E, rows, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(E, H, **kw)) if bias else None
+        nn.init.normal_(self.w13, std=H ** -0.5)
+        nn.init.normal_(self.w2, std=I ** -0.5)
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
+
+    @torch.no_grad()
+    def load_weights(self, w13, w2, b13=None, b2=None) -> None:
+        """Copy canonical-layout tensors in (shapes checked, dtype converted)."""
+        _check_shape("w13", w13, self.w13.shape)
+        _check_shape("w2", w2, self.w2.shape)
+        for name, given in (("b13", b13), ("b2", b2)):
+            param = getattr(self, name)
+            if given is None:
+                continue
+            if param is None:
+                raise ValueError(f"{name} was given but the layer was built with bias=False")
+            _check_shape(name, given, param.shape)
+            param.copy_(given)
+        self.w13.copy_(w13)
+        self.w2.copy_(w2)
+
+
+class FusedMoE(nn.Module):
+    """A Mixture-of-Experts layer: router -> routed experts (+ shared experts) -> [.., H].
+
+    Args:
+        num_experts: E routed experts.  hidden_size: H.  intermediate_size: I per expert.
+        routing: RoutingConfig (validated against E here, not in forward).
+        activation: see moekit.activations.ACTIVATIONS.
+        bias: experts carry biases b13 [E, 2I] and b2 [E, H] (gpt-oss).
+        shared_experts: SharedExpertsConfig or None.
+        dtype, device: of the parameters.
+        backend: "auto" (the oracle picks per call) or a backend name.
+        quant: quantization scheme name (see moekit.quant) or None.
+        activation_params: ActivationParams for swigluoai.
+        gate: own a router gate Linear(H, E) used when forward gets no router_logits.
+        gate_bias: the gate has a bias (gpt-oss).
+        router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
+        correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3).
+        name: used in logs; defaults to "moe<N>".
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: RoutingConfig,
+        *,
+        activation: str = "silu",
+        bias: bool = False,
+        shared_experts: Optional[SharedExpertsConfig] = None,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        backend: str = "auto",
+        quant: Optional[str] = None,
+        activation_params: Optional[ActivationParams] = None,
+        gate: bool = False,
+        gate_bias: bool = False,
+        router_dtype: Optional[torch.dtype] = None,
+        correction_bias: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+        if not isinstance(routing, RoutingConfig):
+            raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
+        routing.validate_for(num_experts)
+        check_activation(activation)
+        if shared_experts is not None and not isinstance(shared_experts, SharedExpertsConfig):
+            raise TypeError(f"shared_experts must be a SharedExpertsConfig or None, got {type(shared_experts).__name__}")
+        if backend != "auto":
+            from .experts.base import get_backend  # noqa: PLC0415
+
+            get_backend(backend)  # unknown names fail here, not in forward
+        if quant is not None:
+            raise ValueError(f"quant={quant!r}: no quantization scheme is registered in this build of moekit")
+        if correction_bias and (routing.order != "score_then_topk" or routing.custom is not None):
+            raise ValueError("correction_bias needs routing.order='score_then_topk' without a custom router")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.routing = routing
+        self.activation = activation
+        self.quant = quant
+        self.router_dtype = router_dtype
+        self.layer_name = name or f"moe{next(_layer_ids)}"
+        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, activation, bias, dtype, device)
+        self.shared = None
+        if shared_experts is not None:
+            self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device)
+            if shared_experts.mode == "fused":
+                if (self.shared.activation != activation) or shared_experts.intermediate_size % intermediate_size:
+                    raise ValueError(
+                        "shared_experts mode 'fused' needs the routed activation and a shared intermediate_size "
+                        f"that is a multiple of {intermediate_size}, got activation={self.shared.activation!r}, "
+                        f"intermediate_size={shared_experts.intermediate_size}"
+                    )
+        self.gate = nn.Linear(hidden_size, num_experts, bias=gate_bias, dtype=dtype, device=device) if gate else None
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+        self.runner = MoERunner(
+            routing, activation=activation, activation_params=activation_params, backend=backend,
+            shared_mode=None if shared_experts is None else shared_experts.mode, name=self.layer_name,
+        )
+        self._fused_cache = None
+        self._side_stream = None
+
+    # -- weights -------------------------------------------------------------------------
+    def load_weights(self, w13, w2, b13=None, b2=None) -> None:
+        """Load canonical-layout expert weights: w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2 [E, H]."""
+        self.experts.load_weights(w13, w2, b13, b2)
+
+    def correction_bias_or_none(self) -> Optional[torch.Tensor]:
+        return self.e_score_correction_bias
+
+    def fused_expert_weights(self) -> ExpertWeights:
+        """Routed experts followed by the shared MLP's I-slices; rebuilt only when a weight changes."""
+        params = [self.experts.w13, self.experts.w2, self.shared.gate_up, self.shared.down]
+        for b in (self.experts.b13, self.experts.b2):
+            if b is not None:
+                params.append(b)
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if self._fused_cache is None or self._fused_cache[0] != key:
+            w = self.experts.expert_weights()
+            w13_s, w2_s = fused_shared_weights(self.shared, self.intermediate_size)
+            n = w13_s.shape[0]
+            b13 = None if w.b13 is None else torch.cat((w.b13, w.b13.new_zeros((n,) + w.b13.shape[1:])))
+            b2 = None if w.b2 is None else torch.cat((w.b2, w.b2.new_zeros((n,) + w.b2.shape[1:])))
+            fused = ExpertWeights(
+                torch.cat((w.w13, w13_s.to(w.w13.dtype))).detach(),
+                torch.cat((w.w2, w2_s.to(w.w2.dtype))).detach(),
+                None if b13 is None else b13.detach(), None if b2 is None else b2.detach(),
+            )
+            self._fused_cache = (key, fused)
+        return self._fused_cache[1]
+
+    def side_stream(self):
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        return self._side_stream
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [.., H] (and router_logits [.., E], unless the layer owns a gate) -> [.., H]."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [.., H={self.hidden_size}], got shape {tuple(x.shape)}")
+        if x.device != self.experts.w13.device:
+            raise ValueError(f"x is on {x.device}, expected {self.experts.w13.device} (the layer's device)")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden_size)  # [T, H]
+        if router_logits is None:
+            if self.gate is None:
+                raise ValueError("router_logits is required: this layer was built without a gate (gate=False)")
+            dt = self.router_dtype or x2.dtype
+            router_logits = nn.functional.linear(
+                x2.to(dt), self.gate.weight.to(dt), None if self.gate.bias is None else self.gate.bias.to(dt))
+        else:
+            if not isinstance(router_logits, torch.Tensor):
+                raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+            if router_logits.shape[-1] != self.num_experts or router_logits.numel() != x2.shape[0] * self.num_experts:
+                raise ValueError(
+                    f"router_logits must be [.., E={self.num_experts}] with the leading shape of x "
+                    f"{tuple(lead)}, got {tuple(router_logits.shape)}"
+                )
+            router_logits = router_logits.reshape(-1, self.num_experts)
+        out = self.runner.forward(self, x2, router_logits)
+        return out.reshape(*lead, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (f"name={self.layer_name}, E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, "
+                f"k={self.routing.top_k}, activation={self.activation}, backend={self.runner.backend}")

@@ -1,0 +1,56 @@
+"""The dispatcher contract (prepare/finalize) and the `local` dispatcher.
+
+A dispatcher sends each token to the ranks that own its experts (dispatch) and brings
+the weighted results home (combine). Dispatchers own no parameters: they move data.
+dispatch returns an explicit frozen object that combine takes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Dispatched", "Dispatcher", "LocalDispatcher"]
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What dispatch hands the experts and, through `handle`, combine.
+
+    x: [T_recv, H] tokens to compute here.  topk_weights: [T_recv, k] fp32.
+    topk_ids: [T_recv, k] int32 global ids (expert_map makes them local).
+    expert_map: [E_global] int32 or None.  handle: dispatcher-private metadata for combine.
+    """
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    expert_map: Optional[torch.Tensor]
+    handle: Any = None
+
+
+class Dispatcher:
+    """Base class: `dispatch` then `combine`."""
+
+    name = ""
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """y [T_recv, H] fp32 partial outputs -> [T, H] fp32 for this rank's own tokens."""
+        raise NotImplementedError
+
+
+class LocalDispatcher(Dispatcher):
+    """No parallelism: every expert is local."""
+
+    name = "local"
+
+    def dispatch(self, x, topk_weights, topk_ids) -> Dispatched:
+        return Dispatched(x, topk_weights, topk_ids, None)
+
+    def combine(self, y, dispatched) -> torch.Tensor:
+        return y

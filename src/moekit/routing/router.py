@@ -1,0 +1,131 @@
+"""The router: a pure function of (logits, RoutingConfig, correction bias) -> TopK.
+
+Every variant of ROUTING.md; all arithmetic in fp32. Ties go to the lowest expert index.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..config import RoutingConfig
+from .scoring import score
+from .select import group_mask, renormalize, stable_topk
+
+__all__ = ["TopK", "route", "check_router_logits"]
+
+
+class TopK(NamedTuple):
+    """Routing result: weights [T, k] fp32 and ids [T, k] int32 (logical expert ids)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+def check_router_logits(router_logits: torch.Tensor) -> None:
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be 2-D [T, E], got shape {tuple(router_logits.shape)}")
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
+    # NaN logits: an error, never a silent pick. The check costs a host sync, so it runs on
+    # CPU tensors (and on accelerators outside graph capture, see Settings.check_ids).
+    if _should_check(router_logits) and bool(torch.isnan(router_logits).any()):
+        raise ValueError("router_logits contains NaN; routing over NaN scores is undefined")
+
+
+def _should_check(t: torch.Tensor) -> bool:
+    from ..config import settings
+
+    if t.device.type == "cpu":
+        return True
+    if not settings.check_ids:
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def _score_then_topk(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor]) -> TopK:
+    T, E = z.shape
+    p = score(z, cfg.scoring)  # [T, E] unbiased scores: they become the weights
+    c = p if bias is None else p + bias.float()  # [T, E] selection scores
+    grouped = cfg.uses_groups(E)
+    if grouped:
+        group_score = cfg.group_score or ("top2_sum" if bias is not None else "max")
+        c = group_mask(c, cfg.num_expert_group, cfg.topk_group, group_score)
+    ids = stable_topk(c, cfg.top_k)  # [T, k]
+    w = p.gather(1, ids)  # [T, k]
+    if cfg.renormalize:
+        if cfg.scoring == "sqrtsoftplus":
+            w = renormalize(w, 1e-20, clamp=True)
+        elif cfg.scoring == "sigmoid" or grouped or bias is not None:
+            w = renormalize(w, 1e-20)  # DeepSeek-V3 adds 1e-20 to the denominator
+        else:
+            w = renormalize(w)
+    return TopK(w, ids)
+
+
+def _topk_then(z: torch.Tensor, cfg: RoutingConfig) -> TopK:
+    ids = stable_topk(z, cfg.top_k)  # [T, k] on raw logits
+    zk = z.gather(1, ids)  # [T, k]
+    w = torch.softmax(zk, dim=-1) if cfg.order == "topk_then_softmax" else torch.sigmoid(zk)
+    return TopK(w, ids)
+
+
+def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.Tensor]) -> TopK:
+    T, E = z.shape
+    out = cfg.custom(hidden_states, z, cfg.top_k)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError("custom routing function must return (weights [T, k], ids [T, k])")
+    w, ids = out
+    if tuple(w.shape) != (T, cfg.top_k) or tuple(ids.shape) != (T, cfg.top_k):
+        raise ValueError(
+            f"custom routing function returned weights {tuple(w.shape)} and ids {tuple(ids.shape)}, "
+            f"expected both [{T}, {cfg.top_k}]"
+        )
+    if ids.is_floating_point():
+        raise TypeError(f"custom routing function returned ids of dtype {ids.dtype}, expected an integer dtype")
+    if T and (int(ids.min()) < 0 or int(ids.max()) >= E):
+        raise ValueError(f"custom routing function returned ids outside [0, {E})")
+    return TopK(w.float(), ids)
+
+
+def route(
+    router_logits: torch.Tensor,
+    config: RoutingConfig,
+    correction_bias: Optional[torch.Tensor] = None,
+    *,
+    hidden_states: Optional[torch.Tensor] = None,
+) -> TopK:
+    """Select k experts per token and their weights.
+
+    Args:
+        router_logits: [T, E] any float dtype (cast to fp32).
+        config: the RoutingConfig.
+        correction_bias: [E] fp32 selection-only bias b (DeepSeek-V3), or None.
+        hidden_states: [T, H], passed to a custom routing function only.
+    Returns:
+        TopK(weights [T, k] fp32, ids [T, k] int32); weights are renormalised and multiplied
+        by routed_scaling_factor when the config says so (scale_on="router").
+    """
+    check_router_logits(router_logits)
+    T, E = router_logits.shape
+    config.validate_for(E)
+    if correction_bias is not None:
+        if tuple(correction_bias.shape) != (E,):
+            raise ValueError(f"correction_bias must have shape [{E}], got {tuple(correction_bias.shape)}")
+        if config.order != "score_then_topk" or config.custom is not None:
+            raise ValueError(f"correction_bias needs order='score_then_topk' without custom, got order={config.order!r}")
+    z = router_logits.float()  # [T, E]
+    if config.custom is not None:
+        w, ids = _custom(z, config, hidden_states)
+    elif config.order == "score_then_topk":
+        w, ids = _score_then_topk(z, config, correction_bias)
+    else:
+        w, ids = _topk_then(z, config)
+    if config.routed_scaling_factor != 1.0 and config.scale_on == "router":
+        w = w * config.routed_scaling_factor
+    return TopK(w.contiguous(), ids.to(torch.int32).contiguous())

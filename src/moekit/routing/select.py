@@ -1,0 +1,44 @@
+"""Top-k selection primitives: deterministic (ties go to the lowest expert index).
+
+torch.topk leaves the order of equal values unspecified, so selection uses a stable
+descending sort: among equal scores the lower expert index comes first. This matters in
+bf16, where random logits tie often.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["stable_topk", "group_mask", "renormalize"]
+
+
+def stable_topk(c: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] (int64) of the k largest entries of c [T, N], lowest index first on ties."""
+    return torch.sort(c, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def group_mask(c: torch.Tensor, num_groups: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """Mask c [T, E] to the topk_group best of num_groups contiguous expert groups.
+
+    Group score: "top2_sum" = sum of the two largest entries of the group (DeepSeek-V3),
+    "max" = the largest entry (DeepSeek-V2). Entries outside the kept groups become -inf.
+    Returns [T, E] fp32.
+    """
+    T, E = c.shape
+    c_TGn = c.view(T, num_groups, E // num_groups)
+    if group_score == "top2_sum":
+        n = min(2, E // num_groups)
+        g_TG = c_TGn.topk(n, dim=-1).values.sum(dim=-1)
+    else:
+        g_TG = c_TGn.amax(dim=-1)
+    keep_Tg = stable_topk(g_TG, topk_group)
+    keep_TG = torch.zeros_like(g_TG, dtype=torch.bool).scatter_(1, keep_Tg, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand_as(c_TGn).reshape(T, E)
+    return c.masked_fill(~keep_TE, float("-inf"))
+
+
+def renormalize(w: torch.Tensor, eps: float = 0.0, clamp: bool = False) -> torch.Tensor:
+    """w / sum(w) over the last dim; eps is added to (or, with clamp, a floor of) the sum."""
+    denom = w.sum(dim=-1, keepdim=True)
+    denom = denom.clamp_min(eps) if clamp else denom + eps
+    return w / denom

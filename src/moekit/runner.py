@@ -1,0 +1,119 @@
+"""MoERunner: route -> (EPLB map) -> dispatch -> experts -> combine -> shared experts -> scale.
+
+The runner owns the order of the steps, the shared-expert policy, the output scaling and
+chunking; the layer (FusedMoE) owns the parameters.
+
+Chunking: tokens are processed MOEKIT_CHUNK_SIZE (default 16384) at a time, so the
+backends' workspace is bounded by about chunk * k * (3I + 2H) * 4 bytes (sorted inputs,
+GEMM1 output, activation, per-assignment outputs in fp32), independent of T.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import ActivationParams, RoutingConfig, settings
+from .experts.api import experts_forward
+from .experts.base import ExpertWeights
+from .parallel.base import Dispatcher, LocalDispatcher
+from .routing import TopK, route
+
+__all__ = ["MoERunner"]
+
+
+class MoERunner:
+    """Runs one MoE layer's steps in order (see module docstring)."""
+
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        *,
+        activation: str,
+        activation_params: Optional[ActivationParams],
+        backend: str,
+        shared_mode: Optional[str],
+        name: str,
+        dispatcher: Optional[Dispatcher] = None,
+        chunk_size: Optional[int] = None,
+    ) -> None:
+        self.routing = routing
+        self.activation = activation
+        self.activation_params = activation_params
+        self.backend = backend
+        self.shared_mode = shared_mode
+        self.name = name
+        self.dispatcher = dispatcher or LocalDispatcher()
+        self.chunk_size = chunk_size or settings.chunk_size
+        self.eplb = None  # an object with map_ids(ids, num_tokens) -> physical ids (EPLB)
+        self.last_topk: Optional[TopK] = None  # the last chunk's routing (for inspection)
+
+    def output_scale(self) -> float:
+        r = self.routing
+        return r.routed_scaling_factor if r.scale_on == "output" else 1.0
+
+    def forward(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
+        T = x.shape[0]
+        if T <= self.chunk_size:
+            return self._forward_chunk(layer, x, router_logits)
+        outs = [
+            self._forward_chunk(layer, x[s:s + self.chunk_size], router_logits[s:s + self.chunk_size])
+            for s in range(0, T, self.chunk_size)
+        ]
+        return torch.cat(outs)
+
+    def _forward_chunk(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk = route(router_logits, self.routing, layer.correction_bias_or_none(), hidden_states=x)
+        self.last_topk = topk
+        weights_Tk, ids_Tk = topk
+        if self.eplb is not None:
+            ids_Tk = self.eplb.map_ids(ids_Tk)
+        shared = layer.shared
+        shared_out = None
+        stream = None
+        if shared is not None and self.shared_mode == "separate":
+            shared_out = shared(x)  # [T, H] fp32
+        elif shared is not None and self.shared_mode == "overlap":
+            if x.device.type == "cuda":
+                stream = layer.side_stream()
+                stream.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(stream):
+                    shared_out = shared(x)
+            else:
+                shared_out = shared(x)
+        expert_weights = layer.experts.expert_weights()
+        if shared is not None and self.shared_mode == "fused":
+            expert_weights, weights_Tk, ids_Tk = self._append_fused_shared(layer, x, expert_weights, weights_Tk, ids_Tk)
+        d = self.dispatcher.dispatch(x, weights_Tk, ids_Tk)
+        y = experts_forward(
+            d.x, expert_weights, d.topk_weights, d.topk_ids, activation=self.activation,
+            activation_params=self.activation_params,
+            apply_router_weight_on_input=self.routing.apply_router_weight_on_input,
+            expert_map=d.expert_map, backend=self.backend, owner=self.name,
+        )
+        routed = self.dispatcher.combine(y, d)  # [T, H] fp32
+        s = self.output_scale()
+        if s != 1.0:
+            routed = routed * s
+        if stream is not None:
+            torch.cuda.current_stream(x.device).wait_stream(stream)
+        out = routed if shared_out is None else routed + shared_out  # fp32: no fp16 overflow
+        return out.to(x.dtype)
+
+    def _append_fused_shared(self, layer, x, weights: ExpertWeights, w_Tk, ids_Tk):
+        """Add the shared MLP as n always-selected experts E..E+n-1 to the routing."""
+        if self.routing.apply_router_weight_on_input:
+            raise ValueError("shared_experts mode 'fused' cannot be combined with apply_router_weight_on_input")
+        fused = layer.fused_expert_weights()  # cached: routed experts then n shared slices
+        E = weights.num_experts
+        n = fused.num_experts - E
+        T = x.shape[0]
+        # The shared output must come out of the final scale s unchanged: weight 1/s.
+        w_shared = x.new_full((T, n), 1.0 / self.output_scale(), dtype=torch.float32)
+        g = layer.shared.gate_values(x)  # [T, 1] or None
+        if g is not None:
+            w_shared = w_shared * g
+        ids_shared = torch.arange(E, E + n, device=x.device, dtype=torch.int32).expand(T, n)
+        return fused, torch.cat((w_Tk, w_shared), 1), torch.cat((ids_Tk, ids_shared), 1)

@@ -1,0 +1,36 @@
+"""Shared test helpers: tolerances (PERF.md), relative error, GPU skipping."""
+
+import pytest
+import torch
+
+# PERF.md tolerance table: relative error ||out - ref|| / ||ref|| against the fp32 reference.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf so it never passes."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any() or torch.isnan(ref).any():
+        return float("inf")
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen():
+    """A torch.Generator with a fresh seed per test (printed on failure via the seed attr)."""
+    g = torch.Generator()
+    g.seed()
+    return g
