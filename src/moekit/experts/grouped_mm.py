@@ -39,6 +39,10 @@ class GroupedMMBackend(ExpertsBackend):
             return f"grouped_mm runs unquantized weights only, got quant={problem.quant!r}"
         if problem.dtype != problem.weight_dtype:
             return f"activation dtype {problem.dtype} differs from weight dtype {problem.weight_dtype}"
+        size = problem.dtype.itemsize
+        if (problem.hidden_size * size) % 16 or (problem.intermediate_size * size) % 16:
+            return (f"torch's grouped_mm needs rows of a multiple of 16 bytes: H={problem.hidden_size} and "
+                    f"I={problem.intermediate_size} must be multiples of {16 // size} in {problem.dtype}")
         if problem.device == "cpu":
             if problem.dtype not in (torch.float32, torch.bfloat16):
                 return f"torch's CPU grouped_mm takes float32 or bfloat16, got {problem.dtype}"

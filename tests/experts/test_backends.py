@@ -1,0 +1,149 @@
+"""Every CPU-capable backend against the fp32 `reference` on fresh random inputs (PERF.md tolerances)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moekit import ActivationParams, ExpertWeights, RoutingConfig, fused_experts, route
+from moekit.activations import ACTIVATIONS, is_gated
+from moekit.experts.reference import reference_experts
+
+from conftest import TOL, rel_err
+
+BACKENDS = ["grouped_mm", "cpu"]
+
+
+def make_problem(T, E, H, I, k, dtype, gen, activation="silu", bias=False, starve=True):
+    """Random inputs; with starve, expert E-1 never receives a token (k < E)."""
+    rows = 2 * I if is_gated(activation) else I
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, rows, H, generator=gen) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
+    b13 = (torch.randn(E, rows, generator=gen) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(E, H, generator=gen) * 0.1).to(dtype) if bias else None
+    logits = torch.randn(T, E, generator=gen)
+    if starve and k < E:
+        logits[:, E - 1] = float("-inf")
+    w, ids = route(logits, RoutingConfig(top_k=k))
+    return x, ExpertWeights(w13, w2, b13, b2), w, ids
+
+
+def check(backend, x, weights, w, ids, dtype, **kw):
+    out = fused_experts(x, weights, None, w, ids, backend=backend, **kw)
+    ref = reference_experts(x, weights, w, ids, **kw)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel_err(out, ref) <= TOL[dtype], f"{backend}: rel err {rel_err(out, ref):.3g}"
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", [0, 1, 2, 33, 257], ids=["T0", "T1", "T2", "T33", "T257"])
+@pytest.mark.parametrize("k", [1, 2, 6], ids=["k1", "k2", "k=E"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_matches_reference(backend, T, k, dtype, gen):
+    # odd H and I (grouped_mm needs 16-byte rows: it gets the nearest aligned sizes);
+    # E=6 so k=6 is k == E; expert 5 starves when k < E
+    H, I = (45, 19) if backend != "grouped_mm" else (48, 24)
+    x, weights, w, ids = make_problem(T, 6, H, I, k, dtype, gen)
+    check(backend, x, weights, w, ids, dtype)
+
+
+def test_grouped_mm_refuses_unaligned_rows_with_reason(gen):
+    x, weights, w, ids = make_problem(3, 4, 45, 19, 2, torch.float32, gen)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        fused_experts(x, weights, None, w, ids, backend="grouped_mm")
+    # auto picks a backend that can serve it
+    assert fused_experts(x, weights, None, w, ids).shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["cpu", "grouped_mm"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_activation_with_bias(backend, activation, gen):
+    x, weights, w, ids = make_problem(17, 5, 24, 12, 2, torch.float32, gen, activation=activation, bias=True)
+    check(backend, x, weights, w, ids, torch.float32, activation=activation,
+          activation_params=ActivationParams(alpha=1.5, limit=0.8))
+
+
+def test_fp16_on_cpu_backend(gen):
+    x, weights, w, ids = make_problem(40, 8, 32, 16, 2, torch.float16, gen)
+    check("cpu", x, weights, w, ids, torch.float16)
+
+
+def test_grouped_mm_refuses_fp16_on_cpu(gen):
+    x, weights, w, ids = make_problem(4, 4, 16, 8, 1, torch.float16, gen)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        fused_experts(x, weights, None, w, ids, backend="grouped_mm")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_expert_map_with_non_local_experts(backend, gen):
+    # 10 global experts, this rank holds 4 of them; the rest contribute zero
+    E_g, H, I, k, T = 10, 20, 12, 3, 31
+    x = torch.randn(T, H, generator=gen)
+    w13_g = torch.randn(E_g, 2 * I, H, generator=gen) * 0.2
+    w2_g = torch.randn(E_g, H, I, generator=gen) * 0.2
+    w, ids = route(torch.randn(T, E_g, generator=gen), RoutingConfig(top_k=k))
+    local = torch.tensor([1, 4, 5, 9])
+    expert_map = torch.full((E_g,), -1, dtype=torch.int32)
+    expert_map[local] = torch.arange(4, dtype=torch.int32)
+    out = fused_experts(x, w13_g[local], w2_g[local], w, ids, expert_map=expert_map, backend=backend)
+    # the same result from the full layer with the non-local experts' weights zeroed out
+    keep = torch.isin(ids.long(), local)
+    ref = reference_experts(x, ExpertWeights(w13_g, w2_g), w * keep, ids)
+    assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_weight_on_input(backend, gen):
+    x, weights, _, _ = make_problem(23, 6, 16, 8, 1, torch.float32, gen)
+    w, ids = route(torch.randn(23, 6, generator=gen),
+                   RoutingConfig(top_k=1, order="topk_then_sigmoid", apply_router_weight_on_input=True))
+    out = check(backend, x, weights, w, ids, torch.float32, apply_router_weight_on_input=True)
+    # differs from weighting the output (the activation is non-linear)
+    assert rel_err(fused_experts(x, weights, None, w, ids, backend=backend), out) > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend, gen):
+    x, weights, w, ids = make_problem(12, 4, 16, 8, 2, torch.float32, gen)
+    x_nc = torch.stack((x, x), -1)[..., 0]  # strided view with x's values
+    assert not x_nc.is_contiguous()
+    out = fused_experts(x_nc, weights, None, w.t().contiguous().t(), ids, backend=backend)
+    ref = reference_experts(x, weights, w, ids)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_reference_reads_as_the_math(gen):
+    # one token, k=2: the reference equals the formula written out by hand
+    x, weights, w, ids = make_problem(1, 4, 6, 3, 2, torch.float64, gen, starve=False)
+    out = reference_experts(x, weights, w, ids)
+    want = torch.zeros(6, dtype=torch.float64)
+    for j in range(2):
+        e = int(ids[0, j])
+        h = weights.w13[e] @ x[0]
+        a = torch.nn.functional.silu(h[:3]) * h[3:]
+        want += w[0, j].double() * (weights.w2[e] @ a)
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(0, 40), E=st.integers(1, 9), H=st.integers(1, 40), I=st.integers(1, 24),
+    kf=st.floats(0.0, 1.0), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
+)
+def test_property_random_shapes(T, E, H, I, kf, backend, seed):
+    k = 1 + int(kf * (E - 1))
+    if backend == "grouped_mm":  # 16-byte rows
+        H, I = 4 * ((H + 3) // 4), 4 * ((I + 3) // 4)
+    g = torch.Generator().manual_seed(seed)
+    x, weights, w, ids = make_problem(T, E, H, I, k, torch.float32, g, starve=False)
+    check(backend, x, weights, w, ids, torch.float32)
+
+
+def test_deterministic_run_to_run(gen):
+    x, weights, w, ids = make_problem(300, 8, 64, 32, 2, torch.float32, gen)
+    for backend in BACKENDS:
+        a = fused_experts(x, weights, None, w, ids, backend=backend)
+        b = fused_experts(x, weights, None, w, ids, backend=backend)
+        assert torch.equal(a, b)

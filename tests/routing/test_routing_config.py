@@ -1,0 +1,67 @@
+"""RoutingConfig validation: invalid combinations name the field."""
+
+import pytest
+import torch
+
+from moekit import RoutingConfig, route
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=2, scoring="tanh"), "scoring"),
+        (dict(top_k=2, order="random"), "order"),
+        (dict(top_k=2, num_expert_group=4), "topk_group"),
+        (dict(top_k=2, num_expert_group=4, topk_group=5), "topk_group"),
+        (dict(top_k=2, num_expert_group=4, topk_group=2, order="topk_then_softmax"), "num_expert_group"),
+        (dict(top_k=2, routed_scaling_factor=0.0), "routed_scaling_factor"),
+        (dict(top_k=2, group_score="mean"), "group_score"),
+        (dict(top_k=2, scale_on="input"), "scale_on"),
+        (dict(top_k=2, order="topk_then_sigmoid", scoring="sigmoid"), "scoring"),
+    ],
+)
+def test_invalid_config_names_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RoutingConfig(**kw)
+
+
+def test_custom_must_be_callable():
+    with pytest.raises(TypeError, match="custom"):
+        RoutingConfig(top_k=1, custom=3)
+
+
+def test_topk_larger_than_experts():
+    with pytest.raises(ValueError, match="top_k=9 is larger than the number of experts 8"):
+        route(torch.randn(2, 8), RoutingConfig(top_k=9))
+
+
+@pytest.mark.parametrize("E,G", [(30, 4), (4, 4)])
+def test_groups_that_do_not_fit_are_errors(E, G):
+    cfg = RoutingConfig(top_k=2, num_expert_group=G, topk_group=2)
+    with pytest.raises(ValueError, match="num_expert_group"):
+        route(torch.randn(2, E), cfg)
+
+
+def test_group_fallback_routes_without_groups():
+    cfg = RoutingConfig(top_k=2, num_expert_group=4, topk_group=2, group_fallback=True)
+    z = torch.randn(5, 30)
+    w, ids = route(z, cfg)
+    w2, ids2 = route(z, RoutingConfig(top_k=2))
+    assert torch.equal(ids, ids2) and torch.equal(w, w2)
+
+
+def test_topk_beyond_kept_groups():
+    cfg = RoutingConfig(top_k=5, num_expert_group=4, topk_group=1)
+    with pytest.raises(ValueError, match="top_k=5 exceeds"):
+        route(torch.randn(2, 16), cfg)
+
+
+def test_correction_bias_shape():
+    with pytest.raises(ValueError, match="correction_bias must have shape"):
+        route(torch.randn(2, 8), RoutingConfig(top_k=2), torch.zeros(7))
+
+
+def test_router_logits_must_be_2d():
+    with pytest.raises(ValueError, match="router_logits must be 2-D"):
+        route(torch.randn(2, 3, 8), RoutingConfig(top_k=2))

@@ -1,0 +1,114 @@
+"""Bad input raises errors that name the argument and what was expected."""
+
+import pytest
+import torch
+
+from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, fused_experts
+
+E, H, I, k, T = 4, 16, 8, 2, 5
+
+
+@pytest.fixture
+def ok():
+    return dict(
+        hidden_states=torch.randn(T, H), w13=torch.randn(E, 2 * I, H), w2=torch.randn(E, H, I),
+        topk_weights=torch.rand(T, k), topk_ids=torch.randint(0, E, (T, k), dtype=torch.int32),
+    )
+
+
+def call(args, **kw):
+    a = dict(args)
+    return fused_experts(a.pop("hidden_states"), a.pop("w13"), a.pop("w2"), a.pop("topk_weights"),
+                         a.pop("topk_ids"), **kw)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("hidden_states", torch.randn(T, H, 1), "hidden_states must be 2-D"),
+        ("hidden_states", torch.randint(0, 3, (T, H)), "hidden_states must be float32"),
+        ("w13", torch.randn(E, I, H), r"w13 must be \[E=4, 16, H=16\]"),
+        ("w2", torch.randn(E, H + 1, I), "w2 must be"),
+        ("topk_ids", torch.randint(0, E, (T + 1, k)), "topk_ids must be"),
+        ("topk_ids", torch.rand(T, k), "topk_ids must be an integer tensor"),
+        ("topk_ids", torch.full((T, k), E, dtype=torch.int32), r"topk_ids must lie in \[0, 4\)"),
+        ("topk_ids", torch.full((T, k), -1, dtype=torch.int32), r"topk_ids must lie in"),
+        ("topk_weights", torch.rand(T, k + 1), "topk_weights must have the shape"),
+        ("topk_weights", torch.ones(T, k, dtype=torch.int64), "topk_weights must be a float tensor"),
+        ("w13", [1, 2], "w13 must be a torch.Tensor"),
+    ],
+)
+def test_fused_experts_rejects(ok, field, value, match):
+    ok[field] = value
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(ok)
+
+
+def test_unknown_activation(ok):
+    with pytest.raises(ValueError, match="activation must be one of"):
+        call(ok, activation="swish")
+
+
+def test_unknown_backend(ok):
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        call(ok, backend="cuda_magic")
+
+
+def test_bias_shape(ok):
+    with pytest.raises(ValueError, match=r"b13 must be \[E=4, 16\]"):
+        call(ok, b13=torch.randn(E, I))
+
+
+def test_expert_map_values(ok):
+    with pytest.raises(ValueError, match="expert_map entries must be -1 or a local expert id"):
+        call(ok, expert_map=torch.tensor([0, 1, 2, 3, 7], dtype=torch.int32))
+
+
+def test_weight_on_input_needs_k1(ok):
+    with pytest.raises(ValueError, match="apply_router_weight_on_input needs top_k == 1"):
+        call(ok, apply_router_weight_on_input=True)
+
+
+@pytest.mark.skipif(not torch.backends.mps.is_available() and not torch.cuda.is_available(),
+                    reason="needs a second device type")
+def test_device_mismatch(ok):  # pragma: no cover - depends on hardware
+    ok["w2"] = ok["w2"].to("cuda" if torch.cuda.is_available() else "mps")
+    with pytest.raises(ValueError, match="w2 is on"):
+        call(ok)
+
+
+def test_device_mismatch_meta(ok):
+    ok["w2"] = ok["w2"].to("meta")
+    with pytest.raises(ValueError, match="w2 is on meta, expected cpu"):
+        call(ok)
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(num_experts=0), ValueError, "num_experts must be an int >= 1"),
+        (dict(routing="softmax"), TypeError, "routing must be a RoutingConfig"),
+        (dict(routing=RoutingConfig(top_k=9)), ValueError, "top_k=9 is larger"),
+        (dict(activation="tanh"), ValueError, "activation must be one of"),
+        (dict(backend="nope"), ValueError, "backend must be 'auto'"),
+        (dict(shared_experts=SharedExpertsConfig(12, mode="fused")), ValueError, "multiple of 8"),
+        (dict(shared_experts=16), TypeError, "shared_experts must be a SharedExpertsConfig"),
+    ],
+)
+def test_layer_construction_errors(kw, exc, match):
+    args = dict(num_experts=E, hidden_size=H, intermediate_size=I, routing=RoutingConfig(top_k=2))
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        FusedMoE(**args)
+
+
+def test_layer_forward_errors():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2))
+    with pytest.raises(ValueError, match="router_logits is required"):
+        layer(torch.randn(3, H))
+    with pytest.raises(ValueError, match=r"x must be \[.., H=16\]"):
+        layer(torch.randn(3, H + 1), torch.randn(3, E))
+    with pytest.raises(ValueError, match="router_logits must be"):
+        layer(torch.randn(3, H), torch.randn(4, E))
+    with pytest.raises(ValueError, match="router_logits contains NaN"):
+        layer(torch.randn(2, H), torch.tensor([[float("nan")] * E] * 2))

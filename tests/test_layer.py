@@ -1,0 +1,131 @@
+"""FusedMoE end to end: against route + reference + a hand-written shared MLP; all shared modes agree."""
+
+import pytest
+import torch
+
+from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, route
+from moekit.experts.reference import reference_experts
+
+from conftest import TOL, rel_err
+
+E, H, I = 8, 48, 16
+
+
+def shared_by_hand(layer, x):
+    s = layer.shared
+    h = x.float() @ s.gate_up.float().t()
+    I_s = s.down.shape[1]
+    y = (torch.nn.functional.silu(h[:, :I_s]) * h[:, I_s:]) @ s.down.float().t()
+    if s.gate is not None:
+        y = y * torch.sigmoid(x.float() @ s.gate.float().t())
+    return y
+
+
+def expected(layer, x, logits):
+    cfg = layer.routing
+    w, ids = route(logits, cfg, layer.e_score_correction_bias)
+    out = reference_experts(x, layer.experts.expert_weights(), w, ids)
+    if cfg.scale_on == "output":
+        out = out * cfg.routed_scaling_factor
+    if layer.shared is not None:
+        out = out + shared_by_hand(layer, x)
+    return out
+
+
+ROUTINGS = {
+    "mixtral": RoutingConfig(top_k=2),
+    "deepseek-v3": RoutingConfig(top_k=3, scoring="sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5),
+    "scale-on-output": RoutingConfig(top_k=2, scoring="sigmoid", routed_scaling_factor=2.5, scale_on="output"),
+}
+
+
+@pytest.mark.parametrize("mode", ["separate", "fused", "overlap"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "sigmoid-gated"])
+@pytest.mark.parametrize("routing", list(ROUTINGS), ids=list(ROUTINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layer_with_shared_experts(mode, gated, routing, dtype, gen):
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    layer = FusedMoE(E, H, I, ROUTINGS[routing], dtype=dtype,
+                     shared_experts=SharedExpertsConfig(2 * I, gated=gated, mode=mode),
+                     correction_bias=routing == "deepseek-v3")
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(2, 13, H, dtype=dtype)
+    logits = torch.randn(2, 13, E)
+    with torch.no_grad():
+        out = layer(x, logits)
+        ref = expected(layer, x.reshape(-1, H), logits.reshape(-1, E))
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out.reshape(-1, H), ref) <= TOL[dtype]
+
+
+def test_fused_shared_cache_follows_weight_updates():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), shared_experts=SharedExpertsConfig(I, mode="fused"))
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    with torch.no_grad():
+        a = layer(x, logits)
+        layer.shared.down.mul_(2.0)  # in-place update must invalidate the fused copy
+        b = layer(x, logits)
+        assert rel_err(b, expected(layer, x, logits)) <= 1e-5
+    assert not torch.equal(a, b)
+
+
+def test_owned_gate_computes_logits():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), gate=True, gate_bias=True)
+    x = torch.randn(7, H)
+    with torch.no_grad():
+        logits = layer.gate(x)
+        assert torch.equal(layer(x), layer(x, logits))
+
+
+def test_llama4_style_weight_on_input():
+    cfg = RoutingConfig(top_k=1, order="topk_then_sigmoid", apply_router_weight_on_input=True)
+    layer = FusedMoE(E, H, I, cfg, shared_experts=SharedExpertsConfig(I))
+    x, logits = torch.randn(9, H), torch.randn(9, E)
+    with torch.no_grad():
+        w, ids = route(logits, cfg)
+        ref = reference_experts(x, layer.experts.expert_weights(), w, ids, apply_router_weight_on_input=True)
+        ref = ref + shared_by_hand(layer, x)
+        assert rel_err(layer(x, logits), ref) <= 1e-5
+
+
+def test_chunking_gives_the_same_result(monkeypatch):
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2))
+    x, logits = torch.randn(50, H), torch.randn(50, E)
+    with torch.no_grad():
+        whole = layer(x, logits)
+        layer.runner.chunk_size = 7
+        chunked = layer(x, logits)
+    # BLAS may block a GEMM differently for other row counts: equal up to fp32 rounding
+    assert rel_err(chunked, whole) <= 1e-6
+
+
+def test_zero_tokens():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), shared_experts=SharedExpertsConfig(I))
+    out = layer(torch.randn(0, H), torch.randn(0, E))
+    assert out.shape == (0, H)
+
+
+def test_load_weights_round_trip():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True)
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    b13, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    layer.load_weights(w13, w2, b13, b2)
+    assert torch.equal(layer.experts.w13, w13) and torch.equal(layer.experts.b2, b2)
+    with pytest.raises(ValueError, match=r"w2 must have shape \[8, 48, 16\], got \[8, 16, 48\]"):
+        layer.load_weights(w13, w2.transpose(1, 2))
+
+
+def test_explicit_backend_is_honoured_or_refused():
+    layer = FusedMoE(E, 45, 19, RoutingConfig(top_k=2), backend="grouped_mm")
+    with pytest.raises(ValueError, match="backend='grouped_mm' cannot run"):
+        layer(torch.randn(3, 45), torch.randn(3, E))
+
+
+def test_oracle_logs_choice_once(caplog):
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), name="logged_layer")
+    with caplog.at_level("INFO", logger="moekit"):
+        for _ in range(3):
+            layer(torch.randn(4, H), torch.randn(4, E))
+    lines = [r.getMessage() for r in caplog.records if "logged_layer" in r.getMessage()]
+    assert len(lines) == 1 and "backend cpu" in lines[0]
