@@ -147,3 +147,17 @@ def test_deterministic_run_to_run(gen):
         a = fused_experts(x, weights, None, w, ids, backend=backend)
         b = fused_experts(x, weights, None, w, ids, backend=backend)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["odd-sizes", "aligned"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cpu_blocked_fp32_path(monkeypatch, dtype, aligned, gen):
+    # The path AVX2-only CPUs take: fp32 GEMMs from weights converted block by block over I.
+    from moekit.experts import cpu
+
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32}))
+    monkeypatch.setattr(cpu, "BLOCK_BYTES", 16 * 3 * 48 * 4)  # 16-wide blocks: I=40 -> 3 blocks
+    H, I = (48, 40) if aligned else (45, 37)
+    for activation in ("silu", "relu2_no_mul"):
+        x, weights, w, ids = make_problem(29, 5, H, I, 2, dtype, gen, activation=activation, bias=True)
+        check("cpu", x, weights, w, ids, dtype, activation=activation)

@@ -1,10 +1,16 @@
-"""`cpu`: the fast CPU path. fp32 compute from weights of any float dtype, in cache-sized blocks.
+"""`cpu`: the fast CPU path, adapted to what the processor computes natively.
 
-Why this shape: on AVX2 machines without AVX-512 torch's bf16 matmul is 10-100x slower
-than fp32, while keeping an fp32 copy of all experts doubles memory and the bytes streamed
-per token. So each expert's weights are converted to fp32 one block of the intermediate
-dimension at a time (about BLOCK_BYTES of fp32, sized to stay in L2/L3), used at once
-by fp32 GEMMs, and dropped. Both cores work through torch's intra-op threads.
+Two compute modes, chosen per call from the weights' dtype and the CPU's features:
+- native: GEMMs straight on the weights (fp32 weights, or bf16/fp16 weights on CPUs with
+  AVX-512 BF16/FP16 or AMX, where oneDNN runs them at full speed). No conversion pass;
+  where torch's grouped GEMM takes the shape, one grouped GEMM per projection replaces the
+  per-expert loop (its Python overhead dominates at small M).
+- blocked fp32: on AVX2-only CPUs torch's bf16 matmul is 10-100x slower than fp32, while
+  an fp32 copy of all experts would double memory and the bytes streamed per token. Each
+  expert's weights are converted to fp32 one block of the intermediate dimension at a time
+  (about BLOCK_BYTES, sized to stay in L2/L3) into reused buffers (a fresh allocation per
+  block costs page faults), used at once by fp32 GEMMs.
+Both cores work through torch's intra-op threads.
 
 Pipeline: stable sort of (t, j) assignments by expert (one bincount, one host read of the
 counts: fine on CPU) -> per active expert, per I-block: h = x_e W13_blk^T -> act ->
@@ -16,6 +22,7 @@ activation, weights on input, autograd.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,8 +30,11 @@ import torch
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import combine_k, local_ids, sort_by_expert
+from .grouped_mm import GroupedMMBackend
 
-__all__ = ["CPUBackend", "BLOCK_BYTES"]
+_GROUPED = GroupedMMBackend()
+
+__all__ = ["CPUBackend", "BLOCK_BYTES", "native_dtypes"]
 
 # fp32 bytes of one converted weight block (w13 rows + w2 columns of one I-slice).
 BLOCK_BYTES = 3 * 1024 * 1024
@@ -40,6 +50,26 @@ def _block_size(H: int, I: int, gated: bool) -> int:
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
+
+
+@functools.lru_cache(maxsize=1)
+def native_dtypes() -> frozenset:
+    """Weight dtypes this CPU multiplies at full speed (read once from /proc/cpuinfo)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # non-Linux: assume only fp32 is fast
+        pass
+    out = {torch.float32}
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        out.add(torch.bfloat16)
+    if flags & {"avx512_fp16", "amx_fp16"}:
+        out.add(torch.float16)
+    return frozenset(out)
 
 
 class CPUBackend(ExpertsBackend):
@@ -60,33 +90,51 @@ class CPUBackend(ExpertsBackend):
         E = weights.num_experts
         gated = is_gated(activation)
         I = weights.w2.shape[2]
-        ib = _block_size(H, I, gated)
+        native = weights.w13.dtype in native_dtypes() and weights.w2.dtype == weights.w13.dtype
+        if native and x.dtype == weights.w13.dtype and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None:
+            # Native dtype and aligned rows: one grouped GEMM per projection beats a per-expert loop.
+            return _GROUPED.apply(x, weights, topk_weights, topk_ids, activation=activation,
+                                  activation_params=activation_params,
+                                  apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map)
+        ib = I if native else _block_size(H, I, gated)
         ids_flat = local_ids(topk_ids, expert_map).reshape(-1)  # [T*k]
         order, counts = sort_by_expert(ids_flat, E)
         counts_list = counts.tolist()
         n_valid = sum(counts_list)
-        x32 = _f32(x)  # [T, H]
+        cdt = weights.w13.dtype if native else torch.float32  # compute dtype
+        x32 = x.to(cdt)  # [T, H]
         w_sorted = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
         x_sorted = x32[order[:n_valid] // k]  # [n_valid, H]
         if apply_router_weight_on_input:
-            x_sorted = x_sorted * w_sorted[:n_valid]
-        y_sorted = x32.new_zeros((T * k, H))  # rows >= n_valid stay zero (non-local)
+            x_sorted = (x_sorted.float() * w_sorted[:n_valid]).to(cdt)
+        y_sorted = x32.new_zeros((T * k, H), dtype=torch.float32)  # rows >= n_valid stay zero (non-local)
         start = 0
         for e, n in enumerate(counts_list):
             if n == 0:
                 continue
             end = start + n
             y_sorted[start:end] = self._expert(
-                x_sorted[start:end], weights, e, I, ib, gated, activation, activation_params)
+                x_sorted[start:end], weights, e, I, ib, gated, activation, activation_params, native)
             start = end
         if not apply_router_weight_on_input:
             y_sorted = y_sorted * w_sorted
         return combine_k(y_sorted, order, T, k)
 
     @staticmethod
-    def _expert(x_e, weights, e, I, ib, gated, activation, activation_params):
-        """One expert's output [n, H] fp32 for its rows x_e [n, H] fp32, block by block over I."""
+    def _problem(x, weights, k, activation) -> ExpertsProblem:
+        return ExpertsProblem("cpu", x.dtype, weights.w13.dtype, activation, False, False, False,
+                              weights.num_experts, x.shape[1], weights.w2.shape[2], k)
+
+    @staticmethod
+    def _expert(x_e, weights, e, I, ib, gated, activation, activation_params, native):
+        """One expert's output [n, H] fp32 for its rows x_e [n, H], block by block over I."""
         w13_e, w2_e = weights.w13[e], weights.w2[e]  # [2I or I, H], [H, I]
+        if native:
+            h = x_e @ w13_e.t()  # [n, 2I] in the weights' dtype (fp32 accumulation inside)
+            if weights.b13 is not None:
+                h = h + weights.b13[e]
+            y = (apply_activation(h, activation, activation_params) @ w2_e.t()).float()  # [n, H]
+            return y if weights.b2 is None else y + weights.b2[e].float()
         b13_e = None if weights.b13 is None else _f32(weights.b13[e])
         y = None
         for i0 in range(0, I, ib):

@@ -1,0 +1,92 @@
+"""CPU benchmark: moekit's backends against transformers' experts and a plain torch grouped
+GEMM layer, same bf16 weights, same inputs, same process; fresh routing per repetition."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import moekit
+from moekit import RoutingConfig, fused_experts, route
+
+from .floors import CPU_CEILINGS, floor_seconds
+from .peers import make_peers
+
+__all__ = ["CPU_SHAPES", "run_cpu_bench", "time_fn"]
+
+# (name, E, k, H, I): the two CPU shapes of the core issue.
+CPU_SHAPES = [("E64-k8-H1024-I512", 64, 8, 1024, 512), ("E8-k2-H1024-I3584", 8, 2, 1024, 3584)]
+
+
+def time_fn(fn: Callable, make_args: Callable, reps: int, budget_s: float) -> List[float]:
+    """Median-ready wall times (s): one warm-up, then up to `reps` runs within `budget_s`,
+    each with fresh arguments from make_args() (fresh routing, so weights are not cache-hot)."""
+    fn(*make_args())
+    times: List[float] = []
+    start = time.perf_counter()
+    while len(times) < reps and (not times or time.perf_counter() - start < budget_s):
+        args = make_args()
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_cpu_bench(
+    shapes: Sequence = CPU_SHAPES,
+    Ms: Sequence[int] = (1, 32, 512),
+    reps: int = 7,
+    budget_s: float = 20.0,
+    impls: Optional[Sequence[str]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Dict:
+    """Time every implementation at every (shape, M); returns a JSON-ready dict."""
+    records = []
+    for name, E, k, H, I in shapes:
+        gen = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).bfloat16()
+        runners: Dict[str, Callable] = {
+            "moekit_auto": lambda x, w, i: fused_experts(x, w13, w2, w, i),
+            "moekit_grouped_mm": lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="grouped_mm"),
+        }
+        runners.update(make_peers(w13, w2))
+        cfg = RoutingConfig(top_k=k)
+        for M in Ms:
+            def make_args(M=M):
+                x = torch.randn(M, H).bfloat16()
+                w, ids = route(torch.randn(M, E), cfg)
+                return x, w, ids
+
+            floor = floor_seconds(M, E, k, H, I, 2, CPU_CEILINGS)
+            row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "M": M, "floor_ms": floor * 1e3, "impls": {}}
+            for impl, fn in runners.items():
+                if impls is not None and impl not in impls:
+                    continue
+                with torch.inference_mode():
+                    times = time_fn(fn, make_args, reps, budget_s)
+                med = statistics.median(times)
+                row["impls"][impl] = {"ms": med * 1e3, "runs": len(times), "pct_of_floor": 100.0 * floor / med}
+                if progress:
+                    progress(f"{name} M={M} {impl}: {med * 1e3:.2f} ms ({100 * floor / med:.0f}% of floor)")
+            base = row["impls"].get("moekit_auto")
+            if base:
+                for peer in ("hf_eager", "hf_grouped_mm", "torch_grouped_gemm"):
+                    if peer in row["impls"]:
+                        row[f"speedup_vs_{peer}"] = row["impls"][peer]["ms"] / base["ms"]
+            records.append(row)
+    return {
+        "benchmark": "experts-cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "moekit": moekit.__version__,
+        "ceilings": {"flops": CPU_CEILINGS.flops, "bandwidth": CPU_CEILINGS.bandwidth},
+        "weights": "bf16, uniform random routing drawn fresh per repetition",
+        "records": records,
+    }
