@@ -14,7 +14,7 @@ import torch
 import moekit
 from moekit import RoutingConfig, fused_experts, route
 
-from .floors import CPU_CEILINGS, floor_seconds
+from .floors import CPU_CEILINGS, Ceilings, floor_seconds
 from .peers import make_peers
 
 __all__ = ["CPU_SHAPES", "run_cpu_bench", "time_fn"]
@@ -37,6 +37,16 @@ def time_fn(fn: Callable, make_args: Callable, reps: int, budget_s: float) -> Li
     return times
 
 
+def measure_cpu_ceilings(dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    """Measure this machine: streaming read bandwidth (a 512 MiB sum) and GEMM rate in `dtype`."""
+    big = torch.ones(256 * 1024 * 1024, dtype=torch.bfloat16)
+    read = statistics.median(time_fn(lambda t: t.sum(), lambda: (big,), 5, 30.0))
+    a = torch.randn(1024, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    mm = statistics.median(time_fn(torch.mm, lambda: (a, b), 7, 30.0))
+    return Ceilings(f"measured {dtype}", 2 * 1024 * 2048 * 2048 / mm, big.numel() * 2 / read)
+
+
 def run_cpu_bench(
     shapes: Sequence = CPU_SHAPES,
     Ms: Sequence[int] = (1, 32, 512),
@@ -47,6 +57,7 @@ def run_cpu_bench(
 ) -> Dict:
     """Time every implementation at every (shape, M); returns a JSON-ready dict."""
     records = []
+    measured = measure_cpu_ceilings()
     for name, E, k, H, I in shapes:
         gen = torch.Generator().manual_seed(0)
         w13 = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).bfloat16()
@@ -64,14 +75,17 @@ def run_cpu_bench(
                 return x, w, ids
 
             floor = floor_seconds(M, E, k, H, I, 2, CPU_CEILINGS)
-            row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "M": M, "floor_ms": floor * 1e3, "impls": {}}
+            floor_m = floor_seconds(M, E, k, H, I, 2, measured)
+            row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "M": M, "floor_ms": floor * 1e3,
+                   "floor_ms_measured": floor_m * 1e3, "impls": {}}
             for impl, fn in runners.items():
                 if impls is not None and impl not in impls:
                     continue
                 with torch.inference_mode():
                     times = time_fn(fn, make_args, reps, budget_s)
                 med = statistics.median(times)
-                row["impls"][impl] = {"ms": med * 1e3, "runs": len(times), "pct_of_floor": 100.0 * floor / med}
+                row["impls"][impl] = {"ms": med * 1e3, "runs": len(times), "pct_of_floor": 100.0 * floor / med,
+                                      "pct_of_measured_floor": 100.0 * floor_m / med}
                 if progress:
                     progress(f"{name} M={M} {impl}: {med * 1e3:.2f} ms ({100 * floor / med:.0f}% of floor)")
             base = row["impls"].get("moekit_auto")
@@ -86,7 +100,8 @@ def run_cpu_bench(
         "device": f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "moekit": moekit.__version__,
-        "ceilings": {"flops": CPU_CEILINGS.flops, "bandwidth": CPU_CEILINGS.bandwidth},
+        "ceilings_perf_md": {"flops": CPU_CEILINGS.flops, "bandwidth": CPU_CEILINGS.bandwidth},
+        "ceilings_measured": {"bf16_gemm_flops": measured.flops, "read_bandwidth": measured.bandwidth},
         "weights": "bf16, uniform random routing drawn fresh per repetition",
         "records": records,
     }

@@ -18,8 +18,9 @@ class Ceilings:
 
 # PERF.md: this CPU box (2 vCPU Zen 3): fp32 GEMM ~100 GFLOP/s on 2 threads, DRAM ~12 GB/s.
 CPU_CEILINGS = Ceilings("cpu-2vcpu-zen3", 100e9, 12e9)
-# PERF.md: one H200: bf16 GEMM 789 TFLOP/s (fp8 about 2x), best streaming read 4.5 TB/s.
-H200_CEILINGS = Ceilings("NVIDIA H200", 789e12, 4.5e12)
+# PERF.md: one H200: bf16 GEMM 789 TFLOP/s (fp8 about 2x); its floor table uses 4.3 TB/s
+# (between the 4.26 TB/s device copy and the 4.5 TB/s best streaming read).
+H200_CEILINGS = Ceilings("NVIDIA H200", 789e12, 4.3e12)
 
 
 def layer_flops(M: int, k: int, H: int, I: int) -> float:
