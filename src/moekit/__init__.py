@@ -4,6 +4,7 @@ Public API: RoutingConfig, route, fused_experts, FusedMoE, available_backends an
 configs beside them. See ARCHITECTURE.md for the map.
 """
 
+from . import balance
 from .activations import ACTIVATIONS
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig, settings
 from .experts import BACKENDS, ExpertsBackend, ExpertsProblem, ExpertWeights, fused_experts
@@ -14,6 +15,7 @@ from .routing import TopK, route
 __version__ = "0.1.0"
 
 __all__ = [
+    "balance",
     "ACTIVATIONS",
     "ActivationParams",
     "RoutingConfig",
@@ -33,3 +35,15 @@ __all__ = [
     "route",
     "__version__",
 ]
+
+# Hugging Face transformers: register the "moekit" experts implementation (see moekit.hf).
+# Skipped silently only when transformers is not installed.
+try:
+    from .integrations.transformers import register_experts_implementation as _register_hf_experts
+except ImportError as _err:
+    if _err.name != "transformers":
+        import warnings
+
+        warnings.warn(f"moekit: the transformers integration is unavailable: {_err}", stacklevel=2)
+else:
+    _register_hf_experts()

@@ -187,11 +187,13 @@ class Settings:
     MOEKIT_CHUNK_SIZE: tokens per chunk in the runner (bounds workspace memory).
     MOEKIT_TUNED_CONFIG_DIR: a folder of user-tuned Triton config JSON files.
     MOEKIT_CHECK_IDS: "0" disables the id range check on accelerators.
+    TRITON_INTERPRET: "1" runs Triton kernels in Triton's CPU interpreter (tests only).
     """
 
     chunk_size: int = 16384
     tuned_config_dir: Optional[str] = None
     check_ids: bool = True
+    triton_interpret: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -200,6 +202,7 @@ class Settings:
             chunk_size=_env_int("MOEKIT_CHUNK_SIZE", 16384),
             tuned_config_dir=os.environ.get("MOEKIT_TUNED_CONFIG_DIR") or None,
             check_ids=os.environ.get("MOEKIT_CHECK_IDS", "1") != "0",
+            triton_interpret=os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y"),
         )
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 from .activations import check_activation, is_gated
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
 from .experts.base import ExpertWeights
+from .parallel.config import ParallelConfig
 from .runner import MoERunner
 from .shared_experts import SharedMLP, fused_shared_weights
 
@@ -85,6 +86,11 @@ class FusedMoE(nn.Module):
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
         correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3).
         name: used in logs; defaults to "moe<N>".
+        parallel: ParallelConfig splitting the layer over a process group (expert or tensor
+            parallelism); the layer then holds only this rank's experts (or I-slices), keeps
+            `expert_map` [E] int32, and every rank checks at construction that all ranks built
+            the same layer. Shared experts run once per token on the token's own rank; mode
+            "fused" is refused (its extra experts would need a place in the expert placement).
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class FusedMoE(nn.Module):
         router_dtype: Optional[torch.dtype] = None,
         correction_bias: bool = False,
         name: Optional[str] = None,
+        parallel: Optional[ParallelConfig] = None,
     ) -> None:
         super().__init__()
         for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -132,7 +139,15 @@ class FusedMoE(nn.Module):
         self.quant = quant
         self.router_dtype = router_dtype
         self.layer_name = name or f"moe{next(_layer_ids)}"
-        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, activation, bias, dtype, device)
+        self.shard = None
+        dispatcher = None
+        if parallel is not None:
+            self.shard, dispatcher = self._split(parallel, routing, activation, bias, shared_experts, dtype, device)
+        E_l, I_l = (num_experts, intermediate_size) if self.shard is None else (
+            self.shard.local_experts, self.shard.local_intermediate)
+        self.experts = RoutedExperts(E_l, hidden_size, I_l, activation, bias, dtype, device)
+        emap = None if self.shard is None or self.shard.expert_map is None else self.shard.expert_map.to(device)
+        self.register_buffer("expert_map", emap, persistent=False)
         self.shared = None
         if shared_experts is not None:
             self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device)
@@ -151,13 +166,48 @@ class FusedMoE(nn.Module):
         self.runner = MoERunner(
             routing, activation=activation, activation_params=activation_params, backend=backend,
             shared_mode=None if shared_experts is None else shared_experts.mode, name=self.layer_name,
+            dispatcher=dispatcher,
         )
         self._fused_cache = None
         self._side_stream = None
 
+    def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device):
+        """Check the parallel config (on every rank, against every rank) -> (Shard, Dispatcher)."""
+        from .parallel.consistency import check_consistent  # noqa: PLC0415
+        from .parallel.registry import build_dispatcher  # noqa: PLC0415
+        from .parallel.shard import fingerprint_fields, make_shard  # noqa: PLC0415
+
+        if not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"parallel must be a ParallelConfig or None, got {type(parallel).__name__}")
+        if parallel.size > 1:
+            fields = fingerprint_fields(
+                parallel, num_experts=self.num_experts, hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size, routing=routing, activation=activation, bias=bias,
+                dtype=dtype, shared=shared_experts)
+            check_consistent(fields, parallel.group, torch.device(device or "cpu"), parallel.timeout_s)
+            parallel.check_group()
+            if shared_experts is not None and shared_experts.mode == "fused":
+                raise ValueError(
+                    "shared_experts mode 'fused' cannot be split over ranks (parallel.size > 1); "
+                    "use mode 'separate' or 'overlap' (computed once per token on its own rank)"
+                )
+        shard = make_shard(parallel, self.num_experts, self.intermediate_size)
+        return shard, build_dispatcher(parallel, self.num_experts, routing.top_k)
+
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
-        """Load canonical-layout expert weights: w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2 [E, H]."""
+        """Load canonical-layout expert weights: w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2 [E, H].
+
+        With `parallel`, either the full tensors (this rank's experts or I-slice are cut out)
+        or this rank's part (w13 [E_local, 2I, H], ... or [E, 2I_r, H], ...).
+        With EPLB (moekit.eplb.enable_eplb), the full logical tensors [E, ...]: every physical
+        slot is filled from its expert under the current placement (replicas are copies).
+        """
+        if self.runner.eplb is not None:
+            self.experts.load_weights(*self.runner.eplb.select(w13, w2, b13, b2))
+            return
+        if self.shard is not None:
+            w13, w2, b13, b2 = self.shard.select(w13, w2, b13, b2, gated=is_gated(self.activation))
         self.experts.load_weights(w13, w2, b13, b2)
 
     def correction_bias_or_none(self) -> Optional[torch.Tensor]:
@@ -170,17 +220,19 @@ class FusedMoE(nn.Module):
             if b is not None:
                 params.append(b)
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self._fused_cache is None or self._fused_cache[0] != key:
+        # Under autograd the concatenation is rebuilt per call so gradients reach the routed
+        # and shared weights; the (detached) cache serves calls without autograd only.
+        track = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        if track or self._fused_cache is None or self._fused_cache[0] != key:
             w = self.experts.expert_weights()
             w13_s, w2_s = fused_shared_weights(self.shared, self.intermediate_size)
             n = w13_s.shape[0]
             b13 = None if w.b13 is None else torch.cat((w.b13, w.b13.new_zeros((n,) + w.b13.shape[1:])))
             b2 = None if w.b2 is None else torch.cat((w.b2, w.b2.new_zeros((n,) + w.b2.shape[1:])))
-            fused = ExpertWeights(
-                torch.cat((w.w13, w13_s.to(w.w13.dtype))).detach(),
-                torch.cat((w.w2, w2_s.to(w.w2.dtype))).detach(),
-                None if b13 is None else b13.detach(), None if b2 is None else b2.detach(),
-            )
+            tensors = (torch.cat((w.w13, w13_s.to(w.w13.dtype))), torch.cat((w.w2, w2_s.to(w.w2.dtype))), b13, b2)
+            if track:
+                return ExpertWeights(*tensors)
+            fused = ExpertWeights(*(None if t is None else t.detach() for t in tensors))
             self._fused_cache = (key, fused)
         return self._fused_cache[1]
 

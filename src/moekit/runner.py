@@ -55,13 +55,13 @@ class MoERunner:
 
     def forward(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
-        T = x.shape[0]
-        if T <= self.chunk_size:
+        # Under expert parallelism every rank must make the same number of rounds (each is a
+        # collective), so the dispatcher decides; ranks with fewer tokens run empty chunks.
+        n = self.dispatcher.num_chunks(x, self.chunk_size)
+        if n == 1:
             return self._forward_chunk(layer, x, router_logits)
-        outs = [
-            self._forward_chunk(layer, x[s:s + self.chunk_size], router_logits[s:s + self.chunk_size])
-            for s in range(0, T, self.chunk_size)
-        ]
+        c = self.chunk_size
+        outs = [self._forward_chunk(layer, x[i * c:(i + 1) * c], router_logits[i * c:(i + 1) * c]) for i in range(n)]
         return torch.cat(outs)
 
     def _forward_chunk(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,9 @@ def problem_of(
     activation: str,
     apply_router_weight_on_input: bool,
     has_expert_map: bool,
+    topk_weights: Optional[torch.Tensor] = None,
 ) -> ExpertsProblem:
+    """The ExpertsProblem of a call; topk_weights (optional) counts towards requires_grad."""
     return ExpertsProblem(
         device=x.device.type,
         dtype=x.dtype,
@@ -122,7 +124,8 @@ def problem_of(
         top_k=top_k,
         quant=weights.quant,
         requires_grad=torch.is_grad_enabled() and (
-            x.requires_grad or any(t.requires_grad for _, t in weights.per_expert_tensors())),
+            x.requires_grad or any(t.requires_grad for _, t in weights.per_expert_tensors())
+            or (topk_weights is not None and topk_weights.requires_grad)),
     )
 
 
@@ -196,7 +199,7 @@ def experts_forward(
     from ..oracle import choose_backend  # noqa: PLC0415 (oracle imports the experts registry)
 
     problem = problem_of(x, weights, topk_ids.shape[1], activation,
-                         apply_router_weight_on_input, expert_map is not None)
+                         apply_router_weight_on_input, expert_map is not None, topk_weights)
     chosen = choose_backend(problem, backend, owner=owner).backend
     T, H = x.shape
     if T == 0:

@@ -95,6 +95,10 @@ class ExpertsBackend:
     description: str = ""
     # Whether the forward can be captured in a CUDA graph (no host synchronisation).
     graph_safe: bool = False
+    # Whether autograd flows through `apply` to x, the weights, the biases and topk_weights.
+    # Backends that cannot backpropagate (custom kernels without a backward, quantized
+    # weights) set False; the oracle then refuses them when an input requires grad.
+    differentiable: bool = True
 
     def available(self) -> Optional[str]:
         """Why this backend cannot run on this machine at all, or None."""

@@ -26,8 +26,11 @@ def sort_by_expert(ids_flat: torch.Tensor, num_experts: int):
         order [T*k] int64 (assignment index of each sorted row), counts [E] int64.
     """
     key = torch.where(ids_flat < 0, torch.full_like(ids_flat, num_experts), ids_flat)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    key_sorted, order = torch.sort(key, stable=True)
+    # Counts from the sorted keys: bincount would read the maximum back to the host (a sync
+    # that breaks CUDA-graph capture).
+    bounds = torch.arange(num_experts + 1, device=key.device, dtype=key.dtype)
+    counts = torch.diff(torch.searchsorted(key_sorted, bounds))
     return order, counts
 
 

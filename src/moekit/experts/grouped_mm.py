@@ -24,6 +24,18 @@ __all__ = ["GroupedMMBackend"]
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def _local_rows(t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """t [T*k, N] with the rows of non-local experts set to zero (valid [T*k, 1] bool; None: all local).
+
+    grouped_mm leaves the rows past the last group unwritten, in the forward and in its
+    backward, so those rows are masked where they enter and leave the GEMMs: neither their
+    values nor their gradients reach the output, x, b13, b2 or topk_weights.
+    """
+    if valid is None:
+        return t
+    return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 class GroupedMMBackend(ExpertsBackend):
     name = "grouped_mm"
     description = "torch grouped GEMM after a sort by expert"
@@ -63,23 +75,23 @@ class GroupedMMBackend(ExpertsBackend):
         order, counts = sort_by_expert(ids_flat, E)  # [T*k], [E]
         offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] group ends
         ids_sorted = ids_flat[order]  # [T*k]
-        valid = (ids_sorted >= 0).unsqueeze(-1)  # [T*k, 1]; rows past offs[-1] are non-local
+        # [T*k, 1]; rows past offs[-1] are non-local (only with an expert_map)
+        valid = None if expert_map is None else (ids_sorted >= 0).unsqueeze(-1)
         e_sorted = ids_sorted.clamp_min(0)  # only to index biases; masked below
         w_sorted = topk_weights.reshape(-1)[order].unsqueeze(-1)  # [T*k, 1] fp32
         x_sorted = x[order // k]  # [T*k, H]
         if apply_router_weight_on_input:
             x_sorted = (x_sorted.float() * w_sorted).to(x.dtype)
+        x_sorted = _local_rows(x_sorted, valid)
         h = _grouped_mm(x_sorted, weights.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
         if weights.b13 is not None:
-            h = h + weights.b13[e_sorted]
+            h = h + _local_rows(weights.b13[e_sorted], valid)
         a = apply_activation(h, activation, activation_params)  # [T*k, I]
-        y = _grouped_mm(a, weights.w2.transpose(1, 2), offs=offs).float()  # [T*k, H]
+        y = _local_rows(_grouped_mm(a, weights.w2.transpose(1, 2), offs=offs).float(), valid)  # [T*k, H]
         if weights.b2 is not None:
-            y = y + weights.b2[e_sorted].float()
+            y = y + _local_rows(weights.b2[e_sorted].float(), valid)
         if not apply_router_weight_on_input:
             y = y * w_sorted
-        # Rows of non-local experts are not computed by grouped_mm: zero them explicitly.
-        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
         return combine_k(y, order, T, k)
 
 

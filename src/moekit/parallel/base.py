@@ -43,6 +43,14 @@ class Dispatcher:
         """y [T_recv, H] fp32 partial outputs -> [T, H] fp32 for this rank's own tokens."""
         raise NotImplementedError
 
+    def num_chunks(self, x: torch.Tensor, chunk_size: int) -> int:
+        """How many dispatch rounds the runner makes for x [T, H] (at least one, even for T = 0).
+
+        Expert-parallel dispatchers return the same number on every rank, since each round
+        is a collective every rank must join.
+        """
+        return max(1, -(-x.shape[0] // chunk_size))
+
 
 class LocalDispatcher(Dispatcher):
     """No parallelism: every expert is local."""

@@ -1,0 +1,265 @@
+"""GPU benchmark: moekit's Triton experts against torch grouped-GEMM layers and transformers'
+grouped_mm experts, same bf16 weights, same inputs, same process.
+
+Timing (PERF.md): every implementation is captured in a CUDA graph of several calls, each
+with its own fresh routing (so weights are not L2-resident), and the graph is replayed;
+an implementation that synchronises with the host (found with torch's sync debug mode)
+is timed eagerly and marked so. Medians of the replays, in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import statistics
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import moekit
+from moekit import RoutingConfig, fused_experts, route
+
+from .floors import Ceilings, floor_seconds, layer_flops, weight_bytes
+from .peers import plain_grouped_gemm, transformers_experts
+
+__all__ = [
+    "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
+    "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench",
+]
+
+# (name, E, k, H, I): the five shapes of PERF.md.
+GPU_SHAPES: Tuple[Tuple[str, int, int, int, int], ...] = (
+    ("mixtral-8x7b", 8, 2, 4096, 14336),
+    ("qwen3-30b-a3b", 128, 8, 2048, 768),
+    ("deepseek-v3", 256, 8, 7168, 2048),
+    ("olmoe-1b-7b", 64, 8, 2048, 1024),
+    ("gpt-oss-20b", 32, 4, 2880, 2880),
+)
+GPU_MS = (1, 16, 64, 256, 1024, 4096, 16384)
+# The ceilings PERF.md's floor table was computed with (790 TFLOP/s bf16, 4.3 TB/s).
+PERF_TABLE_CEILINGS = Ceilings("NVIDIA H200 (PERF.md floor table)", 790e12, 4.3e12)
+
+
+def shape_by_name(name: str) -> Tuple[str, int, int, int, int]:
+    for shape in GPU_SHAPES:
+        if shape[0] == name:
+            return shape
+    raise ValueError(f"shape must be one of {[s[0] for s in GPU_SHAPES]}, got {name!r}")
+
+
+def routing_sets(M: int, E: int, k: int, H: int, n: int, dtype: torch.dtype, device) -> List[tuple]:
+    """n independent (x [M, H], weights [M, k] fp32, ids [M, k] int32) with softmax top-k routing."""
+    cfg = RoutingConfig(top_k=k)
+    sets = []
+    for _ in range(n):
+        x = torch.randn(M, H, device=device, dtype=dtype)
+        w, ids = route(torch.randn(M, E, device=device), cfg)
+        sets.append((x, w, ids))
+    return sets
+
+
+def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5) -> float:
+    """Median microseconds per call of fn over arg_sets, captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, allocates) off the capture stream
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(arg_sets))
+    del graph
+    return statistics.median(times)
+
+
+def eager_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5) -> float:
+    """Median microseconds per call of fn over arg_sets launched eagerly (host syncs included)."""
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        for args in arg_sets:
+            fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(arg_sets))
+    return statistics.median(times)
+
+
+def host_sync_reason(fn: Callable, args: tuple) -> Optional[str]:
+    """Why fn cannot be captured in a CUDA graph (it synchronises with the host), or None."""
+    fn(*args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(*args)
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
+
+
+def _compile_job(job: tuple) -> Optional[str]:
+    """Run one config once on a two-expert problem of the real H, I (fills Triton's disk cache)."""
+    from moekit.kernels.launch import fused_moe  # noqa: PLC0415 (in a spawned worker)
+    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
+
+    H, I, dtype_name, activation, direct, entry = job
+    dtype = getattr(torch, dtype_name)
+    try:
+        cache = _compile_job.__dict__.setdefault("weights", {})
+        if (H, I, dtype) not in cache:
+            cache.clear()
+            cache[(H, I, dtype)] = (torch.randn(2, 2 * I, H, device="cuda", dtype=dtype) * 0.02,
+                                    torch.randn(2, H, I, device="cuda", dtype=dtype) * 0.02)
+        w13, w2 = cache[(H, I, dtype)]
+        T = 1 if direct else 64
+        x = torch.randn(T, H, device="cuda", dtype=dtype)
+        ids = torch.randint(0, 2, (T, 2), device="cuda", dtype=torch.int32)
+        w = torch.rand(T, 2, device="cuda")
+        fused_moe(x, w13, w2, None, None, w, ids, None, activation, config=MoEConfig.from_json(entry), direct=direct)
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
+        return f"{entry}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def precompile(jobs: Sequence[tuple], workers: int) -> List[str]:
+    """Compile many kernel configs in parallel processes; returns the failures.
+
+    jobs: (H, I, dtype name, activation, direct, config JSON entry). Triton's disk cache
+    then serves the compiled kernels to this process.
+    """
+    unique = [json.loads(j) for j in dict.fromkeys(json.dumps(j, sort_keys=True) for j in jobs)]
+    if workers <= 1 or len(unique) < 4:
+        return [r for r in map(_compile_job, unique) if r]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return [r for r in pool.imap_unordered(_compile_job, unique) if r]
+
+
+def _sets_for(M: int) -> int:
+    return 8 if M <= 256 else (4 if M <= 4096 else 2)
+
+
+def run_gpu_bench(
+    shapes: Sequence = GPU_SHAPES,
+    Ms: Sequence[int] = GPU_MS,
+    out_json: Optional[str] = None,
+    impls: Optional[Sequence[str]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    check_Ms: Sequence[int] = (1, 16, 64),
+    replays: int = 5,
+) -> Dict:
+    """Time moekit triton and the peers at every (shape, M) on the current CUDA GPU.
+
+    Args:
+        shapes: (name, E, k, H, I) tuples.  Ms: token counts.
+        out_json: write the result there too (JSON).
+        impls: a subset of the implementation names to run (None: all).
+        check_Ms: token counts at which triton is also checked against `reference`.
+    Returns:
+        a JSON-ready dict (date, device, versions, records with us, TFLOP/s, % of floor).
+    """
+    from moekit.experts.triton_experts import triton_fused_experts  # noqa: PLC0415
+
+    say = progress or (lambda msg: None)
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    records = []
+    for name, E, k, H, I in shapes:
+        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5
+        w2 = torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5
+        runners: Dict[str, Callable] = {
+            "moekit_triton": lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton"),
+            "moekit_triton_op": lambda x, w, i: triton_fused_experts(
+                x, w13, w2, None, None, w, i, None, "silu", 1.702, 7.0, False),
+            "moekit_grouped_mm": lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="grouped_mm"),
+            "torch_grouped_gemm": plain_grouped_gemm(w13, w2),
+        }
+        try:
+            runners["hf_grouped_mm"] = transformers_experts(w13, w2, "grouped_mm")
+        except ImportError as err:
+            say(f"transformers grouped_mm peer unavailable: {err}")
+        if impls is not None:
+            runners = {n: f for n, f in runners.items() if n in impls}
+        for M in Ms:
+            sets = routing_sets(M, E, k, H, _sets_for(M), dtype, dev)
+            floor = floor_seconds(M, E, k, H, I, 2, PERF_TABLE_CEILINGS)
+            row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "M": M, "floor_us": floor * 1e6,
+                   "weight_bytes": weight_bytes(M, E, k, H, I, 2), "flops": layer_flops(M, k, H, I), "impls": {}}
+            if M in check_Ms and "moekit_triton" in runners:
+                x, w, ids = sets[0]
+                ref = fused_experts(x, w13, w2, w, ids, backend="reference").float()
+                out = runners["moekit_triton"](x, w, ids).float()
+                row["rel_err_vs_reference"] = ((out - ref).norm() / ref.norm()).item()
+            for impl, fn in runners.items():
+                try:
+                    with torch.inference_mode():
+                        # moekit skips its host-side id checks while capturing; peers are probed.
+                        sync = host_sync_reason(fn, sets[0]) if not impl.startswith("moekit_") else None
+                        if sync is None:
+                            try:
+                                us = graph_time_us(fn, sets, replays)
+                            except RuntimeError as err:
+                                sync = f"CUDA-graph capture failed: {str(err).splitlines()[0][:200]}"
+                        if sync is not None:
+                            us = eager_time_us(fn, sets, replays)
+                except Exception as err:  # noqa: BLE001 - a peer that fails is recorded, not fatal
+                    row["impls"][impl] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                    say(f"{name} M={M} {impl}: failed: {row['impls'][impl]['error']}")
+                    continue
+                rec = {"us": us, "tflops": layer_flops(M, k, H, I) / us * 1e-6, "pct_of_floor": 100.0 * floor * 1e6 / us,
+                       "cuda_graph": sync is None}
+                if sync:
+                    rec["host_sync"] = sync
+                row["impls"][impl] = rec
+                say(f"{name:14s} M={M:6d} {impl:18s} {us:10.1f} us {rec['tflops']:7.1f} TFLOP/s "
+                    f"{rec['pct_of_floor']:5.1f}% of floor{'' if sync is None else ' (eager: syncs)'}")
+            base = row["impls"].get("moekit_triton", {}).get("us")
+            if base:
+                for peer in ("moekit_grouped_mm", "torch_grouped_gemm", "hf_grouped_mm"):
+                    peer_us = row["impls"].get(peer, {}).get("us")
+                    if peer_us:
+                        row[f"speedup_vs_{peer}"] = peer_us / base
+            records.append(row)
+            del sets
+        del w13, w2, runners
+        torch.cuda.empty_cache()
+    import triton  # noqa: PLC0415
+
+    result = {
+        "benchmark": "experts-gpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "moekit": moekit.__version__,
+        "command": " ".join(sys.argv),
+        "ceilings": {"flops": PERF_TABLE_CEILINGS.flops, "bandwidth": PERF_TABLE_CEILINGS.bandwidth,
+                     "note": "floors as in PERF.md's table: max(FLOPs / 790e12, weight bytes / 4.3e12)"},
+        "weights": "bf16, silu, no bias; softmax top-k routing drawn fresh for every call in a graph",
+        "timing": "CUDA graph of several calls with distinct routing, replayed; median us per call",
+        "records": records,
+    }
+    if out_json:
+        with open(out_json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+    return result

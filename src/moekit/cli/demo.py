@@ -1,0 +1,195 @@
+"""`moekit demo`: transformers eager and moekit side by side on one MoE model; no download.
+
+By default the model is a built-in tiny DeepSeek-V3 (grouped sigmoid routing with a
+correction bias, routed scaling and a shared expert in every layer) built from a
+transformers config with seeded random weights; `--model PATH` takes a local checkpoint
+folder instead (transformers loads it for the eager run, moekit's own loader for moekit).
+The demo checks that the logits match (fp32: 1e-5 relative, bf16/fp16: 2e-2), greedily
+generates the same tokens with both (required identical in fp32) and prints tokens/s,
+the backend the oracle chose for each MoE layer and why, and the expert load per layer.
+Exit status 0 only when every check passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The built-in model: DeepSeek-V3 structure at toy size (hidden 64, 2 MoE layers, 4 heads,
+# vocab 128; 8 routed experts in 4 groups, 2 groups kept, top-2, one shared expert).
+TINY_DEEPSEEK_V3 = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+    max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0,
+    routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="transformers eager vs moekit on a tiny MoE model (or --model PATH)")
+    p.add_argument("--model", default=None, help="a local transformers checkpoint folder (default: built-in tiny DeepSeek-V3)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate greedily (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt (default 8)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
+    p.add_argument("--backend", default="auto", help="moekit experts backend (default auto: the oracle picks)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights and the prompt")
+    p.set_defaults(func=run)
+
+
+def tiny_deepseek_v3(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The built-in model: a tiny DeepSeek-V3 *ForCausalLM with seeded random weights (eager experts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    config = AutoConfig.for_model("deepseek_v3", **TINY_DEEPSEEK_V3)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with torch.no_grad():  # spread-out weights so routing is decisive (transformers' init is tiny)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+    return model.to(dtype).eval()
+
+
+def _models(args, dtype):
+    import moekit.hf as mh  # noqa: PLC0415
+
+    if args.model is None:
+        eager = tiny_deepseek_v3(args.seed, dtype)
+        ours = copy.deepcopy(eager)
+        mh.patch_model(ours, backend=args.backend)
+        return eager, ours, "built-in tiny DeepSeek-V3"
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    eager = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, experts_implementation="eager").eval()
+    ours = mh.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+    return eager, ours, args.model
+
+
+class _Progress:
+    """A transformers streamer that advances a tqdm bar by one per generated token."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from tqdm.auto import tqdm  # noqa: PLC0415 (a dependency of transformers)
+
+        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        self.bar.update(1)
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+def _generate(model, prompt: torch.Tensor, n: int, desc: str) -> Tuple[torch.Tensor, float]:
+    """Greedy ids [1, P + n] and the seconds it took."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0, streamer=_Progress(n, desc))
+    return out, time.perf_counter() - start
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _layer_reports(model, counts: Dict[str, torch.Tensor], dtype) -> List[Tuple[str, str, str, str]]:
+    """(layer, backend, why, expert load) for each patched MoE layer."""
+    import moekit.hf as mh  # noqa: PLC0415
+    from moekit.experts.api import problem_of  # noqa: PLC0415
+    from moekit.oracle import choose_backend  # noqa: PLC0415
+
+    rows = []
+    for name, block in mh.moe_blocks(model).items():
+        moe = block.moe
+        x = torch.empty(1, moe.hidden_size, dtype=dtype, device=moe.experts.w13.device)
+        problem = problem_of(x, moe.experts.expert_weights(), moe.routing.top_k, moe.activation, False, False)
+        choice = choose_backend(problem, moe.runner.backend, owner=moe.layer_name)
+        load = counts.get(name)
+        rows.append((name, choice.backend.name, choice.reason, " ".join(str(int(c)) for c in load.tolist())))
+    return rows
+
+
+def _count_routing(model) -> Tuple[Dict[str, torch.Tensor], list]:
+    """Hooks that add each MoE layer's routed ids to a per-expert count."""
+    import moekit.hf as mh  # noqa: PLC0415
+
+    counts, handles = {}, []
+    for name, block in mh.moe_blocks(model).items():
+        counts[name] = torch.zeros(block.moe.num_experts, dtype=torch.long)
+
+        def hook(module, inputs, output, name=name):
+            ids = module.runner.last_topk.ids.flatten().long().cpu()
+            counts[name] += torch.bincount(ids, minlength=counts[name].numel())
+
+        handles.append(block.moe.register_forward_hook(hook))
+    return counts, handles
+
+
+def _table(rows: List[Tuple[str, ...]], header: Tuple[str, ...]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    try:
+        import transformers  # noqa: F401, PLC0415
+    except ImportError:
+        print("moekit demo needs Hugging Face transformers: pip install 'moekit[hf]'")
+        return 2
+    if args.tokens < 1 or args.prompt_tokens < 1:
+        raise ValueError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
+    dtype = DTYPES[args.dtype]
+    eager, ours, label = _models(args, dtype)
+    vocab = eager.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(args.seed + 1))
+    with torch.no_grad():
+        err = _rel_err(ours(prompt).logits, eager(prompt).logits)
+    tol = TOLERANCE[dtype]
+    ids_eager, t_eager = _generate(eager, prompt, args.tokens, "transformers eager")
+    counts, handles = _count_routing(ours)
+    ids_ours, t_ours = _generate(ours, prompt, args.tokens, "moekit")
+    for h in handles:
+        h.remove()
+    P = args.prompt_tokens
+    same = int((ids_eager[0, P:] == ids_ours[0, P:]).sum())
+    logits_ok = err <= tol
+    ids_ok = same == args.tokens or dtype != torch.float32
+    print(f"moekit demo: {label}, {args.dtype}, {args.tokens} tokens after a {P}-token prompt\n")
+    print(_table([
+        ("logits relative error", f"{err:.2e} (tolerance {tol:.0e})", "ok" if logits_ok else "FAILED"),
+        ("greedy ids identical", f"{same}/{args.tokens}" + ("" if dtype == torch.float32 else " (required in fp32 only)"),
+         "ok" if ids_ok else "FAILED"),
+    ], ("check", "result", "")))
+    print()
+    print(_table([
+        ("transformers eager", f"{args.tokens / t_eager:.1f}", "1.00x"),
+        ("moekit", f"{args.tokens / t_ours:.1f}", f"{t_eager / t_ours:.2f}x"),
+    ], ("run", "tokens/s", "vs eager")))
+    print()
+    print(_table(_layer_reports(ours, counts, dtype), ("MoE layer", "backend", "why", "tokens per expert")))
+    passed = logits_ok and ids_ok
+    print("\n" + ("all checks passed" if passed else "CHECKS FAILED"))
+    return 0 if passed else 1

@@ -1,0 +1,178 @@
+"""`moekit tune`: search the Triton experts' tile configs for one MoE shape on this GPU and
+write them as `E={E},N={I},device_name={gpu}.json` (the format of kernels/tuning.py).
+
+Search, per batch size M: compile every candidate of kernels.tuning.search_space in
+parallel processes; time each GEMM1 candidate with the default GEMM2 tiles of its row
+block; then time the GEMM2 candidates with the winning GEMM1. Each timing is a CUDA graph
+of calls with fresh routing (benchmarks/gpu.py), so it includes the alignment and the
+sum over k at that row block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["add_parser", "run", "tune_shape", "write_configs"]
+
+DEFAULT_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
+
+
+def add_parser(sub) -> None:
+    from moekit.benchmarks.gpu import GPU_SHAPES  # noqa: PLC0415
+
+    p = sub.add_parser("tune", help="tune the Triton experts kernels for one shape on this GPU")
+    p.add_argument("--shape", choices=[s[0] for s in GPU_SHAPES], help="a PERF.md shape (sets E, k, H, I)")
+    p.add_argument("--experts", type=int, help="E, local experts")
+    p.add_argument("--top-k", type=int, help="k, experts per token")
+    p.add_argument("--hidden", type=int, help="H, hidden size")
+    p.add_argument("--intermediate", type=int, help="I, expert intermediate size")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+                   help="comma-separated token counts M to tune (calls use the nearest M)")
+    p.add_argument("--out-dir", default=None,
+                   help="folder for the JSON file (default: MOEKIT_TUNED_CONFIG_DIR, else the current folder)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                   help="processes compiling candidates in parallel")
+    p.add_argument("--budget", type=float, default=None, help="seconds of timing per batch size (default: no limit)")
+    p.set_defaults(func=run)
+
+
+def _shape(args) -> Tuple[int, int, int, int]:
+    if args.shape:
+        from moekit.benchmarks.gpu import shape_by_name  # noqa: PLC0415
+
+        _, E, k, H, I = shape_by_name(args.shape)
+        return E, k, H, I
+    given = (args.experts, args.top_k, args.hidden, args.intermediate)
+    if any(v is None for v in given):
+        raise ValueError("give --shape or all of --experts, --top-k, --hidden, --intermediate")
+    for flag, v in zip(("--experts", "--top-k", "--hidden", "--intermediate"), given):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    return given
+
+
+def tune_shape(
+    E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int], *, workers: int = 1,
+    budget_s: Optional[float] = None, step: Optional[Callable[[str], None]] = None,
+    on_total: Optional[Callable[[int], None]] = None,
+) -> Tuple[Dict[int, "MoEConfig"], Dict[int, Dict]]:  # noqa: F821
+    """Find the fastest config for each M on the current GPU.
+
+    Args:
+        E, k, H, I: the MoE shape.  dtype: bf16 or fp16.  Ms: token counts.
+        workers: compile processes.  budget_s: timing seconds per M (None: all candidates).
+        step: called after each timing with a line of text.  on_total: told the number of timings.
+    Returns:
+        ({M: best MoEConfig}, {M: {"us": best time, "default_us": heuristic time, "tried": n}}).
+    """
+    from moekit.benchmarks.gpu import graph_time_us, precompile, routing_sets  # noqa: PLC0415
+    from moekit.kernels.launch import fused_moe  # noqa: PLC0415
+    from moekit.kernels.tuning import MoEConfig, default_config, search_space, use_direct  # noqa: PLC0415
+
+    elem = torch.finfo(dtype).bits // 8
+    dname = str(dtype).replace("torch.", "")
+    plans = {}
+    jobs = []
+    for M in Ms:
+        default = default_config(M, E, k, H, I, elem)
+        g1s, g2s = search_space(M, E, k, elem)
+        stage1 = [default] + [MoEConfig(g1, replace(default.gemm2, BLOCK_SIZE_M=g1.BLOCK_SIZE_M)) for g1 in g1s]
+        plans[M] = (default, stage1, g2s)
+        direct = use_direct(M, k, E)
+        jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in stage1]
+        for bm, cands in g2s.items():
+            g1 = next(c.gemm1 for c in stage1 if c.block_m == bm)
+            jobs += [(H, I, dname, "silu", direct, MoEConfig(g1, g2).to_json()) for g2 in cands]
+    if on_total:
+        on_total(sum(len(p[1]) + max((len(c) for c in p[2].values()), default=0) for p in plans.values()))
+    failures = precompile(jobs, workers)
+    if step:
+        step(f"compiled {len(jobs)} configs ({len(failures)} failed)")
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5
+    best: Dict[int, MoEConfig] = {}
+    info: Dict[int, Dict] = {}
+    for M in Ms:
+        default, stage1, g2s = plans[M]
+        sets = routing_sets(M, E, k, H, 4 if M <= 1024 else 2, dtype, "cuda")
+        start = time.perf_counter()
+        seen: Dict[str, float] = {}
+
+        def timed(cfg: MoEConfig) -> float:
+            key = json.dumps(cfg.to_json(), sort_keys=True)
+            if key not in seen:
+                if budget_s is not None and time.perf_counter() - start > budget_s and seen:
+                    seen[key] = float("inf")
+                else:
+                    try:
+                        seen[key] = graph_time_us(
+                            lambda x, w, ids: fused_moe(x, w13, w2, None, None, w, ids, None, "silu", config=cfg),
+                            sets, replays=3)
+                    except Exception:  # noqa: BLE001 - a config that cannot run is skipped
+                        seen[key] = float("inf")
+                if step:
+                    step(f"M={M} {cfg.to_json()}: {seen[key]:.1f} us")
+            return seen[key]
+
+        winner = min(stage1, key=timed)
+        cands = [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])]
+        winner = min([winner] + cands, key=timed)
+        best[M] = winner
+        info[M] = {"us": timed(winner), "default_us": timed(default), "tried": len(seen)}
+        del sets
+    return best, info
+
+
+def write_configs(table: Dict[int, "MoEConfig"], E: int, I: int, device: str, dtype: torch.dtype,  # noqa: F821
+                  folder: str) -> str:
+    """Write {M: config} as the JSON file kernels/tuning.py reads; returns its path."""
+    from moekit.kernels.tuning import config_dtype, config_file_name  # noqa: PLC0415
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, config_file_name(E, I, device, config_dtype(dtype)))
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({str(M): table[M].to_json() for M in sorted(table)}, fh, indent=1)
+        fh.write("\n")
+    return path
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("moekit tune needs a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    except ImportError as err:
+        raise SystemExit("moekit tune's progress bar needs rich: `pip install moekit[cli]`") from err
+    from moekit.config import settings  # noqa: PLC0415
+    from moekit.kernels.tuning import device_name  # noqa: PLC0415
+
+    E, k, H, I = _shape(args)
+    try:
+        Ms = sorted({int(m) for m in args.batch_sizes.split(",") if m.strip()})
+    except ValueError:
+        raise SystemExit(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if not Ms or Ms[0] < 1:
+        raise SystemExit(f"--batch-sizes must hold token counts >= 1, got {args.batch_sizes!r}")
+    dtype = getattr(torch, args.dtype)
+    folder = args.out_dir or settings.tuned_config_dir or "."
+    with Progress(TextColumn("[bold]tune[/] E={task.fields[E]} I={task.fields[I]}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  TextColumn("{task.description}")) as bar:
+        task = bar.add_task("compiling", total=None, E=E, I=I)
+        table, info = tune_shape(
+            E, k, H, I, dtype, Ms, workers=args.workers, budget_s=args.budget,
+            step=lambda line: bar.update(task, advance=0 if line.startswith("compiled") else 1, description=line[-60:]),
+            on_total=lambda n: bar.update(task, total=n))
+    path = write_configs(table, E, I, device_name(), dtype, folder)
+    for M in sorted(info):
+        i = info[M]
+        print(f"M={M:6d}: {i['us']:9.1f} us (heuristic {i['default_us']:9.1f} us, {i['tried']} tried)  {table[M].to_json()}")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,93 @@
+"""`triton`: the fused Triton experts for CUDA GPUs (SM80+, tuned for SM90).
+
+Pipeline (moekit/kernels): align assignments by expert on the GPU (no host sync) ->
+GEMM1 over w13 with bias and activation fused -> GEMM2 over w2 with bias and routed
+weight fused -> fixed-order sum over k. A few tokens take the direct path instead: no
+sort, two launches, the k-sum fused into GEMM2. Tiles come from tuned JSON files
+(kernels/tuning.py) or heuristics.
+
+Supports: CUDA bf16/fp16/fp32 (fp32 with exact-fp32 dots), every activation of
+moekit.activations, biases, expert_map, weights on input, CUDA graphs and torch.compile
+(a custom op with a fake implementation). No autograd. On CPU tensors it runs only under
+the Triton interpreter (TRITON_INTERPRET=1, for tests) and only in fp16/fp32: tl.dot on
+bf16 operands returns wrong values there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import settings
+from ..kernels.launch import fused_moe
+from .base import ExpertsBackend, ExpertsProblem, register_backend
+
+__all__ = ["TritonBackend", "triton_fused_experts", "TOLERANCE"]
+
+# PERF.md: relative error against the fp32 reference backend.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@torch.library.custom_op("moekit::triton_fused_experts", mutates_args=())
+def triton_fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor],
+    activation: str,
+    alpha: float,
+    limit: float,
+    on_input: bool,
+) -> torch.Tensor:
+    """Routed output [T, H] fp32 of x [T, H] (see kernels.launch.fused_moe for the arguments)."""
+    return fused_moe(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, activation,
+                     alpha=alpha, limit=limit, on_input=on_input)
+
+
+@triton_fused_experts.register_fake
+def _triton_fused_experts_fake(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, activation, alpha,
+                               limit, on_input):
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
+
+
+class TritonBackend(ExpertsBackend):
+    name = "triton"
+    description = "fused Triton GEMMs after a GPU sort by expert (CUDA)"
+    graph_safe = True
+    differentiable = False
+
+    def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
+        if problem.quant is not None:
+            return f"runs unquantized weights only, got quant={problem.quant!r}"
+        if problem.dtype != problem.weight_dtype:
+            return f"activation dtype {problem.dtype} differs from weight dtype {problem.weight_dtype}"
+        if problem.device == "cuda":
+            if settings.triton_interpret:
+                return "the Triton interpreter is on (TRITON_INTERPRET=1) and would run the kernels on the CPU"
+            if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                return f"takes bfloat16, float16 or float32, got {problem.dtype}"
+            if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+                return f"needs compute capability 8.0 or newer, got {torch.cuda.get_device_capability()}"
+            return None
+        if problem.device == "cpu":
+            if not settings.triton_interpret:
+                return "runs on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1, for tests)"
+            if problem.dtype not in (torch.float16, torch.float32):
+                return f"under the Triton interpreter takes float16 or float32 (bf16 dots are wrong there), got {problem.dtype}"
+            return None
+        return f"device {problem.device!r} is not supported (cuda; cpu under the Triton interpreter)"
+
+    def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
+              apply_router_weight_on_input, expert_map):
+        emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
+        return triton_fused_experts(
+            x, weights.w13, weights.w2, weights.b13, weights.b2, topk_weights, topk_ids, emap, activation,
+            float(activation_params.alpha), float(activation_params.limit), bool(apply_router_weight_on_input))
+
+
+register_backend(TritonBackend())

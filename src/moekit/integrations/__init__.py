@@ -1,0 +1,22 @@
+"""Integrations: safetensors checkpoints (`checkpoint`) and Hugging Face transformers
+(`transformers`: the "moekit" experts implementation; `transformers_blocks`: whole-block
+replacement). The transformers modules need `pip install 'moekit[hf]'` and are imported on
+demand (see moekit.hf)."""
+
+from .checkpoint import (
+    CheckpointError,
+    MoEKeys,
+    SafetensorsCheckpoint,
+    canonical_layout,
+    load_fused_moe,
+    load_model_checkpoint,
+)
+
+__all__ = [
+    "CheckpointError",
+    "MoEKeys",
+    "SafetensorsCheckpoint",
+    "canonical_layout",
+    "load_fused_moe",
+    "load_model_checkpoint",
+]

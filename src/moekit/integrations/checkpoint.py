@@ -1,0 +1,390 @@
+"""Loading safetensors checkpoints into FusedMoE's canonical layout.
+
+A checkpoint is one `.safetensors` file, or a folder holding `model.safetensors` or a
+sharded `model.safetensors.index.json`. One MoE block's tensors sit under a prefix (for
+example "model.layers.3.mlp.") in one of two layouts, named as in transformers:
+
+    per expert (legacy)  experts.{e}.gate_proj|up_proj|down_proj.weight  (Mixtral: w1|w3|w2)
+                         [I, H], [I, H], [H, I]
+    stacked (5.x)        experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
+                         transposed ([E, H, 2I], [E, I, H]) and/or gate/up interleaved (gpt-oss),
+                         experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]
+
+beside the router ({router}.weight [E, H], {router}.bias [E],
+{router}.e_score_correction_bias [E]) and shared experts ({shared}.gate_proj|up_proj|down_proj.weight,
+{shared_gate}.weight [1, H]). Everything is checked against the layer's shapes from the file
+headers before a byte is copied: a missing, unexpected or mis-shaped tensor raises
+CheckpointError naming the key and the expected shape, and nothing is loaded. Tensors are
+converted to the canonical layout once, here, and copied into the layer's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from ..activations import is_gated
+from ..experts.base import ExpertWeights
+
+__all__ = [
+    "CheckpointError",
+    "SafetensorsCheckpoint",
+    "MoEKeys",
+    "canonical_layout",
+    "load_fused_moe",
+    "load_model_checkpoint",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+LEGACY_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_MAX_LISTED = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: each line names a key and what was expected."""
+
+
+def canonical_layout(up: torch.Tensor, down: torch.Tensor, up_bias: Optional[torch.Tensor] = None,
+                     down_bias: Optional[torch.Tensor] = None, *, transposed: bool = False,
+                     interleaved: bool = False) -> ExpertWeights:
+    """Stacked expert tensors -> canonical layout (views when nothing moves).
+
+    Args:
+        up: gate_up_proj [E, 2I, H] ([E, H, 2I] transposed), or up_proj [E, I, H] for non-gated experts.
+        down: down_proj [E, H, I] ([E, I, H] transposed).
+        up_bias: [E, 2I] or None.  down_bias: [E, H] or None.
+        transposed: weights stored as [in, out] per expert.
+        interleaved: gate and up alternate along 2I (gate even, up odd), as in gpt-oss.
+    Returns:
+        ExpertWeights(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2 [E, H]), contiguous copies
+        whenever the layout changed.
+    """
+    w13 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
+    w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
+    b13 = up_bias
+    if interleaved:
+        w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)  # gate rows, then up rows
+        if up_bias is not None:
+            b13 = torch.cat((up_bias[:, 0::2], up_bias[:, 1::2]), dim=1)
+    if transposed:
+        w13, w2 = w13.contiguous(), w2.contiguous()
+    return ExpertWeights(w13, w2, b13, down_bias)
+
+
+def _shape(s: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in s) + "]"
+
+
+class SafetensorsCheckpoint:
+    """Read-only access to a safetensors checkpoint by tensor name (headers read once).
+
+    Args:
+        path: a .safetensors file, a model.safetensors.index.json, or a folder with either.
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        from safetensors import safe_open  # noqa: PLC0415 (a core dependency; imported where used)
+
+        self._safe_open = safe_open
+        self.path = Path(path)
+        self._handles: Dict[Path, object] = {}
+        self._where: Dict[str, Path] = {}
+        for file, expected in self._files().items():
+            keys = set(self._handle(file).keys())
+            if expected is not None:
+                stray = sorted(keys - expected)
+                if stray:
+                    raise CheckpointError(f"{file}: tensor {stray[0]!r} is in the shard but not in the index json")
+                absent = sorted(expected - keys)
+                if absent:
+                    raise CheckpointError(f"{file}: the index json lists tensor {absent[0]!r} but the shard lacks it")
+            for key in keys:
+                if key in self._where:
+                    raise CheckpointError(f"tensor {key!r} appears in both {self._where[key]} and {file}")
+                self._where[key] = file
+
+    def _files(self) -> Dict[Path, Optional[set]]:
+        """file -> the keys the index assigns to it (None for an unsharded checkpoint)."""
+        p = self.path
+        if p.is_dir():
+            if (p / INDEX_NAME).is_file():
+                p = p / INDEX_NAME
+            elif (p / SINGLE_NAME).is_file():
+                p = p / SINGLE_NAME
+            else:
+                found = sorted(p.glob("*.safetensors"))
+                if len(found) != 1:
+                    raise CheckpointError(
+                        f"{self.path}: expected {SINGLE_NAME}, {INDEX_NAME} or a single *.safetensors file, "
+                        f"found {[f.name for f in found]}")
+                p = found[0]
+        if not p.is_file():
+            raise CheckpointError(f"{p}: no such checkpoint file or folder")
+        if not p.name.endswith(".json"):
+            return {p: None}
+        try:
+            weight_map = json.loads(p.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{p}: not a safetensors index (needs a 'weight_map' object): {err}") from None
+        files: Dict[Path, set] = {}
+        for key, name in weight_map.items():
+            files.setdefault(p.parent / name, set()).add(key)
+        return files
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: shard named in the index json does not exist")
+            try:
+                self._handles[file] = self._safe_open(str(file), framework="pt", device="cpu")
+            except Exception as err:  # safetensors raises its own error type for a damaged file
+                raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+        return self._handles[file]
+
+    def keys(self) -> List[str]:
+        return sorted(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self._handle(self._where[key]).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F32", "I64", ...)."""
+        return self._handle(self._where[key]).get_slice(key).get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        try:
+            return self._handle(self._where[key]).get_tensor(key)
+        except Exception as err:
+            raise CheckpointError(f"{self._where[key]}: tensor {key!r} cannot be read ({err})") from None
+
+
+@dataclass(frozen=True)
+class MoEKeys:
+    """Where one MoE block's tensors live in a checkpoint (transformers' names).
+
+    Fields:
+        prefixes: candidate block prefixes, each ending in "." (e.g. "model.layers.0.mlp.",
+            "model.layers.0.block_sparse_moe."); exactly one may hold tensors.
+        router: the router's name ("gate", "router").  experts: the experts' name.
+        shared: the shared-expert MLP's name, or None.  shared_gate: the Linear(H, 1) scaling
+            the shared output through a sigmoid, or None.
+        transposed / interleaved: layout of the stacked experts.gate_up_proj / down_proj.
+    """
+
+    prefixes: Tuple[str, ...]
+    router: str = "gate"
+    experts: str = "experts"
+    shared: Optional[str] = None
+    shared_gate: Optional[str] = None
+    transposed: bool = False
+    interleaved: bool = False
+
+
+# A load plan: key -> (expected shape, writer). Writers copy (after converting) into parameters.
+_Plan = Dict[str, Tuple[Tuple[int, ...], Optional[Callable[[torch.Tensor], None]]]]
+
+
+def _copy_to(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    return lambda src: dst.copy_(src)
+
+
+def _block_prefix(ckpt: SafetensorsCheckpoint, keys: MoEKeys, example: str, example_shape) -> str:
+    present = [p for p in keys.prefixes if any(k.startswith(p) for k in ckpt.keys())]
+    if len(present) > 1:
+        raise CheckpointError(f"tensors for one MoE block under several prefixes {present}; expected one of them")
+    if not present:
+        raise CheckpointError(
+            f"missing tensor {keys.prefixes[0] + example!r} (expected shape {_shape(example_shape)}); "
+            f"no tensor starts with any of {list(keys.prefixes)}")
+    return present[0]
+
+
+def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes: list) -> None:
+    ex = layer.experts
+    E, rows, H = ex.w13.shape
+    I = ex.w2.shape[2]
+    gated = is_gated(layer.activation)
+    has_bias = ex.b13 is not None
+    up_name = "gate_up_proj" if gated else "up_proj"
+    base = f"{p}{keys.experts}."
+    if base + up_name in ckpt:  # stacked layout
+        t = keys.transposed
+        up_shape, down_shape = ((E, H, rows), (E, I, H)) if t else ((E, rows, H), (E, H, I))
+        names = [(base + up_name, up_shape), (base + "down_proj", down_shape)]
+        if has_bias:
+            names += [(base + up_name + "_bias", (E, rows)), (base + "down_proj_bias", (E, H))]
+        for key, shape in names:
+            plan[key] = (shape, None)  # converted together below
+        stacked_writes.append([key for key, _ in names])
+        return
+    packed = [k for k in ckpt.keys() if k.startswith(base) and k.endswith(("_blocks", "_scales"))]
+    if packed:
+        raise CheckpointError(
+            f"tensor {packed[0]!r}: quantized experts (blocks/scales, e.g. MXFP4) are not supported; "
+            f"expected {base + up_name!r} in a float dtype")
+    legacy = next((n for n in LEGACY_EXPERT_NAMES if f"{base}0.{n[2]}.weight" in ckpt), LEGACY_EXPERT_NAMES[0])
+    g, u, d = legacy
+    for e in range(E):
+        if gated:
+            plan[f"{base}{e}.{g}.weight"] = ((I, H), _copy_to(ex.w13.data[e, :I]))
+            plan[f"{base}{e}.{u}.weight"] = ((I, H), _copy_to(ex.w13.data[e, I:]))
+        else:
+            plan[f"{base}{e}.{u}.weight"] = ((I, H), _copy_to(ex.w13.data[e]))
+        plan[f"{base}{e}.{d}.weight"] = ((H, I), _copy_to(ex.w2.data[e]))
+        if has_bias:
+            if gated:
+                plan[f"{base}{e}.{g}.bias"] = ((I,), _copy_to(ex.b13.data[e, :I]))
+                plan[f"{base}{e}.{u}.bias"] = ((I,), _copy_to(ex.b13.data[e, I:]))
+            else:
+                plan[f"{base}{e}.{u}.bias"] = ((I,), _copy_to(ex.b13.data[e]))
+            plan[f"{base}{e}.{d}.bias"] = ((H,), _copy_to(ex.b2.data[e]))
+
+
+def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
+    """Plan the load of one FusedMoE; returns (prefix, plan, stacked groups)."""
+    E, H = layer.num_experts, layer.hidden_size
+    router_w = f"{keys.router}.weight"
+    p = _block_prefix(ckpt, keys, router_w if layer.gate is not None else f"{keys.experts}.0.gate_proj.weight",
+                      (E, H) if layer.gate is not None else (layer.intermediate_size, H))
+    plan: _Plan = {}
+    stacked: list = []
+    if layer.gate is not None:
+        plan[p + router_w] = ((E, H), _copy_to(layer.gate.weight.data))
+        if layer.gate.bias is not None:
+            plan[f"{p}{keys.router}.bias"] = ((E,), _copy_to(layer.gate.bias.data))
+    if layer.e_score_correction_bias is not None:
+        plan[f"{p}{keys.router}.e_score_correction_bias"] = ((E,), _copy_to(layer.e_score_correction_bias))
+    _expert_plan(layer, ckpt, p, keys, plan, stacked)
+    if layer.shared is not None:
+        if keys.shared is None:
+            raise CheckpointError(f"the layer has shared experts but MoEKeys.shared names none (block {p!r})")
+        sh = layer.shared
+        I_s = sh.down.shape[1]
+        s = f"{p}{keys.shared}."
+        if is_gated(sh.activation):
+            plan[s + "gate_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data[:I_s]))
+            plan[s + "up_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data[I_s:]))
+        else:
+            plan[s + "up_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data))
+        plan[s + "down_proj.weight"] = ((H, I_s), _copy_to(sh.down.data))
+        if sh.gate is not None:
+            if keys.shared_gate is None:
+                raise CheckpointError(f"the layer's shared experts are gated but MoEKeys.shared_gate names none (block {p!r})")
+            plan[f"{p}{keys.shared_gate}.weight"] = ((1, H), _copy_to(sh.gate.data))
+    return p, plan, stacked
+
+
+def _stacked_writer(layer, keys: MoEKeys, names: List[str]) -> Callable[[Dict[str, torch.Tensor]], None]:
+    def write(tensors: Dict[str, torch.Tensor]) -> None:
+        parts = [tensors[n] for n in names] + [None] * (4 - len(names))
+        w = canonical_layout(*parts, transposed=keys.transposed, interleaved=keys.interleaved)
+        layer.load_weights(w.w13, w.w2, w.b13, w.b2)
+    return write
+
+
+def _check(ckpt: SafetensorsCheckpoint, plan: _Plan, problems: List[str]) -> None:
+    for key, (shape, _) in plan.items():
+        if key not in ckpt:
+            problems.append(f"missing tensor {key!r} (expected shape {_shape(shape)})")
+            continue
+        got = ckpt.shape(key)
+        if tuple(got) != tuple(shape):
+            problems.append(f"tensor {key!r} has shape {_shape(got)}, expected {_shape(shape)}")
+        elif ckpt.dtype(key) not in ("F64", "F32", "F16", "BF16"):
+            problems.append(f"tensor {key!r} has dtype {ckpt.dtype(key)}, expected a float dtype (F32/F16/BF16)")
+
+
+def _raise(ckpt: SafetensorsCheckpoint, problems: List[str]) -> None:
+    if problems:
+        more = len(problems) - _MAX_LISTED
+        lines = problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else [])
+        raise CheckpointError(f"checkpoint {ckpt.path} does not fit the model:\n  " + "\n  ".join(lines))
+
+
+def _open(checkpoint) -> SafetensorsCheckpoint:
+    return checkpoint if isinstance(checkpoint, SafetensorsCheckpoint) else SafetensorsCheckpoint(checkpoint)
+
+
+@torch.no_grad()
+def load_fused_moe(layer: nn.Module, checkpoint, keys: MoEKeys) -> List[str]:
+    """Load one FusedMoE's router, experts and shared experts from a checkpoint.
+
+    Args:
+        layer: a moekit.FusedMoE.
+        checkpoint: a SafetensorsCheckpoint or a path (see SafetensorsCheckpoint).
+        keys: where the block's tensors live (MoEKeys).
+    Returns:
+        The checkpoint keys consumed. Every key under the block's prefix must be consumed.
+    """
+    return load_model_checkpoint(None, checkpoint, {"": (layer, keys)}, strict=False)
+
+
+@torch.no_grad()
+def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Dict[str, Tuple[nn.Module, MoEKeys]],
+                          *, strict: bool = True) -> List[str]:
+    """Load a whole model: its FusedMoE layers through MoEKeys, every other tensor by its name.
+
+    Args:
+        model: the nn.Module, or None to load only `moe_layers`.
+        checkpoint: a SafetensorsCheckpoint or a path.
+        moe_layers: module name in `model` -> (FusedMoE, MoEKeys). Parameters under these
+            names are loaded through the MoE plan, not by name.
+        strict: a checkpoint tensor the model does not use is an error (tensors under an MoE
+            block's prefix are always checked).
+    Returns:
+        The checkpoint keys consumed.
+    """
+    ckpt = _open(checkpoint)
+    problems: List[str] = []
+    plan: _Plan = {}
+    stacked: List[Tuple[Callable, List[str]]] = []
+    for _, (layer, keys) in moe_layers.items():
+        try:
+            p, moe_plan, groups = _moe_plan(layer, ckpt, keys)
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        for key in ckpt.keys():
+            if key.startswith(p) and key not in moe_plan:
+                problems.append(f"unexpected tensor {key!r} under MoE block {p[:-1]!r}")
+        plan.update(moe_plan)
+        stacked += [(_stacked_writer(layer, keys, names), names) for names in groups]
+    if model is not None:
+        _named_plan(model, ckpt, [n for n in moe_layers if n], plan)
+    _check(ckpt, plan, problems)
+    if strict:
+        problems += [f"unexpected tensor {k!r} (the model has no parameter or buffer of that name)"
+                     for k in ckpt.keys() if k not in plan]
+    _raise(ckpt, problems)
+    for key, (_, write) in plan.items():
+        if write is not None:
+            write(ckpt.get(key))
+    for write, names in stacked:
+        write({n: ckpt.get(n) for n in names})
+    return sorted(plan)
+
+
+def _named_plan(model: nn.Module, ckpt: SafetensorsCheckpoint, moe_names: Iterable[str], plan: _Plan) -> None:
+    """Add every parameter and persistent buffer outside the MoE layers, by name; tied tensors
+    (same storage) are satisfied by any one of their names."""
+    skip = tuple(n + "." for n in moe_names)
+    groups: Dict[Tuple, List[Tuple[str, torch.Tensor]]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.startswith(skip):
+            continue
+        groups.setdefault((t.data_ptr(), tuple(t.shape), t.dtype) if t.numel() else (name,), []).append((name, t))
+    for names in groups.values():
+        present = [(n, t) for n, t in names if n in ckpt]
+        for n, t in present or names[:1]:
+            plan[n] = (tuple(t.shape), _copy_to(t.data))

@@ -1,0 +1,186 @@
+"""Launchers of the Triton experts kernels: checks, buffers, strides and grids.
+
+Every size here is known from tensor shapes, never read from the device, so a call can be
+captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
+(4 launches, 6 for large T*k); direct path (few tokens): GEMM1 -> GEMM2 (2 launches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from ..activations import check_activation, is_gated
+from . import triton_align as align
+from . import triton_moe as moe
+from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
+
+__all__ = ["Alignment", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
+
+# Up to this many assignments one program aligns them (one launch); above, three launches.
+ALIGN_SMALL_MAX = 1024
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Rows of the sorted path (see triton_align): sorted_ids [max_blocks*BM], block_expert
+    [max_blocks], num_padded [1], all int32 on the device; max_blocks is a host bound."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    max_blocks: int
+    block_m: int
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
+              small_max: int = ALIGN_SMALL_MAX) -> Alignment:
+    """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
+
+    Args:
+        topk_ids: [T, k] int32, contiguous (global ids when expert_map is given).
+        expert_map: [E_global] int32 global -> local id or -1, or None.
+        num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
+        small_max: largest T*k aligned by the one-program kernel.
+    """
+    TK = topk_ids.numel()
+    E = num_experts
+    dev = topk_ids.device
+    max_blocks = max(1, min(TK, triton.cdiv(TK, block_m) + E))
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    has_map = expert_map is not None
+    emap = expert_map if has_map else topk_ids
+    e_pad = _pow2(E)
+    if TK <= small_max and e_pad <= 1024:
+        align.align_small_kernel[(1,)](
+            topk_ids, emap, sorted_ids, block_expert, num_padded, TK, max_blocks,
+            BM=block_m, C=max(16, min(256, 8192 // e_pad)), E_PAD=e_pad, NB=64, HAS_MAP=has_map, num_warps=4)
+    else:
+        C, CS, EB = 256, 64, min(64, e_pad)
+        NC = triton.cdiv(TK, C)
+        chunk_counts = torch.empty(NC, E, dtype=torch.int32, device=dev)
+        chunk_base = torch.empty(NC, E, dtype=torch.int32, device=dev)
+        expert_start = torch.empty(E, dtype=torch.int32, device=dev)
+        expert_end = torch.empty(E, dtype=torch.int32, device=dev)
+        align.align_count_kernel[(NC,)](topk_ids, emap, chunk_counts, TK, E, C=C, CS=CS, EB=EB,
+                                        HAS_MAP=has_map, num_warps=4)
+        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids,
+                                      block_expert, num_padded, NC, E, TK, max_blocks,
+                                      BM=block_m, R=64, EB=EB, NB=64, num_warps=8)
+        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_base, expert_start, sorted_ids, TK, E,
+                                          C=C, CS=CS, EB=EB, HAS_MAP=has_map, num_warps=4)
+    return Alignment(sorted_ids, block_expert, num_padded, max_blocks, block_m)
+
+
+def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:
+    if t is None:
+        return
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a copy per call would double the bytes read), got strides {t.stride()}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _launch_kwargs(cfg: TileConfig):
+    return dict(BM=cfg.BLOCK_SIZE_M, BN=cfg.BLOCK_SIZE_N, BK=cfg.BLOCK_SIZE_K, GROUP_M=cfg.GROUP_SIZE_M,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor],
+    activation: str,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    on_input: bool = False,
+    config: Optional[MoEConfig] = None,
+    direct: Optional[bool] = None,
+) -> torch.Tensor:
+    """Routed experts on the Triton kernels.
+
+    Args:
+        x: [T, H] bf16/fp16/fp32.  w13: [E, 2I, H] (gated) or [E, I, H].  w2: [E, H, I].
+        b13: [E, 2I] or [E, I] or None.  b2: [E, H] or None.  (all in x's dtype)
+        topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
+        activation: a name of moekit.activations; alpha, limit: swigluoai parameters.
+        on_input: the routed weight multiplies the expert input (k = 1) instead of its output.
+        config: tiles (None: tuned file or heuristic).  direct: force the no-sort path (None: by shape).
+    Returns:
+        [T, H] fp32.
+    """
+    check_activation(activation)
+    dev = x.device
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        _check(name, t, dev, x.dtype)
+    _check("topk_weights", topk_weights, dev, torch.float32)
+    _check("topk_ids", topk_ids, dev, torch.int32)
+    _check("expert_map", expert_map, dev, torch.int32)
+    T, H = x.shape
+    E, _, I = w2.shape
+    k = topk_ids.shape[1]
+    gated = is_gated(activation)
+    if T == 0:
+        return x.new_zeros((0, H), dtype=torch.float32)
+    if direct is None:
+        direct = use_direct(T, k, E)
+    if config is None:
+        config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
+    TK = T * k
+    has_map = expert_map is not None
+    emap = expert_map if has_map else topk_ids
+    flags = dict(HAS_BIAS=b13 is not None, HAS_MAP=has_map, ON_INPUT=on_input, IEEE=x.dtype == torch.float32)
+    g1, g2 = config.gemm1, config.gemm2
+    if direct:
+        # One live row per program: the smallest tile tl.dot takes, no L2 grouping needed.
+        g1 = TileConfig(16, g1.BLOCK_SIZE_N, g1.BLOCK_SIZE_K, 1, g1.num_warps, g1.num_stages)
+        g2 = TileConfig(16, g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, 1, g2.num_warps, g2.num_stages)
+        sorted_ids = block_expert = num_padded = topk_ids  # unused by the direct kernels
+        rows1, rows2 = TK, T
+        act = torch.empty(TK, I, dtype=x.dtype, device=dev)
+        out2 = torch.empty(T, H, dtype=torch.float32, device=dev)
+    else:
+        al = moe_align(topk_ids, expert_map, E, config.block_m)
+        sorted_ids, block_expert, num_padded = al.sorted_ids, al.block_expert, al.num_padded
+        rows1 = rows2 = al.max_blocks
+        act = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=dev)
+        out2 = torch.empty(TK, H, dtype=x.dtype, device=dev)
+    bias13 = b13 if b13 is not None else x
+    bias2 = b2 if b2 is not None else x
+    moe.gemm1_kernel[(rows1 * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
+        x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, block_expert, num_padded,
+        I, H, TK, k, rows1,
+        x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
+        float(alpha), float(limit),
+        DIRECT=direct, GATED=gated, ACT=activation, **flags, **_launch_kwargs(g1))
+    flags.pop("HAS_BIAS")
+    moe.gemm2_kernel[(rows2 * triton.cdiv(H, g2.BLOCK_SIZE_N),)](
+        act, w2, bias2, out2, topk_weights, topk_ids, emap, sorted_ids, block_expert, num_padded,
+        H, I, TK, k, rows2,
+        act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, out2.stride(0),
+        DIRECT=direct, HAS_BIAS=b2 is not None, **flags, **_launch_kwargs(g2))
+    if direct:
+        return out2
+    out = torch.empty(T, H, dtype=torch.float32, device=dev)
+    bn = min(1024, _pow2(H))
+    bt = max(1, 4096 // bn)
+    moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
+        out2, out, topk_ids, emap, T, H, k, out2.stride(0), out.stride(0),
+        BT=bt, BN=bn, HAS_MAP=has_map, num_warps=4)
+    return out

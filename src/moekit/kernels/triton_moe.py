@@ -1,0 +1,254 @@
+"""Triton kernels of the fused experts: GEMM1 (w13, activation fused), GEMM2 (w2, routed
+weight applied) and the fixed-order sum over k.
+
+Two row layouts, chosen by the launcher from the shapes alone:
+    sorted (DIRECT=False): rows come from triton_align: each BM-row block holds the
+        assignments of one expert (padded with the sentinel T*k). GEMM1 writes the
+        activation at the sorted row; GEMM2 writes each assignment's weighted output
+        y[a, :] (x's dtype) and `sum_k_kernel` adds the k rows of a token in order j = 0..k-1.
+    direct (DIRECT=True, for a handful of tokens): no sorting at all. GEMM1 runs one
+        program column per assignment; GEMM2 runs one per token and walks its k experts
+        inside the K loop, so the sum over k is fused, deterministic and needs no third
+        launch. Both use a BM-row tile with one live row: tl.dot needs 16 rows, and the
+        weights, not the arithmetic, are what costs at this size.
+
+Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
+TK = T * k assignments, R rows of the activation buffer.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_align import local_expert
+
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel"]
+
+
+@triton.jit
+def _apply_act(g, u, ACT: tl.constexpr, alpha, limit):
+    """Activation in fp32: gated ones combine gate g and up u; "_no_mul" ones use g only."""
+    if ACT == "silu":
+        return g * tl.sigmoid(g) * u
+    elif ACT == "gelu":
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    elif ACT == "gelu_tanh":
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * u
+    elif ACT == "swigluoai":
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return gc * tl.sigmoid(alpha * gc) * (uc + 1.0)
+    elif ACT == "silu_no_mul":
+        return g * tl.sigmoid(g)
+    elif ACT == "gelu_no_mul":
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:  # relu2_no_mul
+        r = tl.maximum(g, 0.0)
+        return r * r
+
+
+@triton.jit
+def _expert_of(ids_ptr, map_ptr, assign, HAS_MAP: tl.constexpr):
+    """Local expert (-1: not local) of one assignment index known to be < T*k."""
+    gid = tl.load(ids_ptr + assign)
+    if HAS_MAP:
+        return tl.load(map_ptr + gid)
+    return gid
+
+
+@triton.jit
+def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row block, column block), GROUP_M row blocks side by side so the
+    weight tiles they share stay in L2."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(NUM_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M"])
+def gemm1_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, TK, top_k, NUM_M,
+    stride_xm, stride_we, stride_wn, stride_be, stride_om,
+    alpha, limit,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I).
+
+    x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
+    """
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    rows = tl.arange(0, BM)
+    if DIRECT:
+        # One live row: assignment pid_m. Non-local assignments need no activation row.
+        e = _expert_of(ids_ptr, map_ptr, pid_m, HAS_MAP)
+        if e < 0:
+            return
+        assign = pid_m + rows * 0
+        live = rows == 0
+        out_rows = assign
+    else:
+        if pid_m * BM >= tl.load(num_padded_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m)
+        assign = tl.load(sorted_ptr + pid_m * BM + rows)
+        live = assign < TK
+        out_rows = pid_m * BM + rows
+    token = tl.where(live, assign // top_k, 0).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = ks + k0 < K
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+        if GATED:
+            wu = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(a, wu, acc_u)
+        a_ptrs += BK
+        g_ptrs += BK
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias.
+        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+        acc_g = acc_g * w_row[:, None]
+        if GATED:
+            acc_u = acc_u * w_row[:, None]
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
+    else:
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    o_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    o_mask = col_ok[None, :]
+    if DIRECT:
+        o_mask = o_mask & live[:, None]
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M"])
+def gemm2_kernel(
+    a_ptr, w_ptr, b_ptr, out_ptr,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, TK, top_k, NUM_M,
+    stride_am, stride_we, stride_wn, stride_be, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Down projection with the routed weight (unless it went on the input).
+
+    sorted: y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n], y [TK, N=H] in x's dtype.
+    direct: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], out [T, H] fp32.
+    act [R, K=I]; w2 [E, N, K]; b2 [E, N].
+    """
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    rows = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if DIRECT:
+        # Token pid_m; iteration it covers slot j = it // num_k, K-block it % num_k.
+        live = rows == 0
+        num_k = tl.cdiv(K, BK)
+        for it in range(0, top_k * num_k):
+            j = it // num_k
+            k0 = (it - j * num_k) * BK
+            assign = pid_m * top_k + j
+            e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+            k_ok = (ks + k0 < K) & (ks * 0 + e >= 0)
+            a = tl.load(a_ptr + assign.to(tl.int64) * stride_am + k0 + rows[:, None] * 0 + ks[None, :],
+                        mask=live[:, None] & k_ok[None, :], other=0.0)
+            if not ON_INPUT:
+                a = (a.to(tl.float32) * tl.load(topk_w_ptr + assign)).to(a_ptr.dtype.element_ty)
+            wt = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+                         + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, wt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, wt, acc)
+        if HAS_BIAS:
+            for j in range(0, top_k):
+                assign = pid_m * top_k + j
+                e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+                bias = tl.load(b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be + cols,
+                               mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
+                if not ON_INPUT:
+                    bias = bias * tl.load(topk_w_ptr + assign)
+                acc += bias[None, :]
+        o_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + rows[:, None] * 0 + cols[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+    else:
+        if pid_m * BM >= tl.load(num_padded_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m)
+        assign = tl.load(sorted_ptr + pid_m * BM + rows)
+        live = assign < TK
+        a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        for k0 in range(0, K, BK):
+            k_ok = ks + k0 < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, wt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, wt, acc)
+            a_ptrs += BK
+            w_ptrs += BK
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if not ON_INPUT:
+            acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
+        o_ptrs = out_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "top_k"])
+def sum_k_kernel(
+    y_ptr, out_ptr, ids_ptr, map_ptr, T, N, top_k, stride_y, stride_o,
+    BT: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    """out[t, n] = sum over j = 0..k-1 (in order) of y[t*k+j, n], skipping non-local slots.
+
+    y [TK, N] (x's dtype); out [T, N] fp32.
+    """
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    t_ok = t < T
+    n_ok = n < N
+    acc = tl.zeros([BT, BN], dtype=tl.float32)
+    for j in range(0, top_k):
+        assign = t * top_k + j
+        e = local_expert(ids_ptr, map_ptr, assign, t_ok, HAS_MAP)
+        v = tl.load(y_ptr + assign.to(tl.int64)[:, None] * stride_y + n[None, :],
+                    mask=(e >= 0)[:, None] & n_ok[None, :], other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :], acc, mask=t_ok[:, None] & n_ok[None, :])

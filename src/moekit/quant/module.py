@@ -1,0 +1,121 @@
+"""QuantizedRoutedExperts: the routed experts' storage for a quantized FusedMoE.
+
+Same interface as moekit.layer.RoutedExperts (`expert_weights()`, `load_weights(...)`):
+`load_weights` takes a float checkpoint and quantizes it on load; `load_quantized` takes
+pre-quantized ExpertWeights (moekit.quant.checkpoint's loaders). The stored weights,
+scales and zero points are buffers (so they follow .to() and state_dict) with E first;
+optional biases stay float parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..activations import is_gated
+from ..experts.base import ExpertWeights
+from .layout import check_quantized_weights, scheme_of
+from .quantize import check_fits, quantize_experts
+from .schemes import QuantScheme, get_scheme
+
+__all__ = ["QuantizedRoutedExperts"]
+
+
+def _check_float(name: str, t, shape) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+class QuantizedRoutedExperts(nn.Module):
+    """Quantized routed experts: buffers w13, w2 (stored dtype) and one buffer per scale.
+
+    Args:
+        num_experts: E.  hidden_size: H.  intermediate_size: I.
+        activation: decides 2I (gated) or I rows of w13.
+        bias: hold float biases b13 [E, 2I or I] and b2 [E, H].
+        scheme: a scheme name or QuantScheme (get_scheme carries group size / zero points).
+        dtype: of the biases and of the random initial weights before quantization.
+        device: of every tensor.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
+                 bias: bool, scheme: Union[str, QuantScheme], dtype: Optional[torch.dtype], device) -> None:
+        super().__init__()
+        self.scheme = get_scheme(scheme)
+        E, H, I = num_experts, hidden_size, intermediate_size
+        check_fits(self.scheme, H, I)
+        self.activation = activation
+        self.shape13 = (E, 2 * I if is_gated(activation) else I, H)
+        self.shape2 = (E, H, I)
+        kw = dict(dtype=dtype, device=device)
+        self.b13 = nn.Parameter(torch.zeros(E, self.shape13[1], **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(E, H, **kw)) if bias else None
+        self._scale_names = []
+        w13 = torch.randn(self.shape13, dtype=torch.float32, device=device) * H ** -0.5
+        w2 = torch.randn(self.shape2, dtype=torch.float32, device=device) * I ** -0.5
+        self._store(quantize_experts(w13, w2, self.scheme))
+
+    def _store(self, q: ExpertWeights) -> None:
+        """Replace the stored weights and scales (buffers) with q's tensors."""
+        for name in self._scale_names:
+            delattr(self, name)
+        self.register_buffer("w13", q.w13)
+        self.register_buffer("w2", q.w2)
+        self._scale_names = sorted(q.scales)
+        for name in self._scale_names:
+            self.register_buffer(name, q.scales[name])
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2, self.b13, self.b2,
+                             scales={n: getattr(self, n) for n in self._scale_names}, quant=self.scheme.name)
+
+    @torch.no_grad()
+    def _load_biases(self, b13, b2) -> None:
+        for name, given in (("b13", b13), ("b2", b2)):
+            param = getattr(self, name)
+            if given is None:
+                continue
+            if param is None:
+                raise ValueError(f"{name} was given but the layer was built with bias=False")
+            _check_float(name, given, param.shape)
+            param.copy_(given)
+
+    @torch.no_grad()
+    def load_weights(self, w13, w2, b13=None, b2=None) -> None:
+        """Quantize float canonical-layout weights on load: w13 [E, 2I, H], w2 [E, H, I], biases float."""
+        _check_float("w13", w13, self.shape13)
+        _check_float("w2", w2, self.shape2)
+        self._load_biases(b13, b2)
+        device = self.w13.device
+        self._store(quantize_experts(w13.to(device), w2.to(device), self.scheme))
+
+    @torch.no_grad()
+    def load_quantized(self, weights: ExpertWeights) -> None:
+        """Load pre-quantized ExpertWeights of this layer's scheme (group size and zero points included)."""
+        if not isinstance(weights, ExpertWeights):
+            raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+        if weights.quant is None:
+            raise ValueError(f"weights must be quantized with {self.scheme.name!r}, got unquantized weights")
+        got = scheme_of(weights)
+        if got != self.scheme:
+            raise ValueError(f"weights are quantized as {got.describe()} ({got.name!r}); this layer holds "
+                             f"{self.scheme.describe()} ({self.scheme.name!r})")
+        device = self.w13.device
+        moved = ExpertWeights(weights.w13.to(device), weights.w2.to(device),
+                              scales={k: v.to(device) for k, v in weights.scales.items()}, quant=weights.quant)
+        if tuple(moved.w2.shape)[:2] != self.shape2[:2]:
+            raise ValueError(f"w2 must be [E={self.shape2[0]}, H={self.shape2[1]}, ...], got {tuple(moved.w2.shape)}")
+        I = check_quantized_weights(moved, self.shape2[1], self.activation)
+        if I != self.shape2[2]:
+            raise ValueError(f"weights have intermediate size {I}, this layer {self.shape2[2]}")
+        self._load_biases(weights.b13, weights.b2)
+        self._store(moved)
+
+    def extra_repr(self) -> str:
+        return f"quant={self.scheme.name!r} ({self.scheme.describe()})"

@@ -1,0 +1,94 @@
+"""`moekit eplb plan` and `moekit eplb simulate`."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from moekit.cli.eplb import read_load, synthetic_load
+from moekit.cli.main import main
+from moekit.eplb.policy import balancedness, gpu_loads, rebalance_experts
+
+FIXTURE_LOAD = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+
+
+@pytest.mark.parametrize("fmt", ["npy", "pt", "json-list", "json-object"])
+def test_plan_writes_the_fixture_placement(tmp_path, capsys, fmt):
+    path = tmp_path / ("load." + fmt.split("-")[0])
+    if fmt == "npy":
+        np.save(path, np.array(FIXTURE_LOAD, dtype=np.int64))
+    elif fmt == "pt":
+        torch.save(torch.tensor(FIXTURE_LOAD), path)
+    else:
+        path.write_text(json.dumps(FIXTURE_LOAD if fmt == "json-list" else {"load": FIXTURE_LOAD}))
+    out = tmp_path / "placement.json"
+    rc = main(["eplb", "plan", "--load", str(path), "--gpus", "8", "--nodes", "2", "--redundant", "4",
+               "--groups", "4", "--out", str(out)])
+    assert rc == 0
+    plan = json.loads(out.read_text())
+    assert plan["phy2log"] == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                               [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    assert plan["replica_count"] == [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1], [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]]
+    assert plan["policy"] == "hierarchical" and plan["num_physical_experts"] == 16
+    # The printed balancedness is the one recomputed from the placement.
+    _, after = balancedness(gpu_loads(torch.tensor(FIXTURE_LOAD), torch.tensor(plan["phy2log"]), 8))
+    assert plan["balancedness"]["overall_after"] == pytest.approx(after, abs=1e-6)
+    text = capsys.readouterr().out
+    assert "before -> after" in text and f"{after:.4f}" in text
+
+
+def test_plan_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(FIXTURE_LOAD))
+    plot = tmp_path / "gpus.png"
+    assert main(["eplb", "plan", "--load", str(path), "--gpus", "4", "--nodes", "1", "--redundant", "0",
+                 "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"], "divisible by num_gpus=2"),
+    ([1, 2, 3], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"\[L, E\] \(2-D\)"),
+    ([[1, 2], [3]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "rectangular"),
+    ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "divisible by num_nodes=3"),
+], ids=["slots-not-divisible", "one-dimensional", "ragged", "gpus-not-divisible-by-nodes"])
+def test_plan_errors(tmp_path, capsys, content, args, message):
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(content))
+    assert main(["eplb", "plan", "--load", str(path), *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_read_load_rejects_unknown_extension(tmp_path):
+    path = tmp_path / "load.csv"
+    path.write_text("1,2")
+    with pytest.raises(ValueError, match=r"\.npy, \.pt or \.json"):
+        read_load(str(path))
+
+
+def test_simulate(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["eplb", "simulate", "--experts", "32", "--layers", "4", "--gpus", "8", "--nodes", "2",
+                 "--redundant", "0,8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["redundant"] for r in rows] == [0, 8]
+    assert rows[1]["overall_after"] >= rows[0]["overall_after"] > rows[0]["overall_before"]
+    assert "redundant  slots" in capsys.readouterr().out
+    assert main(["eplb", "simulate", "--experts", "32", "--gpus", "8", "--redundant", "4"]) == 2  # 36 % 8
+
+
+def test_synthetic_loads():
+    zipf = synthetic_load("zipf", 3, 16, 10_000, alpha=1.0, seed=1)
+    assert zipf.shape == (3, 16)
+    # Zipf: the sorted weights of every layer follow 1 / rank.
+    top = zipf.sort(-1, descending=True).values
+    assert torch.allclose(top[:, 0] / top[:, 3], torch.full((3,), 4.0, dtype=torch.float64), rtol=0.01)
+    lognormal = synthetic_load("lognormal", 61, 256, 1_000_000, sigma=1.0, seed=0)
+    phy2log = rebalance_experts(lognormal, 288, 1, 1, 32)[0]
+    assert balancedness(gpu_loads(lognormal, phy2log, 32))[1] >= 0.93
+    with pytest.raises(ValueError, match="dist must be one of"):
+        synthetic_load("uniform", 1, 4, 10)

@@ -1,0 +1,238 @@
+"""EPLB across processes (gloo, 2 and 4 ranks): rearrangement moves exact bytes, keeps the
+layer's output bit-identical, async = sync, nothing moves when nothing changes, and
+enable_eplb on expert-parallel FusedMoE layers.
+
+Bit-identical outputs across placements: weights, inputs and routing weights are small
+dyadic rationals (k/4), so every product and partial sum is exact in fp32 and the result
+does not depend on which rank computes which assignment or in what order sums run.
+"""
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moekit
+from moekit.eplb import EplbConfig, EplbState, enable_eplb
+from moekit.eplb.maps import initial_placement, local_slots, map_to_physical
+from moekit.experts.base import ExpertWeights
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, size, port, fn, results):
+    failures = []
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=60))
+        fn(rank, size)
+    except BaseException:  # noqa: BLE001 (sent to the parent, which fails the test)
+        failures.append(traceback.format_exc())
+    results.put((rank, failures))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # a rank that failed must not wait at exit for collectives it abandoned
+
+
+def _run_world(size, fn, timeout_s=150.0):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, fn, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < size:
+            rank, failures = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            got[rank] = failures
+    except queue_mod.Empty:
+        pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    problems = [f"rank {r}:\n" + "\n".join(got[r]) if r in got else f"rank {r}: no result in {timeout_s} s"
+                for r in range(size) if got.get(r) != []]
+    assert not problems, "\n".join(problems)
+
+
+# -- the checks each rank runs ------------------------------------------------------------
+
+E, H, I, K, L = 6, 8, 4, 2, 2
+R = 8  # 2 redundant slots: S = 4 per rank on 2 ranks, 2 per rank on 4
+
+
+def _dyadic(gen, *shape):
+    return torch.randint(-4, 5, shape, generator=gen).float() / 4
+
+
+def _logical_weights(gen):
+    """Every kind of per-expert tensor: fp32 and bf16 weights, biases, a scale, an int8 tensor."""
+    return ExpertWeights(
+        w13=_dyadic(gen, E, I, H), w2=_dyadic(gen, E, H, I).to(torch.bfloat16),
+        b13=_dyadic(gen, E, I), b2=_dyadic(gen, E, H),
+        scales={"w_scale": torch.rand(E, generator=gen), "w_zero": torch.randint(-8, 8, (E, 3), generator=gen,
+                                                                                 dtype=torch.int8)})
+
+
+def _rows(w, index):
+    return ExpertWeights(*(getattr(w, n)[index].clone() for n in ("w13", "w2", "b13", "b2")),
+                         scales={n: t[index].clone() for n, t in w.scales.items()})
+
+
+def _tokens(gen, T):
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, :2] += 2.0  # experts 0 and 1 are hot
+    _, ids = moekit.route(logits, moekit.RoutingConfig(top_k=K))
+    weights = torch.randint(1, 5, (T, K), generator=gen).float() / 4
+    return _dyadic(gen, T, H), weights, ids
+
+
+def _output(state, layer, local, x, w, ids):
+    physical = map_to_physical(ids, state.log2phy[layer], state.replica_count[layer])
+    part = moekit.fused_experts(x, local, None, w, physical, activation="relu2_no_mul",
+                                expert_map=state.expert_map())
+    dist.all_reduce(part)
+    return part
+
+
+def _bytes(t):
+    """[S, ...] -> [S, bytes per slot] uint8."""
+    return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def _check_bytes(state, locals_, logical):
+    for layer in range(L):
+        index = state.phy2log[layer, state.slots.start:state.slots.stop]
+        for (name, t), (_, ref) in zip(locals_[layer].per_expert_tensors(), logical[layer].per_expert_tensors()):
+            assert torch.equal(_bytes(t), _bytes(ref[index])), f"layer {layer} {name}"
+            # Replicas are identical across ranks: gather every rank's slots and compare per expert.
+            slots = [torch.empty_like(_bytes(t)) for _ in range(state.num_ranks)]
+            dist.all_gather(slots, _bytes(t))
+            every = torch.cat(slots)
+            for e in range(E):
+                copies = every[state.phy2log[layer] == e]
+                assert bool((copies == copies[0]).all()), f"replicas of expert {e} differ in {name}"
+
+
+class _CountP2P:
+    """Counts batch_isend_irecv calls (the only way EPLB moves bytes between ranks)."""
+
+    def __init__(self):
+        self.calls = 0
+        self._real = dist.batch_isend_irecv
+
+    def __call__(self, ops):
+        self.calls += 1
+        return self._real(ops)
+
+
+def _check_rearrangement(rank, size):
+    counter = _CountP2P()
+    dist.batch_isend_irecv = counter
+    gen = torch.Generator().manual_seed(7)  # the same model on every rank
+    logical = [_logical_weights(gen) for _ in range(L)]
+    x, w, ids = _tokens(gen, 23)  # all tokens (for the output check)
+    my = slice(rank, None, size)  # the tokens this rank routes (uneven counts)
+    refs = [moekit.fused_experts(x, logical[i], None, w, ids, activation="relu2_no_mul", backend="reference")
+            for i in range(L)]
+    results = {}
+    for mode in ("sync", "async"):
+        slots = local_slots(R, size, rank)
+        start = initial_placement(L, E, R)
+        locals_ = [_rows(logical[i], start[i, slots.start:slots.stop]) for i in range(L)]
+        config = EplbConfig(num_redundant=R - E, step_interval=8 if mode == "sync" else 10 ** 6, window_size=8,
+                            mode=mode)
+        state = EplbState([lambda w_=w_: w_ for w_ in locals_], E, config, group=dist.group.WORLD)
+        for i in range(L):
+            assert torch.equal(_output(state, i, locals_[i], x, w, ids), refs[i])
+        if mode == "sync":
+            state.set_num_tokens(ids[my].shape[0] - (1 if rank == 0 else 0))  # rank 0 pads its last row
+            for i in range(L):
+                state.hook(i).map_ids(ids[my])
+            assert not state.step()  # step 1 closes the recorded step
+            load = state.logical_load()  # what the trigger will see (a collective: every rank calls it)
+            assert state.step()  # step 2 = a quarter of the interval: rearranged from the window
+        else:
+            state.rearrange(load)
+            for _ in range(5000):
+                if not state.rearranging:
+                    break
+                time.sleep(0.002)
+                state.step()
+            assert not state.rearranging and state.rearrangements == 1
+        assert not torch.equal(state.phy2log, start), "the skewed load should move experts"
+        assert bool((state.replica_count[:, :2].sum(-1) >= 3).all()), state.replica_count
+        _check_bytes(state, locals_, logical)
+        for i in range(L):
+            assert torch.equal(_output(state, i, locals_[i], x, w, ids), refs[i]), f"{mode}: layer {i} output"
+        results[mode] = (state.phy2log.clone(), [dict(t.per_expert_tensors()) for t in locals_])
+        if mode == "sync":
+            assert counter.calls > 0
+            calls = counter.calls
+            assert not state.rearrange(load)  # the same load: same placement, nothing moved
+            assert counter.calls == calls
+    assert torch.equal(results["sync"][0], results["async"][0])
+    for a, b in zip(results["sync"][1], results["async"][1]):
+        for name in a:
+            assert torch.equal(_bytes(a[name]), _bytes(b[name]))
+
+
+def _check_ep_layer(rank, size):
+    from moekit.parallel.config import ParallelConfig
+
+    gen = torch.Generator().manual_seed(11)
+    routing = moekit.RoutingConfig(top_k=K)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
+    plain = moekit.FusedMoE(E, H, I, routing)
+    plain.load_weights(w13, w2)
+    layer = moekit.FusedMoE(E, H, I, routing, parallel=ParallelConfig.expert_parallel())
+    state = enable_eplb(layer, EplbConfig(num_redundant=R - E, step_interval=10 ** 6),
+                        logical_weights=[ExpertWeights(w13, w2)])
+    assert layer.experts.w13.shape[0] == R // size
+    rank_gen = torch.Generator().manual_seed(100 + rank)
+    T = 3 + 4 * rank  # different batch sizes per rank
+    x, logits = torch.randn(T, H, generator=rank_gen), torch.randn(T, E, generator=rank_gen)
+    logits[:, 0] += 3.0
+    tol = 1e-5
+    out = layer(x, logits)
+    assert moekit_rel_err(out, plain(x, logits)) <= tol
+    state.step()
+    state.rearrange()  # from the recorded, all-reduced window
+    assert state.replica_count[0, 0] >= 2
+    out = layer(x, logits)
+    assert moekit_rel_err(out, plain(x, logits)) <= tol
+    layer.load_weights(w13 * 2, w2)  # logical checkpoint tensors go to the current slots
+    plain.load_weights(w13 * 2, w2)
+    assert moekit_rel_err(layer(x, logits), plain(x, logits)) <= tol
+
+
+def moekit_rel_err(out, ref):
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _all_checks(rank, size):
+    _check_rearrangement(rank, size)
+    _check_ep_layer(rank, size)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_eplb_across_ranks(size):
+    _run_world(size, _all_checks)

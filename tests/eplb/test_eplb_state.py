@@ -1,0 +1,176 @@
+"""EplbState in one process: trigger schedule, FusedMoE with redundant experts, async = sync."""
+
+import time
+
+import pytest
+import torch
+
+import moekit
+from conftest import TOL, rel_err
+from moekit.eplb import EplbConfig, EplbState, enable_eplb
+from moekit.experts.base import ExpertWeights
+
+
+def _weights(S, H=4, I=2):
+    w = ExpertWeights(torch.randn(S, 2 * I, H), torch.randn(S, H, I))
+    return lambda: w
+
+
+@pytest.mark.parametrize("interval,expected", [(8, [2, 10, 18]), (3, [1, 4, 7, 10, 13, 16, 19]), (1, list(range(1, 21)))],
+                         ids=["quarter-then-every-8", "short-interval", "every-step"])
+def test_trigger_schedule_counts_dummy_steps(interval, expected):
+    state = EplbState([_weights(6)], 4, EplbConfig(num_redundant=2, step_interval=interval, window_size=2))
+    fired = []
+    for step in range(1, 21):
+        before = state.rearrangements
+        state.step(dummy=(step % 3 == 0))  # dummy steps advance the counter like real ones
+        if state.rearrangements != before:
+            fired.append(step)
+    assert fired == expected
+    assert state.steps == 20
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_redundant must be an int >= 0"):
+        EplbConfig(num_redundant=-1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        EplbConfig(mode="eager")
+    with pytest.raises(ValueError, match="step_interval must be an int >= 1"):
+        EplbConfig(step_interval=0)
+    with pytest.raises(ValueError, match="must hold this rank's S=6 slots"):
+        EplbState([_weights(5)], 4, EplbConfig(num_redundant=2))
+    with pytest.raises(ValueError, match="num_gpus=1 must be divisible by num_nodes=2"):
+        EplbState([_weights(7)], 4, EplbConfig(num_redundant=3, num_nodes=2))
+
+
+def _skewed_logits(T, E, hot=(0, 1)):
+    logits = torch.randn(T, E)
+    logits[:, list(hot)] += 2.5
+    return logits
+
+
+def _plain_copy(layer, E, H, I, routing, **kw):
+    plain = moekit.FusedMoE(E, H, I, routing, **kw)
+    plain.load_weights(layer.experts.w13.detach().clone(), layer.experts.w2.detach().clone(),
+                       *(None if b is None else b.detach().clone() for b in (layer.experts.b13, layer.experts.b2)))
+    return plain
+
+
+@pytest.mark.parametrize("bias,shared", [(False, None), (True, None),
+                                         (False, moekit.SharedExpertsConfig(8, mode="fused"))],
+                         ids=["plain", "bias", "fused-shared-experts"])
+def test_fused_moe_with_redundant_experts_matches_plain_layer(bias, shared):
+    E, H, I, k = 6, 24, 8, 2
+    routing = moekit.RoutingConfig(top_k=k)
+    layers = [moekit.FusedMoE(E, H, I, routing, bias=bias, shared_experts=shared) for _ in range(2)]
+    for m in layers:
+        if bias:
+            torch.nn.init.normal_(m.experts.b13)
+            torch.nn.init.normal_(m.experts.b2)
+    plains = [_plain_copy(m, E, H, I, routing, bias=bias, shared_experts=shared) for m in layers]
+    for m, p in zip(layers, plains):
+        if shared is not None:
+            p.shared.load_state_dict(m.shared.state_dict())
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=4, window_size=3))
+    assert layers[0].experts.w13.shape[0] == E + 4
+    for slot, e in enumerate(state.phy2log[0].tolist()):  # replicas are exact copies
+        assert torch.equal(layers[0].experts.w13[slot], plains[0].experts.w13[e])
+    changed = False
+    for step in range(6):
+        x, logits = torch.randn(13 + step, H), _skewed_logits(13 + step, E)
+        for m, p in zip(layers, plains):
+            out, ref = m(x, logits), p(x, logits)
+            assert rel_err(out, ref) <= TOL[torch.float32]
+        changed = state.step() or changed
+    assert changed and state.rearrangements == 2  # steps 1 and 5
+    hot_replicas = state.replica_count[:, :2].sum(-1)
+    assert bool((hot_replicas >= 4).all()), state.replica_count  # the hot experts got the spare slots
+    for layer in range(2):  # after the move every slot holds its expert's exact bytes
+        for slot, e in enumerate(state.phy2log[layer].tolist()):
+            assert torch.equal(layers[layer].experts.w13[slot], plains[layer].experts.w13[e])
+            assert torch.equal(layers[layer].experts.w2[slot], plains[layer].experts.w2[e])
+
+
+def test_recorded_load_matches_routing():
+    E, H, I = 5, 8, 4
+    routing = moekit.RoutingConfig(top_k=2)
+    layer = moekit.FusedMoE(E, H, I, routing)
+    state = enable_eplb(layer, EplbConfig(num_redundant=3, step_interval=1000))
+    x, logits = torch.randn(11, H), torch.randn(11, E)
+    state.set_num_tokens(7)  # rows 7..10 are padding
+    layer(x, logits)
+    ids = layer.runner.last_topk.ids
+    physical = state.recorder.current[0]
+    logical = torch.zeros(E, dtype=torch.int64).scatter_add_(0, state.phy2log[0], physical)
+    assert logical.tolist() == torch.bincount(ids[:7].reshape(-1).long(), minlength=E).tolist()
+
+
+def test_load_weights_takes_logical_tensors():
+    E, H, I = 4, 8, 6
+    routing = moekit.RoutingConfig(top_k=2)
+    layer = moekit.FusedMoE(E, H, I, routing, bias=True)
+    state = enable_eplb(layer, EplbConfig(num_redundant=4))
+    state.rearrange(torch.tensor([[50, 1, 1, 9]]))  # a placement other than the initial one
+    w13, w2, b13, b2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I), torch.randn(E, H)
+    layer.load_weights(w13, w2, b13, b2)
+    plain = moekit.FusedMoE(E, H, I, routing, bias=True)
+    plain.load_weights(w13, w2, b13, b2)
+    x, logits = torch.randn(9, H), torch.randn(9, E)
+    assert rel_err(layer(x, logits), plain(x, logits)) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"per-expert tensor \[E=4"):
+        layer.load_weights(w13[:3], w2[:3])
+
+
+def test_enable_eplb_errors():
+    routing = moekit.RoutingConfig(top_k=1)
+    layer = moekit.FusedMoE(4, 8, 4, routing)
+    enable_eplb(layer, EplbConfig(num_redundant=0))
+    with pytest.raises(ValueError, match="already has EPLB enabled"):
+        enable_eplb(layer, EplbConfig())
+    with pytest.raises(ValueError, match="every layer must have E=4"):
+        enable_eplb([moekit.FusedMoE(4, 8, 4, routing), moekit.FusedMoE(6, 8, 4, routing)], EplbConfig())
+    with pytest.raises(TypeError, match="EplbConfig"):
+        enable_eplb(moekit.FusedMoE(4, 8, 4, routing), {"num_redundant": 1})
+
+
+def _run_until_idle(state, max_steps=2000):
+    for _ in range(max_steps):
+        if not state.rearranging:
+            return
+        time.sleep(0.002)
+        state.step()
+    raise AssertionError("the asynchronous rearrangement did not finish")
+
+
+def test_async_mode_gives_the_sync_result():
+    E, H, I, L = 8, 16, 8, 3
+    routing = moekit.RoutingConfig(top_k=2)
+    base = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
+    results = {}
+    load = (torch.randn(L, E) * 2).exp().round()
+    for mode in ("sync", "async"):
+        layers = [_plain_copy(m, E, H, I, routing) for m in base]
+        state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode=mode))
+        state.rearrange(load)
+        _run_until_idle(state)
+        assert state.rearrangements == 1
+        results[mode] = (state.phy2log.clone(), [m.experts.w13.detach().clone() for m in layers])
+    assert torch.equal(results["sync"][0], results["async"][0])
+    assert not torch.equal(results["sync"][0][0], torch.arange(E + 4) % E)  # the placement did move
+    for a, b in zip(results["sync"][1], results["async"][1]):
+        assert torch.equal(a, b)
+
+
+def test_async_trigger_through_steps():
+    E, H, I = 6, 8, 4
+    routing = moekit.RoutingConfig(top_k=2)
+    layer = moekit.FusedMoE(E, H, I, routing)
+    plain = _plain_copy(layer, E, H, I, routing)
+    state = enable_eplb(layer, EplbConfig(num_redundant=6, step_interval=4, mode="async"))
+    x, logits = torch.randn(40, H), _skewed_logits(40, E)
+    layer(x, logits)
+    state.step()  # step 1: the trigger starts the worker
+    assert state.rearranging
+    _run_until_idle(state)
+    assert state.replica_count[0, :2].sum() >= 4
+    assert rel_err(layer(x, logits), plain(x, logits)) <= TOL[torch.float32]

@@ -1,0 +1,200 @@
+"""The "moekit" experts implementation registered with transformers: whole tiny models of the six
+families against transformers eager, standalone experts layouts, weight caching and refusals."""
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("transformers")
+
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
+
+import moekit  # noqa: E402, F401  (registers "moekit")
+from moekit.integrations.transformers import experts_layout, prepared_weights  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from hf_tiny_models import FAMILIES, TOL, build, greedy, tie_free_prompt  # noqa: E402
+
+
+def _experts_modules(model):
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+
+
+def test_import_moekit_registers_the_implementation():
+    assert "moekit" in ALL_EXPERTS_FUNCTIONS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_eager(family, dtype):
+    model = build(family, dtype)
+    ids = tie_free_prompt(model, length=8, min_margin=0.02)
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.set_experts_implementation("moekit")
+        out = model(ids).logits
+    assert all("_moekit_layout" in m.__dict__ for m in _experts_modules(model)), "moekit path was not taken"
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_identical_fp32(family):
+    model = build(family, seed=1)
+    ids = tie_free_prompt(model, batch=1, length=6, min_margin=1e-3)
+    ref = greedy(model, ids)
+    model.set_experts_implementation("moekit")
+    assert torch.equal(greedy(model, ids), ref)
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build("qwen2_moe")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="moekit").eval()
+    assert loaded.config._experts_implementation == "moekit"
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(loaded(ids).logits, model(ids).logits) <= 1e-5
+
+
+def test_canonical_layout_is_used_in_place():
+    experts = build("mixtral").model.layers[0].mlp.experts
+    w = prepared_weights(experts, experts_layout(experts))
+    assert w.w13 is experts.gate_up_proj and w.w2 is experts.down_proj
+
+
+def test_repacked_layout_is_cached_and_invalidated():
+    """gpt-oss stores gate_up transposed and interleaved: repacked once, refreshed on change."""
+    model = build("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    layout = experts_layout(experts)
+    assert layout.transposed and layout.interleaved and layout.bias and layout.activation == "swigluoai"
+    with torch.no_grad():
+        first = prepared_weights(experts, layout)
+        assert prepared_weights(experts, layout) is first
+        E, H, I2 = experts.gate_up_proj.shape
+        for e in (0, E - 1):  # gate = even columns, up = odd columns, transposed
+            assert torch.equal(first.w13[e, : I2 // 2], experts.gate_up_proj[e, :, 0::2].t())
+            assert torch.equal(first.w13[e, I2 // 2:], experts.gate_up_proj[e, :, 1::2].t())
+            assert torch.equal(first.w2[e], experts.down_proj[e].t())
+        experts.gate_up_proj.mul_(0.5)  # in-place edit bumps _version
+        second = prepared_weights(experts, layout)
+        assert second is not first and torch.equal(second.w13, first.w13 * 0.5)
+        experts.down_proj.data = experts.down_proj.data.clone() * 2  # new storage
+        third = prepared_weights(experts, layout)
+        assert third is not second and torch.equal(third.w2, second.w2 * 2)
+    ids = tie_free_prompt(model, length=6, min_margin=1e-3)
+    with torch.no_grad():  # the edited weights reach the output
+        ref = model(ids).logits
+        model.set_experts_implementation("moekit")
+        assert rel_err(model(ids).logits, ref) <= 1e-5
+
+
+def test_gradients_reach_the_original_parameters():
+    experts = build("gpt_oss").model.layers[0].mlp.experts
+    experts.config._experts_implementation = "moekit"
+    x = torch.randn(5, 64)
+    ids = torch.randint(0, 4, (5, 2))
+    w = torch.rand(5, 2)
+    experts(x, ids, w).square().sum().backward()
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def _standalone(cls_path, config_path, **cfg):
+    import importlib
+
+    mod = importlib.import_module(cls_path[0])
+    cmod = importlib.import_module(config_path[0])
+    config = getattr(cmod, config_path[1])(**cfg)
+    torch.manual_seed(0)
+    module = getattr(mod, cls_path[1])(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    return module, config
+
+
+@pytest.mark.parametrize("case", [
+    # transposed, concatenated, no bias
+    (("transformers.models.aria.modeling_aria", "AriaExperts"),
+     ("transformers.models.aria.configuration_aria", "AriaTextConfig"),
+     dict(hidden_size=64, intermediate_size=32, moe_num_experts=4)),
+    # non-gated relu^2
+    (("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHExperts"),
+     ("transformers.models.nemotron_h.configuration_nemotron_h", "NemotronHConfig"),
+     dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, mlp_hidden_act="relu2")),
+    # transposed, concatenated swigluoai with biases
+    (("transformers.models.openai_privacy_filter.modeling_openai_privacy_filter", "OpenAIPrivacyFilterExperts"),
+     ("transformers.models.openai_privacy_filter.configuration_openai_privacy_filter", "OpenAIPrivacyFilterConfig"),
+     dict(hidden_size=64, intermediate_size=32, num_local_experts=4)),
+], ids=["aria-transposed", "nemotron_h-non-gated", "privacy_filter-transposed-bias"])
+def test_other_experts_layouts_match_eager(case):
+    try:
+        module, config = _standalone(*case[:2], **case[2])
+    except (ImportError, AttributeError):
+        pytest.skip(f"{case[0][1]} is not in this transformers version")
+    T = 11
+    x = torch.randn(T, 64)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(T)])
+    ids[:, 0] = ids[:, 0].clamp(max=2)  # expert 3 may still get tokens; experts 0..2 surely do
+    w = torch.rand(T, 2)
+    with torch.no_grad():
+        config._experts_implementation = "eager"
+        ref = module(x, ids, w)
+        config._experts_implementation = "moekit"
+        out = module(x, ids, w)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def _toy_experts(**flags):
+    """A tiny experts class decorated with transformers' interface (flags as the decorator's)."""
+
+    class ToyExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
+            self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
+            self.act_fn = ACT2FN[config.hidden_act]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise AssertionError("eager forward is not used here")
+
+    return ToyExperts, flags
+
+
+def _run_toy(cls, flags, act="silu", custom_gate=None):
+    if custom_gate is not None:
+        cls._apply_gate = custom_gate
+    cls = use_experts_implementation(cls, **flags)
+    config = types.SimpleNamespace(hidden_act=act, _experts_implementation="moekit")
+    module = cls(config)
+    return module(torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("post_norm", r"ToyExperts: a norm after each expert"),
+    ("custom_gate", r"ToyExperts\._apply_gate is a custom gate"),
+    ("activation", r"ToyExperts: activation QuickGELUActivation"),
+    ("expert_parallel", r"ToyExperts: transformers' own expert parallelism"),
+])
+def test_unreproducible_experts_are_refused_by_name(kind, match):
+    cls, flags = _toy_experts()
+    if kind == "post_norm":
+        flags["has_post_expert_norm"] = True
+    with pytest.raises(ValueError, match=match):
+        if kind == "custom_gate":
+            _run_toy(cls, flags, custom_gate=lambda self, gu: torch.tanh(gu[..., :8]) * gu[..., 8:])
+        elif kind == "activation":
+            _run_toy(cls, flags, act="quick_gelu")
+        elif kind == "expert_parallel":
+            decorated = use_experts_implementation(cls, **flags)
+            module = decorated(types.SimpleNamespace(hidden_act="silu", _experts_implementation="moekit"))
+            module._is_expert_parallel = True
+            module(torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+        else:
+            _run_toy(cls, flags)

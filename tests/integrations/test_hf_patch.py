@@ -1,0 +1,158 @@
+"""moekit.hf.patch_model: whole sparse-MoE blocks replaced by FusedMoE, against transformers eager."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import moekit.hf as mh  # noqa: E402
+from moekit import FusedMoE  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from hf_tiny_models import FAMILIES, TOL, build, greedy, tie_free_prompt  # noqa: E402
+
+
+def _patched(model, **kw):
+    twin = copy.deepcopy(model)
+    names = mh.patch_model(twin, **kw)
+    return twin, names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_eager(family, dtype):
+    model = build(family, dtype)
+    patched, names = _patched(model)
+    assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(isinstance(patched.get_submodule(n), mh.MoEBlock) for n in names)
+    ids = tie_free_prompt(model, length=8, min_margin=0.02)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_identical_fp32(family):
+    model = build(family, seed=2)
+    patched, _ = _patched(model)
+    ids = tie_free_prompt(model, batch=1, length=6, min_margin=1e-3)
+    assert torch.equal(greedy(patched, ids), greedy(model, ids))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_keeps_its_return_contract(family):
+    """Each block alone, on T=1 and T=9 tokens: same outputs, same (tuple or tensor) contract."""
+    model = build(family)
+    block = model.model.layers[1].mlp
+    patched, _ = _patched(model)
+    new = patched.model.layers[1].mlp
+    for T in (1, 9):
+        x = torch.randn(1, T, 64)
+        with torch.no_grad():
+            ref, out = block(x), new(x)
+        assert type(out) is type(ref)
+        if isinstance(ref, tuple):  # gpt-oss: (hidden, router_scores [T, k])
+            assert len(out) == len(ref) and out[1].shape == ref[1].shape
+            assert torch.allclose(out[1].sort(-1).values, ref[1].sort(-1).values, atol=1e-6)
+            out, ref = out[0], ref[0]
+        assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+
+
+def test_zero_tokens():
+    model = build("deepseek_v3")
+    patched, _ = _patched(model)
+    with torch.no_grad():
+        out = patched.model.layers[0].mlp(torch.randn(1, 0, 64))
+    assert out.shape == (1, 0, 64)
+
+
+def test_canonical_weights_are_adopted_not_copied():
+    model = build("qwen2_moe")
+    block = model.model.layers[0].mlp
+    mh.patch_model(model)
+    moe = model.model.layers[0].mlp.moe
+    assert isinstance(moe, FusedMoE)
+    assert moe.experts.w13 is block.experts.gate_up_proj and moe.experts.w2 is block.experts.down_proj
+    assert moe.gate.weight is block.gate.weight and moe.shared.gate is block.shared_expert_gate.weight
+    assert moe.shared.config.gated and moe.shared.config.intermediate_size == 48
+
+
+def test_family_routing_configs():
+    ds = build("deepseek_v3")
+    mh.patch_model(ds)
+    moe = ds.model.layers[0].mlp.moe
+    r = moe.routing
+    assert (r.scoring, r.num_expert_group, r.topk_group, r.group_score, r.routed_scaling_factor) == \
+        ("sigmoid", 4, 2, "top2_sum", 2.5)
+    assert moe.e_score_correction_bias is not None and moe.router_dtype == torch.float32
+    oss = build("gpt_oss")
+    mh.patch_model(oss)
+    moe = oss.model.layers[0].mlp.moe
+    assert moe.routing.order == "topk_then_softmax" and moe.activation == "swigluoai"
+    assert moe.gate.bias is not None and moe.experts.b13 is not None
+
+
+@pytest.mark.parametrize("family, like", [("minimax", "mixtral"), ("glm4_moe", "deepseek_v3")])
+def test_structural_clones_are_recognised(family, like):
+    model = build(family)
+    assert mh.family_of(model.model.layers[0].mlp).name == like
+    patched, _ = _patched(model)
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= 1e-5
+
+
+def test_unreproducible_block_is_refused_by_name_and_model_unchanged():
+    model = build("phimoe")
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(PhimoeSparseMoeBlock\): not a block structure"):
+        mh.patch_model(model)
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_model_without_moe_is_refused():
+    with pytest.raises(ValueError, match="no sparse-MoE block"):
+        mh.patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_output_router_logits_is_refused():
+    model = build("qwen3_moe", output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits"):
+        mh.patch_model(model)
+
+
+def test_bad_backend_name_fails_before_any_change():
+    model = build("olmoe")
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        mh.patch_model(model, backend="no-such-backend")
+    assert not mh.moe_blocks(model)
+
+
+def test_explicit_backend_and_repeat_patch():
+    model = build("mixtral")
+    patched, names = _patched(model, backend="reference")
+    assert patched.model.layers[0].mlp.moe.runner.backend == "reference"
+    assert mh.patch_model(patched) == []  # already patched: nothing left to do
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= 1e-5
+
+
+def test_only_the_given_model_changes():
+    from transformers.models.mixtral import modeling_mixtral
+
+    forward_before = modeling_mixtral.MixtralSparseMoeBlock.forward
+    a, b = build("mixtral"), build("mixtral")
+    mh.patch_model(a)
+    assert modeling_mixtral.MixtralSparseMoeBlock.forward is forward_before
+    assert type(b.model.layers[0].mlp) is modeling_mixtral.MixtralSparseMoeBlock
+    assert not mh.moe_blocks(b)
+
+
+def test_router_jitter_in_training_is_refused():
+    model = build("mixtral", router_jitter_noise=0.1)
+    mh.patch_model(model)
+    model.train()
+    with pytest.raises(RuntimeError, match="jitter"):
+        model(torch.randint(3, 128, (1, 4)))

@@ -1,0 +1,121 @@
+"""Tile configs of the Triton experts: file names, parsing, nearest-M lookup, the user folder,
+the shipped files, the heuristics and search space; the backend's refusals on CPU."""
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moekit.config import settings  # noqa: E402
+from moekit.experts.base import ExpertsProblem  # noqa: E402
+from moekit.experts.triton_experts import TritonBackend  # noqa: E402
+from moekit.kernels import tuning  # noqa: E402
+from moekit.kernels.tuning import (  # noqa: E402
+    SHIPPED_DIR, MoEConfig, TileConfig, config_file_name, default_config, get_config, parse_configs, search_space,
+    use_direct,
+)
+from moekit.oracle import PRIORITIES, explain  # noqa: E402
+
+ENTRY = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
+
+
+def test_file_name_format():
+    assert config_file_name(8, 14336, "NVIDIA_H200") == "E=8,N=14336,device_name=NVIDIA_H200.json"
+    assert (config_file_name(64, 1024, "NVIDIA_H200", "float32", (128, 128))
+            == "E=64,N=1024,device_name=NVIDIA_H200,dtype=float32,block_shape=[128,128].json")
+
+
+def test_parse_engine_style_file_uses_one_config_for_both_gemms():
+    table = parse_configs(json.dumps({"1": ENTRY, "64": dict(ENTRY, BLOCK_SIZE_M=32)}), "f.json")
+    assert sorted(table) == [1, 64]
+    assert table[1].gemm1 == table[1].gemm2 == TileConfig(16, 64, 128, 1, 4, 4)
+    assert table[64].block_m == 32
+
+
+def test_parse_moekit_file_with_own_gemm2_tiles_round_trips():
+    cfg = MoEConfig(TileConfig(64, 128, 64, 8, 8, 3), TileConfig(64, 256, 64, 8, 8, 4))
+    assert parse_configs(json.dumps({"4096": cfg.to_json()}), "f.json")[4096] == cfg
+
+
+@pytest.mark.parametrize("text,match", [
+    ("not json", "not valid JSON"),                                     # garbage
+    ("{}", "non-empty object"),                                         # empty table
+    (json.dumps({"x": ENTRY}), "keys must be token counts"),            # key not an int
+    (json.dumps({"1": {"BLOCK_SIZE_M": 16}}), "lacks"),                 # missing fields
+    (json.dumps({"1": dict(ENTRY, BLOCK_SIZE_N=48)}), "power of two"),  # bad tile
+    (json.dumps({"1": dict(ENTRY, gemm2={"BLOCK_SIZE_M": 32})}), "gemm2"),  # gemm2 may not change rows
+])
+def test_parse_errors_name_the_problem(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_configs(text, "f.json")
+
+
+def test_mismatched_row_blocks_are_an_error():
+    with pytest.raises(ValueError, match="gemm2.BLOCK_SIZE_M"):
+        MoEConfig(TileConfig(16, 64, 64), TileConfig(32, 64, 64))
+
+
+def test_nearest_m_lookup_and_user_folder_first(tmp_path, monkeypatch):
+    table = {"1": ENTRY, "64": dict(ENTRY, BLOCK_SIZE_M=32), "4096": dict(ENTRY, BLOCK_SIZE_M=128)}
+    (tmp_path / config_file_name(7, 96, "Fake_GPU")).write_text(json.dumps(table))
+    monkeypatch.setattr(tuning, "settings", dataclasses.replace(settings, tuned_config_dir=str(tmp_path)))
+    tuning.load_configs.cache_clear()
+    try:
+        get = lambda T: get_config(T, 7, 2, 32, 96, torch.bfloat16, "Fake_GPU").block_m  # noqa: E731
+        assert [get(1), get(30), get(40), get(1000), get(100000)] == [16, 16, 32, 32, 128]
+        # float32 files carry a dtype: none here, so the heuristic answers.
+        assert get_config(4096, 7, 2, 32, 96, torch.float32, "Fake_GPU") == default_config(4096, 7, 2, 32, 96, 4)
+    finally:
+        tuning.load_configs.cache_clear()
+
+
+def test_shipped_files_parse_and_are_named_for_the_h200():
+    names = [n for n in os.listdir(SHIPPED_DIR) if n.endswith(".json")]
+    for name in names:
+        assert re.fullmatch(r"E=\d+,N=\d+,device_name=NVIDIA_H200\.json", name), name
+        with open(os.path.join(SHIPPED_DIR, name), encoding="utf-8") as fh:
+            assert parse_configs(fh.read(), name)
+
+
+@pytest.mark.parametrize("T,E,k,expected", [
+    (1, 8, 2, True),        # one token is always direct
+    (2, 128, 8, True),      # 16 assignments over 128 experts: few collisions
+    (2, 8, 2, False),       # 4 assignments over 8 experts: collisions are likely
+    (64, 128, 8, False),
+])
+def test_direct_path_rule(T, E, k, expected):
+    assert use_direct(T, k, E) is expected
+
+
+@pytest.mark.parametrize("T", [1, 16, 256, 4096, 65536])
+def test_heuristics_and_search_space_fit_the_gpu(T):
+    for E, k in ((8, 2), (128, 8)):
+        cfg = default_config(T, E, k, 4096, 1024)
+        assert cfg.gemm1.smem_bytes(2, 2) <= 220 * 1024 and cfg.gemm2.smem_bytes(2, 1) <= 220 * 1024
+        g1, g2 = search_space(T, E, k)
+        assert g1 and g2
+        assert all(c.smem_bytes(2, 2) <= 220 * 1024 for c in g1)
+        assert {c.BLOCK_SIZE_M for c in g1} <= set(g2)
+
+
+def test_backend_says_why_not_on_cpu_without_interpreter():
+    p = ExpertsProblem("cpu", torch.float32, torch.float32, "silu", False, False, False, 8, 64, 32, 2)
+    reason = TritonBackend().unsupported(p)
+    if settings.triton_interpret:
+        assert reason is None
+    else:
+        assert "TRITON_INTERPRET=1" in reason
+    q = dataclasses.replace(p, device="cuda", quant="fp8")
+    assert "unquantized" in TritonBackend().unsupported(q)
+    assert "differs" in TritonBackend().unsupported(dataclasses.replace(p, device="cuda", weight_dtype=torch.float16))
+
+
+def test_oracle_prefers_triton_on_cuda():
+    assert PRIORITIES["unquantized"]["cuda"][0] == "triton"
+    p = ExpertsProblem("cuda", torch.bfloat16, torch.bfloat16, "silu", False, False, False, 8, 64, 32, 2)
+    assert explain(p)[0][0] == "triton"

@@ -1,0 +1,172 @@
+"""The Triton experts on a CUDA GPU against `reference` (PERF.md tolerances), CUDA-graph
+capture and replay, torch.compile, determinism. Run with `pytest -m gpu tests/kernels`."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import TOL, rel_err
+
+pytest.importorskip("triton")
+
+from moekit import FusedMoE, RoutingConfig, fused_experts  # noqa: E402
+from moekit.activations import ACTIVATIONS, is_gated  # noqa: E402
+from moekit.config import settings  # noqa: E402
+from moekit.experts.api import problem_of  # noqa: E402
+from moekit.experts.base import ExpertWeights  # noqa: E402
+from moekit.experts.reference import reference_experts  # noqa: E402
+from moekit.oracle import choose_backend  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, reason="TRITON_INTERPRET=1 is set")]
+
+# (name, E, k, H, I): PERF.md's five shapes.
+PERF_SHAPES = [
+    ("mixtral-8x7b", 8, 2, 4096, 14336),
+    ("qwen3-30b-a3b", 128, 8, 2048, 768),
+    ("deepseek-v3", 256, 8, 7168, 2048),
+    ("olmoe-1b-7b", 64, 8, 2048, 1024),
+    ("gpt-oss-20b", 32, 4, 2880, 2880),
+]
+_weights_cache = {}
+
+
+def _poison_allocator():
+    """Leave NaN in the caching allocator's free memory so an unwritten output element shows."""
+    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
+
+
+def _weights(E, H, I, dtype, gen, activation="silu", bias=False):
+    rows = 2 * I if is_gated(activation) else I
+    w13 = torch.randn(E, rows, H, device="cuda", generator=gen).mul_(H ** -0.5).to(dtype)
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen).mul_(I ** -0.5).to(dtype)
+    b13 = torch.randn(E, rows, device="cuda", generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(dtype) if bias else None
+    return ExpertWeights(w13, w2, b13, b2)
+
+
+def _routing(T, E_global, k, gen):
+    scores = torch.rand(T, E_global, device="cuda", generator=gen)
+    ids = scores.topk(k, dim=1).indices.to(torch.int32)
+    return torch.rand(T, k, device="cuda", generator=gen) + 0.05, ids
+
+
+@pytest.fixture
+def cuda_gen():
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _check(x, wts, w, ids, emap=None, activation="silu", on_input=False):
+    _poison_allocator()
+    out = fused_experts(x, wts, None, w, ids, activation=activation, apply_router_weight_on_input=on_input,
+                        expert_map=emap, backend="triton")
+    ref = reference_experts(x, wts, w, ids, activation=activation, apply_router_weight_on_input=on_input,
+                            expert_map=emap)
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err <= TOL[x.dtype], err
+
+
+@pytest.mark.parametrize("M", [1, 16, 64])
+@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
+def test_perf_shapes_bf16_small_batches(shape, M, cuda_gen):
+    name, E, k, H, I = shape
+    if name not in _weights_cache:
+        _weights_cache.clear()
+        torch.cuda.empty_cache()
+        _weights_cache[name] = _weights(E, H, I, torch.bfloat16, cuda_gen)
+    wts = _weights_cache[name]
+    x = torch.randn(M, H, device="cuda", generator=cuda_gen).bfloat16()
+    w, ids = _routing(M, E, k, cuda_gen)
+    _check(x, wts, w, ids)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_shapes(seed):
+    rng = random.Random(seed * 7919 + 1)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    _weights_cache.clear()
+    E = rng.randint(1, 40)
+    k = rng.randint(1, min(E, 8))
+    H, I = rng.choice([rng.randint(8, 700), 64 * rng.randint(1, 12)]), rng.choice([rng.randint(8, 400), 64 * rng.randint(1, 8)])
+    T = rng.choice([1, 2, 3, rng.randint(4, 60), rng.randint(60, 3000)])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    activation = rng.choice(ACTIVATIONS)
+    n_remote = rng.choice([0, 0, rng.randint(1, 6)])
+    wts = _weights(E, H, I, dtype, gen, activation, bias=rng.random() < 0.3)
+    emap = None
+    if n_remote:
+        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
+        emap[torch.randperm(E + n_remote, device="cuda", generator=gen)[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
+    w, ids = _routing(T, E + n_remote, k, gen)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    _check(x, wts, w, ids, emap, activation, on_input=k == 1 and rng.random() < 0.5)
+
+
+@pytest.mark.parametrize("T", [1, 300])
+def test_float32_exact_dots(T, cuda_gen):
+    wts = _weights(6, 96, 80, torch.float32, cuda_gen, bias=True)
+    w, ids = _routing(T, 6, 2, cuda_gen)
+    _check(torch.randn(T, 96, device="cuda", generator=cuda_gen), wts, w, ids)
+
+
+def test_large_batch_takes_the_three_kernel_alignment(cuda_gen):
+    wts = _weights(64, 256, 128, torch.bfloat16, cuda_gen)
+    w, ids = _routing(6000, 64, 4, cuda_gen)
+    _check(torch.randn(6000, 256, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids)
+
+
+def test_run_to_run_bit_identical(cuda_gen):
+    wts = _weights(32, 512, 256, torch.bfloat16, cuda_gen)
+    w, ids = _routing(700, 32, 4, cuda_gen)
+    x = torch.randn(700, 512, device="cuda", generator=cuda_gen).bfloat16()
+    a = fused_experts(x, wts, None, w, ids, backend="triton")
+    b = fused_experts(x, wts, None, w, ids, backend="triton")
+    assert torch.equal(a, b)
+
+
+def _layer(E=16, k=4, H=256, I=128):
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=k), dtype=torch.bfloat16, device="cuda")
+    return layer.eval()
+
+
+def test_oracle_picks_triton_for_the_layer():
+    layer = _layer()
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        problem = problem_of(x, layer.experts.expert_weights(), 4, "silu", False, False)
+        assert choose_backend(problem).backend.name == "triton"
+
+
+@pytest.mark.parametrize("T", [1, 64])  # direct path, sorted path
+def test_cuda_graph_capture_and_replay(T, cuda_gen):
+    layer = _layer()
+    static_x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    static_logits = torch.randn(T, 16, device="cuda")
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(static_x, static_logits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x, static_logits)
+        for _ in range(3):  # fresh inputs each replay
+            static_x.copy_(torch.randn(T, 256, device="cuda", generator=cuda_gen))
+            static_logits.copy_(torch.randn(T, 16, device="cuda", generator=cuda_gen))
+            graph.replay()
+            expected = layer(static_x, static_logits)
+            assert torch.equal(static_out, expected)
+
+
+def test_torch_compile_of_the_layer(cuda_gen):
+    layer = _layer()
+    x = torch.randn(32, 256, device="cuda", generator=cuda_gen).bfloat16()
+    logits = torch.randn(32, 16, device="cuda", generator=cuda_gen)
+    with torch.inference_mode():
+        eager = layer(x, logits)
+        compiled = torch.compile(layer)(x, logits)
+    assert rel_err(compiled, eager) <= TOL[torch.bfloat16]

@@ -1,0 +1,188 @@
+"""The Triton experts kernels on CPU under Triton's interpreter, against `reference`.
+
+TRITON_INTERPRET is read when moekit and the kernels are imported, so the tests run in a
+fresh process with it set (the parent's one test starts that process). Interpreter runs
+use fp16/fp32 only: tl.dot on bf16 operands returns wrong values there.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TOL, rel_err
+
+IN_INTERPRETER = os.environ.get("MOEKIT_TEST_IN_INTERPRETER") == "1"
+
+if not IN_INTERPRETER:
+
+    def test_kernels_under_the_triton_interpreter():
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1", MOEKIT_TEST_IN_INTERPRETER="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+else:
+    from moekit import fused_experts
+    from moekit.activations import ACTIVATIONS, is_gated
+    from moekit.config import settings
+    from moekit.experts.base import ExpertWeights
+    from moekit.experts.reference import reference_experts
+    from moekit.experts.triton_experts import TritonBackend, triton_fused_experts
+    from moekit.kernels.launch import fused_moe, moe_align
+    from moekit.kernels.tuning import MoEConfig, TileConfig
+
+    def _routing(T, E_global, k, gen):
+        """Distinct experts per token (tie-free), weights in (0, 1]."""
+        ids = torch.stack([torch.randperm(E_global, generator=gen)[:k] for _ in range(T)]) if T else \
+            torch.zeros(0, k, dtype=torch.long)
+        return torch.rand(T, k, generator=gen) + 0.05, ids.to(torch.int32)
+
+    def _problem(T, E, k, H, I, dtype, gen, activation="silu", bias=False, n_remote=0, scale=1.0):
+        gated = is_gated(activation)
+        rows = 2 * I if gated else I
+        x = (torch.randn(T, H, generator=gen) * scale).to(dtype)
+        w13 = (torch.randn(E, rows, H, generator=gen) * H ** -0.5).to(dtype)
+        w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
+        b13 = torch.randn(E, rows, generator=gen).to(dtype) if bias else None
+        b2 = torch.randn(E, H, generator=gen).to(dtype) if bias else None
+        emap = None
+        if n_remote:
+            Eg = E + n_remote
+            emap = torch.full((Eg,), -1, dtype=torch.int32)
+            emap[torch.randperm(Eg, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        w, ids = _routing(T, E + n_remote, k, gen)
+        return x, ExpertWeights(w13, w2, b13, b2), w, ids, emap
+
+    def _check(x, wts, w, ids, emap, activation="silu", on_input=False, direct=None, config=None, tol=None):
+        out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation,
+                        on_input=on_input, direct=direct, config=config)
+        ref = reference_experts(x, wts, w, ids, activation=activation, apply_router_weight_on_input=on_input,
+                                expert_map=emap)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        assert err <= (tol or TOL[x.dtype]), err
+        return out
+
+    def _expected_alignment(ids, emap, E, bm):
+        """Independent alignment: per expert, its assignments in order, padded to bm rows."""
+        flat = ids.reshape(-1).long()
+        local = flat if emap is None else emap.long()[flat]
+        rows, owners = [], []
+        for e in range(E):
+            mine = (local == e).nonzero().flatten().tolist()
+            if not mine:
+                continue
+            padded = -(-len(mine) // bm) * bm
+            rows += mine + [flat.numel()] * (padded - len(mine))
+            owners += [e] * (padded // bm)
+        return rows, owners
+
+    def test_interpreter_flag_was_read():
+        assert settings.triton_interpret
+
+    @pytest.mark.parametrize("T,E,k,bm,n_remote,small", [
+        (1, 4, 2, 16, 0, True),        # one token
+        (5, 9, 3, 16, 3, True),        # non-local experts (-1) get no rows
+        (37, 70, 2, 32, 0, True),      # most experts empty, E not a power of two
+        (40, 3, 3, 16, 0, True),       # k = E: every expert full, several blocks each
+        (300, 8, 2, 64, 2, False),     # three-kernel path with an expert map
+        (130, 70, 4, 16, 0, False),    # three-kernel path, chunk boundary inside an expert
+    ])
+    def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, gen):
+        _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
+        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0)
+        rows, owners = _expected_alignment(ids, emap, E, bm)
+        n = int(al.num_padded)
+        assert n == len(rows)
+        assert al.sorted_ids[:n].tolist() == rows
+        assert al.block_expert[: n // bm].tolist() == owners
+        assert al.max_blocks >= n // bm
+
+    @pytest.mark.parametrize("case", [
+        dict(T=1, E=4, k=2, H=32, I=16),                      # one token: direct path
+        dict(T=1, E=6, k=3, H=33, I=17),                      # odd H and I on the direct path
+        dict(T=9, E=5, k=1, H=48, I=40),                      # k = 1
+        dict(T=6, E=4, k=4, H=32, I=16),                      # k = E
+        dict(T=9, E=12, k=2, H=40, I=24),                     # experts with no token
+        dict(T=17, E=3, k=2, H=64, I=48, bias=True),          # several row blocks per expert, biases
+        dict(T=7, E=5, k=2, H=32, I=16, n_remote=4),          # expert map with non-local experts
+        dict(T=1, E=5, k=3, H=32, I=16, n_remote=4, bias=True),  # direct path, map and biases
+    ])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_matches_reference(case, dtype, gen):
+        case = dict(case)
+        x, wts, w, ids, emap = _problem(case.pop("T"), case.pop("E"), case.pop("k"), case.pop("H"), case.pop("I"),
+                                        dtype, gen, **case)
+        _check(x, wts, w, ids, emap)
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-x) -> inf is sigmoid's 0
+    @pytest.mark.parametrize("direct", [True, False])
+    @pytest.mark.parametrize("activation", ACTIVATIONS)
+    def test_every_activation_with_bias(activation, direct, gen):
+        # scale 3: gate/up values reach past swigluoai's clamp limit of 7.
+        x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float32, gen, activation=activation, bias=True,
+                                        scale=3.0)
+        _check(x, wts, w, ids, emap, activation=activation, direct=direct)
+
+    @pytest.mark.parametrize("direct", [True, False])
+    def test_router_weight_on_input(direct, gen):
+        x, wts, w, ids, emap = _problem(6, 5, 1, 32, 16, torch.float32, gen, bias=True)
+        _check(x, wts, w, ids, emap, on_input=True, direct=direct)
+
+    def test_both_paths_and_tiles_agree(gen):
+        x, wts, w, ids, emap = _problem(8, 6, 2, 32, 32, torch.float32, gen)
+        big = MoEConfig(TileConfig(32, 32, 32, 2, 4, 2), TileConfig(32, 64, 16, 1, 4, 2))
+        a = _check(x, wts, w, ids, emap, direct=True)
+        b = _check(x, wts, w, ids, emap, direct=False)
+        c = _check(x, wts, w, ids, emap, direct=False, config=big)
+        assert rel_err(a, b) <= 1e-5 and rel_err(b, c) <= 1e-5
+
+    def test_large_alignment_path_end_to_end(gen, monkeypatch):
+        import moekit.kernels.launch as launch
+
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
+        x, wts, w, ids, emap = _problem(70, 9, 3, 32, 16, torch.float32, gen, n_remote=2)
+        _check(x, wts, w, ids, emap, direct=False)
+
+    def test_run_to_run_bit_identical(gen):
+        x, wts, w, ids, emap = _problem(20, 4, 2, 32, 16, torch.float32, gen)
+        outs = [fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=False) for _ in range(2)]
+        assert torch.equal(outs[0], outs[1])
+
+    def test_fused_experts_backend_triton_and_empty_batch(gen):
+        x, wts, w, ids, emap = _problem(5, 4, 2, 32, 16, torch.float16, gen)
+        out = fused_experts(x, wts.w13, wts.w2, w, ids, backend="triton")
+        ref = fused_experts(x, wts.w13, wts.w2, w, ids, backend="reference")
+        assert out.dtype == torch.float16 and rel_err(out, ref) <= TOL[torch.float16]
+        empty = fused_experts(x[:0], wts.w13, wts.w2, w[:0], ids[:0], backend="triton")
+        assert empty.shape == (0, 32)
+        assert fused_moe(x[:0], wts.w13, wts.w2, None, None, w[:0], ids[:0], None, "silu").shape == (0, 32)
+
+    def test_backend_refuses_bf16_in_the_interpreter():
+        from moekit.experts.base import ExpertsProblem
+
+        p = ExpertsProblem("cpu", torch.bfloat16, torch.bfloat16, "silu", False, False, False, 8, 64, 32, 2)
+        assert "bf16" in TritonBackend().unsupported(p)
+        p16 = ExpertsProblem("cpu", torch.float16, torch.float16, "silu", False, False, False, 8, 64, 32, 2)
+        assert TritonBackend().unsupported(p16) is None
+        with pytest.raises(ValueError, match="backend='triton' cannot run"):
+            fused_experts(torch.randn(2, 64).bfloat16(), torch.randn(8, 64, 64).bfloat16(),
+                          torch.randn(8, 64, 32).bfloat16(), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.int32),
+                          backend="triton")
+
+    def test_launcher_rejects_bad_layouts(gen):
+        x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float32, gen)
+        with pytest.raises(ValueError, match="w13 must be contiguous"):
+            fused_moe(x, wts.w13.transpose(1, 2).contiguous().transpose(1, 2), wts.w2, None, None, w, ids, None, "silu")
+        with pytest.raises(TypeError, match="topk_ids must be torch.int32"):
+            fused_moe(x, wts.w13, wts.w2, None, None, w, ids.long(), None, "silu")
+
+    def test_custom_op_fake_and_schema(gen):
+        x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float16, gen)
+        torch.library.opcheck(triton_fused_experts, (x, wts.w13, wts.w2, None, None, w, ids, None, "silu", 1.702, 7.0, False))

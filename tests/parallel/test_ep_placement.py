@@ -1,0 +1,249 @@
+"""Expert parallelism, step 1 (STYLE.md rule 12): index math with fake group sizes, no processes.
+
+Expected values are worked out by hand in the comments, not recomputed by the code under test.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from moekit import fused_experts
+from moekit.parallel import (AllGatherReduceScatterDispatcher, AllReduceDispatcher, AllToAllDispatcher,
+                             LocalDispatcher, ParallelConfig, StaticAllToAllDispatcher)
+from moekit.parallel.ep_common import (RowLayout, destinations, gather_sources, pack_meta, pack_rows, send_slots,
+                                       sum_partials, unpack_rows)
+from moekit.parallel.placement import (expert_map, expert_owner, local_experts, non_local_expert, split_bounds,
+                                       split_sizes)
+from moekit.parallel.shard import make_shard
+from moekit.parallel.tensor_parallel import shard_intermediate
+
+from conftest import TOL, rel_err
+
+
+# -- placement -----------------------------------------------------------------------------
+
+def test_linear_split_spreads_the_remainder_over_the_first_ranks():
+    # E=10 over P=4: 10 = 4*2 + 2, so ranks 0 and 1 hold 3 experts, ranks 2 and 3 hold 2.
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    # starts: r*2 + min(r, 2) = 0, 3, 6, 8
+    assert [split_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]  # divisible: no remainder
+    assert split_sizes(0, 3) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("placement, owner, held_by_1, map_of_1", [
+    # linear: blocks [0 1 2] [3 4 5] [6 7] [8 9]
+    ("linear", [0, 0, 0, 1, 1, 1, 2, 2, 3, 3], [3, 4, 5], [-1, -1, -1, 0, 1, 2, -1, -1, -1, -1]),
+    # round robin: expert e on rank e % 4; rank 1 holds 1, 5, 9 as local 0, 1, 2
+    ("round_robin", [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [1, 5, 9], [-1, 0, -1, -1, -1, 1, -1, -1, -1, 2]),
+])
+def test_placement_E10_P4(placement, owner, held_by_1, map_of_1):
+    assert expert_owner(10, 4, placement).tolist() == owner
+    assert local_experts(10, 4, 1, placement).tolist() == held_by_1
+    emap = expert_map(10, 4, 1, placement)
+    assert emap.dtype == torch.int32 and emap.tolist() == map_of_1
+    # every expert has exactly one owner, and its local id on the owner is its index in local_experts
+    for r in range(4):
+        held = local_experts(10, 4, r, placement)
+        m = expert_map(10, 4, r, placement)
+        assert (m[held] == torch.arange(held.numel(), dtype=torch.int32)).all()
+        assert int((m >= 0).sum()) == held.numel()
+
+
+def test_one_expert_per_rank_and_single_rank():
+    assert expert_owner(4, 4, "linear").tolist() == [0, 1, 2, 3]
+    assert expert_map(4, 4, 2, "round_robin").tolist() == [-1, -1, 0, -1]
+    assert expert_map(5, 1, 0, "linear").tolist() == [0, 1, 2, 3, 4]
+
+
+def test_non_local_expert_is_held_elsewhere():
+    assert non_local_expert(10, 4, 0, "linear") == 3  # rank 0 holds 0..2: first foreign id is 3
+    assert non_local_expert(10, 4, 1, "linear") == 0
+    assert non_local_expert(10, 4, 0, "round_robin") == 1
+    with pytest.raises(ValueError, match="num_ranks >= 2"):
+        non_local_expert(4, 1, 0, "linear")
+
+
+@pytest.mark.parametrize("args, match", [
+    ((3, 4, 0, "linear"), "num_experts must be an int >= the number of ranks 4"),  # a rank would hold nothing
+    ((8, 4, 0, "striped"), "placement must be one of"),
+    ((8, 4, 4, "linear"), r"rank must be in \[0, 4\)"),
+    ((8, 0, 0, "linear"), "num_ranks must be an int >= 1"),
+])
+def test_placement_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        local_experts(*args)
+
+
+# -- ParallelConfig ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ep_size=2, ep_rank=2), r"ep_rank must be in \[0, ep_size=2\), got 2"),
+    (dict(ep_size=2, tp_size=2), "exclusive"),
+    (dict(ep_size=2, placement="striped"), "placement must be one of"),
+    (dict(ep_size=2, dispatcher="all_reduce"), "dispatcher for expert parallelism must be one of"),
+    (dict(tp_size=2, dispatcher="all_to_all"), r"dispatcher for tensor parallelism \(tp_size > 1\)"),
+    (dict(ep_size=2, dispatcher="static_all_to_all"), "needs max_tokens_per_rank"),
+    (dict(ep_size=2, max_tokens_per_rank=0), "max_tokens_per_rank must be an int >= 1, got 0"),
+    (dict(ep_size=True), "ep_size must be an int >= 1, got True"),
+    (dict(ep_size=2, timeout_s=0), "timeout_s must be a number > 0"),
+])
+def test_parallel_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_parallel_config_defaults():
+    assert ParallelConfig().dispatcher_name == "local"
+    assert ParallelConfig(ep_size=4, ep_rank=3).dispatcher_name == "all_to_all"
+    assert ParallelConfig(tp_size=2, tp_rank=1).dispatcher_name == "all_reduce"
+    p = ParallelConfig(tp_size=3, tp_rank=2)
+    assert (p.size, p.rank) == (3, 2)
+
+
+def test_parallel_layer_needs_torch_distributed():
+    from moekit import FusedMoE, RoutingConfig
+
+    with pytest.raises(ValueError, match="init_process_group"):
+        FusedMoE(8, 16, 8, RoutingConfig(top_k=2), parallel=ParallelConfig(ep_size=2, ep_rank=0))
+
+
+# -- dispatchers own no parameters ---------------------------------------------------------
+
+def test_dispatchers_own_no_parameters():
+    ep = ParallelConfig(ep_size=4, ep_rank=1, max_tokens_per_rank=8)
+    dispatchers = [
+        LocalDispatcher(),
+        AllToAllDispatcher(ep, 10, 2),
+        AllGatherReduceScatterDispatcher(ep, 10, 2),
+        StaticAllToAllDispatcher(ep, 10, 2),
+        AllReduceDispatcher(ParallelConfig(tp_size=2, tp_rank=0)),
+    ]
+    for d in dispatchers:
+        assert not isinstance(d, nn.Module), d.name
+        for name, value in vars(d).items():
+            assert not isinstance(value, (nn.Parameter, nn.Module)), f"{d.name}.{name}"
+            assert not (isinstance(value, torch.Tensor) and value.requires_grad), f"{d.name}.{name}"
+
+
+# -- destination math (the all_to_all and static paths) --------------------------------------
+
+def _example():
+    # linear E=10 over P=4: owner = [0 0 0 1 1 1 2 2 3 3]
+    owner = expert_owner(10, 4, "linear")
+    ids = torch.tensor([[0, 1],   # both experts on rank 0       -> goes to {0} once, not twice
+                        [3, 9],   # rank 1 and rank 3            -> {1, 3}
+                        [8, 9]],  # both on rank 3               -> {3}
+                       dtype=torch.int32)
+    return owner, ids
+
+
+def test_destinations_once_per_rank():
+    owner, ids = _example()
+    mask, dest = destinations(ids, owner, 4)
+    assert mask.tolist() == [[True, False, False, False], [False, True, False, True], [False, False, False, True]]
+    # C = min(P, k) = 2 columns, increasing ranks, padded with P = 4
+    assert dest.tolist() == [[0, 4], [1, 3], [3, 4]]
+
+
+def test_send_slots_dynamic_blocks():
+    owner, ids = _example()
+    mask, dest = destinations(ids, owner, 4)
+    # rows per rank: r0 {t0}, r1 {t1}, r2 {}, r3 {t1, t2} -> counts 1 1 0 2, block starts 0 1 2 2, 4 rows used
+    counts = mask.sum(0)
+    assert counts.tolist() == [1, 1, 0, 2]
+    starts = torch.cumsum(counts, 0) - counts
+    slots = send_slots(mask, dest, starts, trash=4)
+    # t0 -> r0 row 0; t1 -> r1 row 1, r3 row 2; t2 -> r3 row 3; padding -> 4
+    assert slots.tolist() == [[0, 4], [1, 2], [3, 4]]
+    assert gather_sources(slots, 4, fill=0).tolist() == [0, 1, 1, 2]
+
+
+def test_send_slots_static_capacity():
+    owner, ids = _example()
+    mask, dest = destinations(ids, owner, 4)
+    # capacity C = 3 rows per destination: blocks start at 0 3 6 9, trash row 12
+    slots = send_slots(mask, dest, torch.arange(4) * 3, trash=12)
+    assert slots.tolist() == [[0, 12], [3, 9], [10, 12]]
+    # empty slots carry the padding token index T = 3
+    assert gather_sources(slots, 12, fill=3).tolist() == [0, 3, 3, 1, 3, 3, 3, 3, 3, 1, 2, 3]
+
+
+def test_sum_partials_in_destination_order():
+    y_back = torch.tensor([[1.0], [2.0], [4.0], [8.0], [0.0]])  # last row is the zero trash row
+    slots = torch.tensor([[0, 4], [1, 2], [3, 4]])
+    assert sum_partials(y_back, slots).tolist() == [[1.0], [6.0], [8.0]]
+    assert sum_partials(y_back, slots[:0]).shape == (0, 1)  # T = 0
+
+
+# -- packed rows -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, H, flag", [
+    (torch.bfloat16, 33, True),   # odd H: x ends at byte 66, meta aligned up to 68
+    (torch.float32, 5, False),
+    (torch.float16, 1, True),     # H = 1
+])
+def test_pack_unpack_roundtrip(dtype, H, flag, gen):
+    T, k = 6, 3
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w = torch.rand(T, k, generator=gen)
+    ids = torch.randint(0, 100, (T, k), generator=gen, dtype=torch.int32)
+    f = torch.ones(T, dtype=torch.int32) if flag else None
+    layout = RowLayout(H, dtype, 2 * k + (1 if flag else 0))
+    assert layout.row_bytes % 16 == 0 and layout.meta_offset % 4 == 0
+    rows = pack_rows(x, pack_meta(w, ids, f), layout, extra_rows=2)
+    assert rows.shape == (T + 2, layout.row_bytes) and rows.dtype == torch.uint8
+    xr, meta = unpack_rows(rows, layout)
+    assert torch.equal(xr[:T], x)
+    assert torch.equal(meta[:T, :k].view(torch.float32), w)
+    assert torch.equal(meta[:T, k:2 * k], ids)
+    if flag:
+        assert meta[:T, 2 * k].tolist() == [1] * T
+    assert not rows[T:].any()  # the extra rows are all zero bytes (flag 0)
+
+
+# -- tensor parallelism of I: the partial outputs add up to the full layer ------------------
+
+@pytest.mark.parametrize("activation, I, tp", [
+    ("silu", 7, 3),          # uneven slices 3 2 2
+    ("swigluoai", 8, 2),
+    ("relu2_no_mul", 5, 5),  # non-gated, one intermediate unit per rank
+])
+def test_tp_slices_sum_to_full(activation, I, tp, gen):
+    E, H, T, k = 4, 12, 9, 2
+    gated = not activation.endswith("_no_mul")
+    rows = 2 * I if gated else I
+    w13 = torch.randn(E, rows, H, generator=gen) * 0.3
+    w2 = torch.randn(E, H, I, generator=gen) * 0.3
+    b13 = torch.randn(E, rows, generator=gen)
+    b2 = torch.randn(E, H, generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=gen)
+    kw = dict(activation=activation, backend="reference")
+    full = fused_experts(x, w13, w2, w, ids, b13=b13, b2=b2, **kw)
+    parts = []
+    for r in range(tp):
+        a, b, c, d = shard_intermediate(w13, w2, b13, b2, tp, r, gated)
+        assert b.shape[2] == split_sizes(I, tp)[r]
+        parts.append(fused_experts(x, a, b, w, ids, b13=c, b2=d, **kw))
+    assert rel_err(torch.stack(parts).sum(0), full) <= TOL[torch.float32]
+
+
+def test_shard_select_global_or_local(gen):
+    # round robin E=10 over 4 ranks: rank 1 holds experts 1, 5, 9
+    shard = make_shard(ParallelConfig(ep_size=4, ep_rank=1, placement="round_robin"), 10, 6)
+    w13 = torch.randn(10, 12, 8, generator=gen)
+    w2 = torch.randn(10, 8, 6, generator=gen)
+    a, b, _, _ = shard.select(w13, w2, gated=True)
+    assert torch.equal(a, w13[[1, 5, 9]]) and torch.equal(b, w2[[1, 5, 9]])
+    a, b, _, _ = shard.select(w13[:3], w2[:3], gated=True)  # already local: passed through
+    assert torch.equal(a, w13[:3])
+    with pytest.raises(ValueError, match=r"all E=10 experts or this rank's E_local=3"):
+        shard.select(w13[:4], w2[:4], gated=True)
+    tp = make_shard(ParallelConfig(tp_size=2, tp_rank=1), 10, 6)
+    b2 = torch.randn(10, 8, generator=gen)
+    _, b, _, d = tp.select(w13, w2, None, b2, gated=True)
+    assert torch.equal(b, w2[:, :, 3:]) and not d.any()  # b2 is added by rank 0 only
+    with pytest.raises(ValueError, match="intermediate_size must be >= tp_size=8"):
+        make_shard(ParallelConfig(tp_size=8, tp_rank=0), 10, 6)
