@@ -3,7 +3,9 @@
 Planning time: `rebalance_experts` (vectorised over layers) against the same policy as a
 plain per-layer Python loop (`rebalance_experts_loop`), same process, same loads, for the
 DeepSeek-V3 shape: 61 layers x 256 experts -> 288 slots on 4 nodes x 8 GPUs, with 8 expert
-groups (hierarchical policy) and without groups (global policy). Median of --reps runs.
+groups (hierarchical policy) and without groups (global policy). Median of --reps runs,
+with torch's default thread count and with one thread (the policy's tensors are small; on
+a shared machine a second intra-op thread mostly adds waiting).
 
 Balancedness (mean / max load per GPU, overall = sum of means / sum of maxima) on
 log-normal (sigma 1.0) and Zipf (alpha 1.0) loads, several seeds: EP32 with 32 redundant
@@ -60,17 +62,23 @@ def _median_time(fn, reps: int) -> float:
 
 
 def time_plans(reps: int, loop_reps: int):
+    """Median plan times with torch's default thread count and with one thread."""
     load = synthetic_load("lognormal", LAYERS, EXPERTS, 1_000_000, sigma=1.0, seed=0)
+    default_threads = torch.get_num_threads()
     rows = []
-    for groups in (8, 1):
-        fast = lambda: rebalance_experts(load, SLOTS, groups, NODES, GPUS)  # noqa: E731
-        loop = lambda: rebalance_experts_loop(load, SLOTS, groups, NODES, GPUS)  # noqa: E731
-        fast()  # warm-up
-        same = torch.equal(fast()[0], loop()[0])
-        t_fast, t_loop = _median_time(fast, reps), _median_time(loop, loop_reps)
-        rows.append({"groups": groups, "policy": "hierarchical" if groups % NODES == 0 else "global",
-                     "vectorised_s": round(t_fast, 5), "python_loop_s": round(t_loop, 5),
-                     "speedup": round(t_loop / t_fast, 1), "same_placement": same})
+    for threads in sorted({default_threads, 1}, reverse=True):
+        torch.set_num_threads(threads)
+        for groups in (8, 1):
+            fast = lambda: rebalance_experts(load, SLOTS, groups, NODES, GPUS)  # noqa: E731
+            loop = lambda: rebalance_experts_loop(load, SLOTS, groups, NODES, GPUS)  # noqa: E731
+            fast()  # warm-up
+            same = torch.equal(fast()[0], loop()[0])
+            t_fast, t_loop = _median_time(fast, reps), _median_time(loop, loop_reps)
+            rows.append({"threads": threads, "groups": groups,
+                         "policy": "hierarchical" if groups % NODES == 0 else "global",
+                         "vectorised_s": round(t_fast, 5), "python_loop_s": round(t_loop, 5),
+                         "speedup": round(t_loop / t_fast, 1), "same_placement": same})
+    torch.set_num_threads(default_threads)
     return rows
 
 
@@ -100,7 +108,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     timing = time_plans(args.reps, args.loop_reps)
     for r in timing:
-        print(f"plan {LAYERS}x{EXPERTS}->{SLOTS}, {NODES} nodes x {GPUS // NODES} GPUs, G={r['groups']} "
+        print(f"plan {LAYERS}x{EXPERTS}->{SLOTS}, {NODES} nodes x {GPUS // NODES} GPUs, G={r['groups']}, "
+              f"{r['threads']} thread(s) "
               f"({r['policy']}): {r['vectorised_s'] * 1e3:.2f} ms vectorised, {r['python_loop_s'] * 1e3:.1f} ms "
               f"loop ({r['speedup']}x), same placement: {r['same_placement']}")
     bal = balance(range(args.seeds))

@@ -196,6 +196,8 @@ def test_sequence_balance_bad_input():
         sequence_balance_loss(s, torch.tensor([[0, 4]] * 6), 3)
     with pytest.raises(TypeError, match="topk_ids must be an integer tensor"):
         sequence_balance_loss(s, ids.float(), 3)
+    with pytest.raises(ValueError, match=r"scores must be 2-D \[T, E\], got shape \(6,\)"):
+        sequence_balance_loss(s[:, 0], ids, 3)
     with pytest.raises(ValueError, match="alpha must be a number >= 0"):
         sequence_balance_loss(s, ids, 3, alpha=-1.0)
 
@@ -232,8 +234,10 @@ def test_update_correction_bias_bad_input():
         update_correction_bias(bias, torch.ones(5))
     with pytest.raises(ValueError, match="gamma must be a number > 0, got 0"):
         update_correction_bias(bias, torch.ones(4), gamma=0)
-    with pytest.raises(ValueError, match="bias must be a 1-D float tensor"):
+    with pytest.raises(TypeError, match=r"bias must be a float tensor \[E\], got torch.int64"):
         update_correction_bias(torch.zeros(4, dtype=torch.long), torch.ones(4))
+    with pytest.raises(ValueError, match=r"bias must be 1-D \[E\], got shape \(2, 2\)"):
+        update_correction_bias(torch.zeros(2, 2), torch.ones(4))
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
         update_correction_bias(bias, torch.tensor([[1, 7]]))
     with pytest.raises(ValueError, match=r"load must be ids \[T, k\] or counts \[E=4\]"):

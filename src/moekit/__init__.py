@@ -10,6 +10,7 @@ from .config import ActivationParams, RoutingConfig, SharedExpertsConfig, settin
 from .experts import BACKENDS, ExpertsBackend, ExpertsProblem, ExpertWeights, fused_experts
 from .layer import FusedMoE, RoutedExperts
 from .oracle import available_backends, choose_backend, explain
+from .quant import QuantScheme, get_scheme, quantize_experts
 from .routing import TopK, route
 
 __version__ = "0.1.0"
@@ -31,6 +32,9 @@ __all__ = [
     "available_backends",
     "choose_backend",
     "explain",
+    "QuantScheme",
+    "get_scheme",
+    "quantize_experts",
     "TopK",
     "route",
     "__version__",

@@ -11,9 +11,9 @@ Letters: T tokens, E experts, k experts per token, L layers, B sequences of S to
   moves by gamma towards the under-loaded experts after each step.
 
 Gradients flow through the probabilities / scores only; the top-k choice and the counts are
-piecewise constant. All sums run in fp32 (fp64 for fp64 inputs) with tensor ops only (no host synchronisation), so
-every function can run inside a captured or compiled training step. Where no token counts
-(T = 0 or an all-zero mask) the losses are 0, not NaN.
+piecewise constant. All sums run in fp32 (fp64 for fp64 inputs) with tensor ops only (no
+host synchronisation), so every function can run inside a captured or compiled training
+step. Where no token counts (T = 0 or an all-zero mask) the losses are 0, not NaN.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _as_layers(router_logits: Logits) -> List[torch.Tensor]:
     layers = [router_logits] if isinstance(router_logits, torch.Tensor) else router_logits
     if not isinstance(layers, (list, tuple)) or len(layers) == 0:
         got = "an empty sequence" if isinstance(layers, (list, tuple)) else type(router_logits).__name__
-        raise TypeError(f"router_logits must be a [T, E] tensor or a non-empty tuple/list of them (one per layer), got {got}")
+        raise TypeError(
+            f"router_logits must be a [T, E] tensor or a non-empty tuple/list of them (one per layer), got {got}")
     E = None
     for i, z in enumerate(layers):
         if not isinstance(z, torch.Tensor):
@@ -76,6 +77,15 @@ def _nonzero(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d != 0, d, torch.ones_like(d))
 
 
+def _float_tensor(name: str, t, shape: str, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor {shape}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D {shape}, got shape {tuple(t.shape)}")
+
+
 def _check_ids(name: str, ids: torch.Tensor, T: Optional[int], num_experts: int) -> None:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
@@ -104,10 +114,11 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """Switch/Mixtral load-balancing loss, E * sum_e (count_e / N) * (sum of p_e / N).
 
-    p = softmax(logits) in fp32 (fp64 for fp64 logits), count_e = top-k assignments to e (ties to the lower expert
-    index), N = counted token rows over all layers. Perfectly uniform routing gives k.
-    Matches transformers' `load_balancing_loss_func(router_logits, E, top_k, attention_mask)`
-    (which computes the softmax in the logits' dtype; here it is always fp32).
+    p = softmax(logits) in fp32 (fp64 for fp64 logits), count_e = top-k assignments to e
+    (ties to the lower expert index), N = counted token rows over all layers. Perfectly
+    uniform routing gives k. Equals transformers' `load_balancing_loss_func(router_logits,
+    E, top_k, attention_mask)`, which computes the softmax in the logits' dtype (so bf16
+    logits differ by bf16 rounding).
 
     Args:
         router_logits: [T, E] or a tuple/list of per-layer [T_l, E] (any float dtype).
@@ -186,9 +197,7 @@ def sequence_balance_loss(
     Returns:
         [] fp32 (fp64) scalar; differentiable w.r.t. scores.
     """
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
-        got = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
-        raise ValueError(f"scores must be a 2-D float tensor [T, E], got {got}")
+    _float_tensor("scores", scores, "[T, E]", 2)
     T, E = scores.shape
     _check_ids("topk_ids", topk_ids, T, E)
     k = topk_ids.shape[1]
@@ -260,9 +269,7 @@ def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float 
     Returns:
         bias (the same tensor, updated).
     """
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or not bias.is_floating_point():
-        got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"bias must be a 1-D float tensor [E], got {got}")
+    _float_tensor("bias", bias, "[E]", 1)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
         raise ValueError(f"gamma must be a number > 0, got {gamma!r}")
     E = bias.shape[0]

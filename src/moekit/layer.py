@@ -79,7 +79,9 @@ class FusedMoE(nn.Module):
         shared_experts: SharedExpertsConfig or None.
         dtype, device: of the parameters.
         backend: "auto" (the oracle picks per call) or a backend name.
-        quant: quantization scheme name (see moekit.quant) or None.
+        quant: quantization scheme name or moekit.quant.QuantScheme (see moekit.quant), or None.
+            Weights are stored quantized; load_weights quantizes a float checkpoint,
+            load_quantized takes a pre-quantized one.
         activation_params: ActivationParams for swigluoai.
         gate: own a router gate Linear(H, E) used when forward gets no router_logits.
         gate_bias: the gate has a bias (gpt-oss).
@@ -106,7 +108,7 @@ class FusedMoE(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device=None,
         backend: str = "auto",
-        quant: Optional[str] = None,
+        quant=None,
         activation_params: Optional[ActivationParams] = None,
         gate: bool = False,
         gate_bias: bool = False,
@@ -130,13 +132,18 @@ class FusedMoE(nn.Module):
 
             get_backend(backend)  # unknown names fail here, not in forward
         if quant is not None:
-            raise ValueError(f"quant={quant!r}: no quantization scheme is registered in this build of moekit")
+            from .quant import get_scheme  # noqa: PLC0415
+
+            quant = get_scheme(quant)  # unknown names fail here; a QuantScheme carries group size / zero points
+            if shared_experts is not None and shared_experts.mode == "fused":
+                raise ValueError(f"shared_experts mode 'fused' cannot ride in quantized experts (quant={quant.name!r}): "
+                                 "the shared MLP stays float; use mode 'separate' or 'overlap'")
         if correction_bias and (routing.order != "score_then_topk" or routing.custom is not None):
             raise ValueError("correction_bias needs routing.order='score_then_topk' without a custom router")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.routing = routing
         self.activation = activation
-        self.quant = quant
+        self.quant = None if quant is None else quant.name
         self.router_dtype = router_dtype
         self.layer_name = name or f"moe{next(_layer_ids)}"
         self.shard = None
@@ -145,7 +152,12 @@ class FusedMoE(nn.Module):
             self.shard, dispatcher = self._split(parallel, routing, activation, bias, shared_experts, dtype, device)
         E_l, I_l = (num_experts, intermediate_size) if self.shard is None else (
             self.shard.local_experts, self.shard.local_intermediate)
-        self.experts = RoutedExperts(E_l, hidden_size, I_l, activation, bias, dtype, device)
+        if quant is None:
+            self.experts = RoutedExperts(E_l, hidden_size, I_l, activation, bias, dtype, device)
+        else:  # quantized storage, quantized on load_weights (moekit.quant.module)
+            from .quant.module import QuantizedRoutedExperts  # noqa: PLC0415
+
+            self.experts = QuantizedRoutedExperts(E_l, hidden_size, I_l, activation, bias, quant, dtype, device)
         emap = None if self.shard is None or self.shard.expert_map is None else self.shard.expert_map.to(device)
         self.register_buffer("expert_map", emap, persistent=False)
         self.shared = None
@@ -209,6 +221,19 @@ class FusedMoE(nn.Module):
         if self.shard is not None:
             w13, w2, b13, b2 = self.shard.select(w13, w2, b13, b2, gated=is_gated(self.activation))
         self.experts.load_weights(w13, w2, b13, b2)
+
+    def load_quantized(self, weights: ExpertWeights) -> None:
+        """Load pre-quantized expert weights of this layer's scheme (e.g. moekit.quant.load_quantized).
+
+        Only for layers without `parallel` or EPLB: those load a float checkpoint through
+        load_weights, which quantizes on load.
+        """
+        if self.quant is None:
+            raise ValueError("load_quantized needs a layer built with quant=...; this layer is unquantized")
+        if self.shard is not None or self.runner.eplb is not None:
+            raise ValueError("load_quantized does not split or place experts (parallel / EPLB layer); "
+                             "load the float weights with load_weights, which quantizes on load")
+        self.experts.load_quantized(weights)
 
     def correction_bias_or_none(self) -> Optional[torch.Tensor]:
         return self.e_score_correction_bias

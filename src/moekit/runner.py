@@ -46,7 +46,7 @@ class MoERunner:
         self.name = name
         self.dispatcher = dispatcher or LocalDispatcher()
         self.chunk_size = chunk_size or settings.chunk_size
-        self.eplb = None  # an object with map_ids(ids, num_tokens) -> physical ids (EPLB)
+        self.eplb = None  # EPLB hook: map_ids(ids [T, k]) -> physical ids (moekit.eplb.EplbLayerHook)
         self.last_topk: Optional[TopK] = None  # the last chunk's routing (for inspection)
 
     def output_scale(self) -> float:

@@ -16,7 +16,8 @@ def _weights(S, H=4, I=2):
     return lambda: w
 
 
-@pytest.mark.parametrize("interval,expected", [(8, [2, 10, 18]), (3, [1, 4, 7, 10, 13, 16, 19]), (1, list(range(1, 21)))],
+@pytest.mark.parametrize("interval,expected",
+                         [(8, [2, 10, 18]), (3, [1, 4, 7, 10, 13, 16, 19]), (1, list(range(1, 21)))],
                          ids=["quarter-then-every-8", "short-interval", "every-step"])
 def test_trigger_schedule_counts_dummy_steps(interval, expected):
     state = EplbState([_weights(6)], 4, EplbConfig(num_redundant=2, step_interval=interval, window_size=2))

@@ -10,8 +10,8 @@ import torch.nn as nn
 from moekit import fused_experts
 from moekit.parallel import (AllGatherReduceScatterDispatcher, AllReduceDispatcher, AllToAllDispatcher,
                              LocalDispatcher, ParallelConfig, StaticAllToAllDispatcher)
-from moekit.parallel.ep_common import (RowLayout, destinations, gather_sources, pack_meta, pack_rows, send_slots,
-                                       sum_partials, unpack_rows)
+from moekit.parallel.ep_common import (RowLayout, combine_rows, destination_mask, pack_rows, padding_rows,
+                                       row_sources, send_rows, sum_partials, unpack_rows)
 from moekit.parallel.placement import (expert_map, expert_owner, local_experts, non_local_expert, split_bounds,
                                        split_sizes)
 from moekit.parallel.shard import make_shard
@@ -138,68 +138,69 @@ def _example():
     return owner, ids
 
 
-def test_destinations_once_per_rank():
+def test_destination_mask_once_per_rank():
     owner, ids = _example()
-    mask, dest = destinations(ids, owner, 4)
-    assert mask.tolist() == [[True, False, False, False], [False, True, False, True], [False, False, False, True]]
-    # C = min(P, k) = 2 columns, increasing ranks, padded with P = 4
-    assert dest.tolist() == [[0, 4], [1, 3], [3, 4]]
+    # [P, T]: rank r's row says which tokens go to r
+    assert destination_mask(ids, owner, 4).tolist() == [[True, False, False],
+                                                         [False, True, False],
+                                                         [False, False, False],
+                                                         [False, True, True]]
 
 
-def test_send_slots_dynamic_blocks():
+def test_send_rows_dynamic_blocks():
     owner, ids = _example()
-    mask, dest = destinations(ids, owner, 4)
-    # rows per rank: r0 {t0}, r1 {t1}, r2 {}, r3 {t1, t2} -> counts 1 1 0 2, block starts 0 1 2 2, 4 rows used
-    counts = mask.sum(0)
-    assert counts.tolist() == [1, 1, 0, 2]
-    starts = torch.cumsum(counts, 0) - counts
-    slots = send_slots(mask, dest, starts, trash=4)
-    # t0 -> r0 row 0; t1 -> r1 row 1, r3 row 2; t2 -> r3 row 3; padding -> 4
-    assert slots.tolist() == [[0, 4], [1, 2], [3, 4]]
-    assert gather_sources(slots, 4, fill=0).tolist() == [0, 1, 1, 2]
+    mask = destination_mask(ids, owner, 4)
+    # rows per rank: r0 {t0}, r1 {t1}, r2 {}, r3 {t1, t2}: packed back to back -> rows 0 | 1 | - | 2 3, trash 4
+    rows = send_rows(mask, None, trash=4)
+    assert rows.tolist() == [[0, 4, 4], [4, 1, 4], [4, 4, 4], [4, 2, 3]]
+    assert row_sources(rows, torch.full((5,), -7)).tolist() == [0, 1, 1, 2]
+    # C = min(P, k) = 2 rows per token, increasing rank: t0 -> (0, trash), t1 -> (1, 2), t2 -> (3, trash)
+    assert combine_rows(rows, 2).tolist() == [[0, 4], [1, 2], [3, 4]]
+    # P <= k: every rank is a possible destination, C = P columns
+    assert combine_rows(rows, 4).tolist() == [[0, 4, 4, 4], [4, 1, 4, 2], [4, 4, 4, 3]]
 
 
-def test_send_slots_static_capacity():
+def test_send_rows_static_capacity():
     owner, ids = _example()
-    mask, dest = destinations(ids, owner, 4)
-    # capacity C = 3 rows per destination: blocks start at 0 3 6 9, trash row 12
-    slots = send_slots(mask, dest, torch.arange(4) * 3, trash=12)
-    assert slots.tolist() == [[0, 12], [3, 9], [10, 12]]
-    # empty slots carry the padding token index T = 3
-    assert gather_sources(slots, 12, fill=3).tolist() == [0, 3, 3, 1, 3, 3, 3, 3, 3, 1, 2, 3]
+    mask = destination_mask(ids, owner, 4)
+    # capacity 3 rows per destination: blocks start at 0 3 6 9, trash row 12;
+    # t0 is the first token for r0 -> 0; t1 the first for r1 -> 3 and for r3 -> 9; t2 the second for r3 -> 10
+    rows = send_rows(mask, 3, trash=12)
+    assert rows.tolist() == [[0, 12, 12], [12, 3, 12], [12, 12, 12], [12, 9, 10]]
+    # empty slots of block r keep T + r = 3 + r (the padding row for destination r)
+    fill = torch.tensor([3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6, 6])
+    assert row_sources(rows, fill).tolist() == [0, 3, 3, 1, 4, 4, 5, 5, 5, 1, 2, 6]
 
 
 def test_sum_partials_in_destination_order():
-    y_back = torch.tensor([[1.0], [2.0], [4.0], [8.0], [0.0]])  # last row is the zero trash row
-    slots = torch.tensor([[0, 4], [1, 2], [3, 4]])
-    assert sum_partials(y_back, slots).tolist() == [[1.0], [6.0], [8.0]]
-    assert sum_partials(y_back, slots[:0]).shape == (0, 1)  # T = 0
+    back = torch.tensor([[1.0], [2.0], [4.0], [8.0], [float("nan")]])  # the trash row is never read
+    rows = torch.tensor([[0, 4], [1, 2], [3, 4]])
+    assert sum_partials(back, rows, trash=4).tolist() == [[1.0], [6.0], [8.0]]
+    assert sum_partials(back, rows[:0], trash=4).shape == (0, 1)  # T = 0
 
 
 # -- packed rows -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, H, flag", [
-    (torch.bfloat16, 33, True),   # odd H: x ends at byte 66, meta aligned up to 68
-    (torch.float32, 5, False),
-    (torch.float16, 1, True),     # H = 1
+@pytest.mark.parametrize("dtype, H", [
+    (torch.bfloat16, 33),  # odd H: x ends at byte 66, weights aligned up to 68
+    (torch.float32, 5),
+    (torch.float16, 1),    # H = 1
 ])
-def test_pack_unpack_roundtrip(dtype, H, flag, gen):
+def test_pack_unpack_roundtrip(dtype, H, gen):
     T, k = 6, 3
     x = torch.randn(T, H, generator=gen).to(dtype)
     w = torch.rand(T, k, generator=gen)
     ids = torch.randint(0, 100, (T, k), generator=gen, dtype=torch.int32)
-    f = torch.ones(T, dtype=torch.int32) if flag else None
-    layout = RowLayout(H, dtype, 2 * k + (1 if flag else 0))
-    assert layout.row_bytes % 16 == 0 and layout.meta_offset % 4 == 0
-    rows = pack_rows(x, pack_meta(w, ids, f), layout, extra_rows=2)
+    layout = RowLayout(H, dtype, k)
+    assert layout.row_bytes % 16 == 0 and layout.w_offset % 4 == 0
+    pad = padding_rows(layout, torch.tensor([7, 9], dtype=torch.int32))
+    rows = pack_rows(x, w, ids, layout, tail=pad)
     assert rows.shape == (T + 2, layout.row_bytes) and rows.dtype == torch.uint8
-    xr, meta = unpack_rows(rows, layout)
-    assert torch.equal(xr[:T], x)
-    assert torch.equal(meta[:T, :k].view(torch.float32), w)
-    assert torch.equal(meta[:T, k:2 * k], ids)
-    if flag:
-        assert meta[:T, 2 * k].tolist() == [1] * T
-    assert not rows[T:].any()  # the extra rows are all zero bytes (flag 0)
+    xr, wr, idr = unpack_rows(rows, layout)
+    assert torch.equal(xr[:T], x) and torch.equal(wr[:T], w) and torch.equal(idr[:T], ids)
+    # padding rows: zero token, zero weights, every id the given foreign expert
+    assert not xr[T:].any() and not wr[T:].any()
+    assert idr[T:].tolist() == [[7] * k, [9] * k]
 
 
 # -- tensor parallelism of I: the partial outputs add up to the full layer ------------------

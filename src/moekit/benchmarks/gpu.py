@@ -117,26 +117,24 @@ def host_sync_reason(fn: Callable, args: tuple) -> Optional[str]:
     return None
 
 
-def _compile_job(job: tuple) -> Optional[str]:
+def _compile_job(job: Sequence) -> Optional[str]:
     """Run one config once on a two-expert problem of the real H, I (fills Triton's disk cache)."""
     from moekit.kernels.launch import fused_moe  # noqa: PLC0415 (in a spawned worker)
     from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
 
-    H, I, dtype_name, activation, direct, entry = job
+    H, I, dtype_name, activation, direct, entry = job[:6]
+    device = job[6] if len(job) > 6 else "cuda"
     dtype = getattr(torch, dtype_name)
     try:
-        cache = _compile_job.__dict__.setdefault("weights", {})
-        if (H, I, dtype) not in cache:
-            cache.clear()
-            cache[(H, I, dtype)] = (torch.randn(2, 2 * I, H, device="cuda", dtype=dtype) * 0.02,
-                                    torch.randn(2, H, I, device="cuda", dtype=dtype) * 0.02)
-        w13, w2 = cache[(H, I, dtype)]
+        w13 = torch.randn(2, 2 * I, H, device=device, dtype=dtype) * 0.02
+        w2 = torch.randn(2, H, I, device=device, dtype=dtype) * 0.02
         T = 1 if direct else 64
-        x = torch.randn(T, H, device="cuda", dtype=dtype)
-        ids = torch.randint(0, 2, (T, 2), device="cuda", dtype=torch.int32)
-        w = torch.rand(T, 2, device="cuda")
+        x = torch.randn(T, H, device=device, dtype=dtype)
+        ids = torch.randint(0, 2, (T, 2), device=device, dtype=torch.int32)
+        w = torch.rand(T, 2, device=device)
         fused_moe(x, w13, w2, None, None, w, ids, None, activation, config=MoEConfig.from_json(entry), direct=direct)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
         return f"{entry}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None
@@ -145,10 +143,13 @@ def _compile_job(job: tuple) -> Optional[str]:
 def precompile(jobs: Sequence[tuple], workers: int) -> List[str]:
     """Compile many kernel configs in parallel processes; returns the failures.
 
-    jobs: (H, I, dtype name, activation, direct, config JSON entry). Triton's disk cache
-    then serves the compiled kernels to this process.
+    jobs: (H, I, dtype name, activation, direct, config JSON entry[, device]). Triton's disk
+    cache then serves the compiled kernels to this process.
     """
-    unique = [json.loads(j) for j in dict.fromkeys(json.dumps(j, sort_keys=True) for j in jobs)]
+    # Triton specialises integer arguments only on divisibility by 16 (and on == 1), so every
+    # H (or I) that is a multiple of 16 compiles the same kernels: compile those once, small.
+    canon = [[64 if j[0] % 16 == 0 else j[0], 64 if j[1] % 16 == 0 else j[1], *j[2:]] for j in jobs]
+    unique = [json.loads(j) for j in dict.fromkeys(json.dumps(j, sort_keys=True) for j in canon)]
     if workers <= 1 or len(unique) < 4:
         return [r for r in map(_compile_job, unique) if r]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -160,29 +161,34 @@ def _sets_for(M: int) -> int:
 
 
 def run_gpu_bench(
-    shapes: Sequence = GPU_SHAPES,
-    Ms: Sequence[int] = GPU_MS,
+    shapes: Optional[Sequence] = None,
+    Ms: Optional[Sequence[int]] = None,
     out_json: Optional[str] = None,
     impls: Optional[Sequence[str]] = None,
     progress: Optional[Callable[[str], None]] = None,
     check_Ms: Sequence[int] = (1, 16, 64),
     replays: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> Dict:
     """Time moekit triton and the peers at every (shape, M) on the current CUDA GPU.
 
     Args:
-        shapes: (name, E, k, H, I) tuples.  Ms: token counts.
+        shapes: (name, E, k, H, I) tuples or names of GPU_SHAPES (None: all five).
+        Ms: token counts (None: GPU_MS).
         out_json: write the result there too (JSON).
         impls: a subset of the implementation names to run (None: all).
         check_Ms: token counts at which triton is also checked against `reference`.
+        dtype: of weights and activations.  device: "cuda" ("cpu" only as a dry run).
     Returns:
         a JSON-ready dict (date, device, versions, records with us, TFLOP/s, % of floor).
     """
     from moekit.experts.triton_experts import triton_fused_experts  # noqa: PLC0415
 
-    say = progress or (lambda msg: None)
-    dev = torch.device("cuda")
-    dtype = torch.bfloat16
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    shapes = [shape_by_name(s) if isinstance(s, str) else tuple(s) for s in (shapes or GPU_SHAPES)]
+    Ms = list(Ms or GPU_MS)
+    dev = torch.device(device)
     records = []
     for name, E, k, H, I in shapes:
         w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5
@@ -242,20 +248,21 @@ def run_gpu_bench(
             records.append(row)
             del sets
         del w13, w2, runners
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     import triton  # noqa: PLC0415
 
     result = {
         "benchmark": "experts-gpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "moekit": moekit.__version__,
         "command": " ".join(sys.argv),
         "ceilings": {"flops": PERF_TABLE_CEILINGS.flops, "bandwidth": PERF_TABLE_CEILINGS.bandwidth,
                      "note": "floors as in PERF.md's table: max(FLOPs / 790e12, weight bytes / 4.3e12)"},
-        "weights": "bf16, silu, no bias; softmax top-k routing drawn fresh for every call in a graph",
+        "weights": f"{str(dtype).replace('torch.', '')}, silu, no bias; softmax top-k routing drawn fresh for every call in a graph",
         "timing": "CUDA graph of several calls with distinct routing, replayed; median us per call",
         "records": records,
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -35,7 +35,8 @@ TINY_DEEPSEEK_V3 = dict(
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="transformers eager vs moekit on a tiny MoE model (or --model PATH)")
-    p.add_argument("--model", default=None, help="a local transformers checkpoint folder (default: built-in tiny DeepSeek-V3)")
+    p.add_argument("--model", default=None,
+                   help="a local transformers checkpoint folder (default: the built-in tiny DeepSeek-V3)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate greedily (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt (default 8)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["add_parser", "run", "tune_shape", "write_configs"]
+__all__ = ["add_parser", "run", "plan_shape", "search_shape", "write_configs"]
 
 DEFAULT_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
 
@@ -58,28 +58,16 @@ def _shape(args) -> Tuple[int, int, int, int]:
     return given
 
 
-def tune_shape(
-    E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int], *, workers: int = 1,
-    budget_s: Optional[float] = None, step: Optional[Callable[[str], None]] = None,
-    on_total: Optional[Callable[[int], None]] = None,
-) -> Tuple[Dict[int, "MoEConfig"], Dict[int, Dict]]:  # noqa: F821
-    """Find the fastest config for each M on the current GPU.
+def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int]) -> Tuple[Dict, list]:
+    """The candidates of each M and the compile jobs they need (see benchmarks.gpu.precompile).
 
-    Args:
-        E, k, H, I: the MoE shape.  dtype: bf16 or fp16.  Ms: token counts.
-        workers: compile processes.  budget_s: timing seconds per M (None: all candidates).
-        step: called after each timing with a line of text.  on_total: told the number of timings.
-    Returns:
-        ({M: best MoEConfig}, {M: {"us": best time, "default_us": heuristic time, "tried": n}}).
+    Returns ({M: (default MoEConfig, stage-1 candidates, {BLOCK_SIZE_M: gemm2 tiles})}, jobs).
     """
-    from moekit.benchmarks.gpu import graph_time_us, precompile, routing_sets  # noqa: PLC0415
-    from moekit.kernels.launch import fused_moe  # noqa: PLC0415
     from moekit.kernels.tuning import MoEConfig, default_config, search_space, use_direct  # noqa: PLC0415
 
     elem = torch.finfo(dtype).bits // 8
     dname = str(dtype).replace("torch.", "")
-    plans = {}
-    jobs = []
+    plans, jobs = {}, []
     for M in Ms:
         default = default_config(M, E, k, H, I, elem)
         g1s, g2s = search_space(M, E, k, elem)
@@ -88,27 +76,41 @@ def tune_shape(
         direct = use_direct(M, k, E)
         jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in stage1]
         for bm, cands in g2s.items():
-            g1 = next(c.gemm1 for c in stage1 if c.block_m == bm)
+            g1 = replace(default.gemm1, BLOCK_SIZE_M=bm)  # any gemm1 of these rows compiles the gemm2s
             jobs += [(H, I, dname, "silu", direct, MoEConfig(g1, g2).to_json()) for g2 in cands]
-    if on_total:
-        on_total(sum(len(p[1]) + max((len(c) for c in p[2].values()), default=0) for p in plans.values()))
-    failures = precompile(jobs, workers)
-    if step:
-        step(f"compiled {len(jobs)} configs ({len(failures)} failed)")
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5
-    w2 = torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5
+    return plans, jobs
+
+
+def search_shape(
+    E: int, k: int, H: int, I: int, dtype: torch.dtype, plans: Dict, *, budget_s: Optional[float] = None,
+    step: Optional[Callable[[str], None]] = None, device: str = "cuda",
+) -> Tuple[Dict[int, "MoEConfig"], Dict[int, Dict]]:  # noqa: F821
+    """Time the planned candidates (compiled beforehand) and keep the fastest of each M.
+
+    Args:
+        E, k, H, I: the MoE shape.  dtype: bf16 or fp16.  plans: from plan_shape.
+        budget_s: timing seconds per M (None: every candidate).  step: told each timing as a line.
+        device: where to time ("cuda"; "cpu" only as a dry run under the Triton interpreter).
+    Returns:
+        ({M: best MoEConfig}, {M: {"us": best, "default_us": the heuristic's time, "tried": n}}).
+    """
+    from moekit.benchmarks.gpu import graph_time_us, routing_sets  # noqa: PLC0415
+    from moekit.kernels.launch import fused_moe  # noqa: PLC0415
+    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
+
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * H ** -0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * I ** -0.5
     best: Dict[int, MoEConfig] = {}
     info: Dict[int, Dict] = {}
-    for M in Ms:
-        default, stage1, g2s = plans[M]
-        sets = routing_sets(M, E, k, H, 4 if M <= 1024 else 2, dtype, "cuda")
+    for M, (default, stage1, g2s) in plans.items():
+        sets = routing_sets(M, E, k, H, 4 if M <= 1024 else 2, dtype, device)
         start = time.perf_counter()
         seen: Dict[str, float] = {}
 
         def timed(cfg: MoEConfig) -> float:
             key = json.dumps(cfg.to_json(), sort_keys=True)
             if key not in seen:
-                if budget_s is not None and time.perf_counter() - start > budget_s and seen:
+                if budget_s is not None and seen and time.perf_counter() - start > budget_s:
                     seen[key] = float("inf")
                 else:
                     try:
@@ -122,10 +124,10 @@ def tune_shape(
             return seen[key]
 
         winner = min(stage1, key=timed)
-        cands = [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])]
-        winner = min([winner] + cands, key=timed)
+        winner = min([winner] + [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])], key=timed)
         best[M] = winner
-        info[M] = {"us": timed(winner), "default_us": timed(default), "tried": len(seen)}
+        info[M] = {"us": timed(winner), "default_us": timed(default),
+                   "tried": sum(1 for v in seen.values() if v != float("inf"))}
         del sets
     return best, info
 
@@ -162,14 +164,20 @@ def run(args) -> int:
         raise SystemExit(f"--batch-sizes must hold token counts >= 1, got {args.batch_sizes!r}")
     dtype = getattr(torch, args.dtype)
     folder = args.out_dir or settings.tuned_config_dir or "."
+    from moekit.benchmarks.gpu import precompile  # noqa: PLC0415
+
+    plans, jobs = plan_shape(E, k, H, I, dtype, Ms)
+    print(f"compiling {len(jobs)} candidate configs in {args.workers} processes ...")
+    failures = precompile(jobs, args.workers)
+    if failures:
+        print(f"{len(failures)} candidates failed to compile or run and are skipped, e.g. {failures[0]}")
+    total = sum(len(p[1]) + max((len(c) for c in p[2].values()), default=0) for p in plans.values())
     with Progress(TextColumn("[bold]tune[/] E={task.fields[E]} I={task.fields[I]}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                   TextColumn("{task.description}")) as bar:
-        task = bar.add_task("compiling", total=None, E=E, I=I)
-        table, info = tune_shape(
-            E, k, H, I, dtype, Ms, workers=args.workers, budget_s=args.budget,
-            step=lambda line: bar.update(task, advance=0 if line.startswith("compiled") else 1, description=line[-60:]),
-            on_total=lambda n: bar.update(task, total=n))
+        task = bar.add_task("", total=total, E=E, I=I)
+        table, info = search_shape(E, k, H, I, dtype, plans, budget_s=args.budget,
+                                   step=lambda line: bar.update(task, advance=1, description=line[-70:]))
     path = write_configs(table, E, I, device_name(), dtype, folder)
     for M in sorted(info):
         i = info[M]

@@ -1,6 +1,7 @@
 """Experts backends (one file each) and the `fused_experts` entry point."""
 
 from . import cpu, grouped_mm, reference  # noqa: F401  (each registers its backend)
+from . import cpu_int8, cpu_weight_only  # noqa: F401  (quantized CPU backends)
 from .api import check_experts_inputs, experts_forward, fused_experts, problem_of
 from .base import BACKENDS, ExpertsBackend, ExpertsProblem, ExpertWeights, get_backend, register_backend
 

@@ -46,10 +46,14 @@ def check_experts_inputs(
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 and w2 must be 3-D, got w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
     E, H2, I = w2.shape
-    if H2 != H:
+    if weights.quant is not None:  # packed storage: moekit.quant checks shapes, dtypes and scales
+        from ..quant.layout import check_quantized_weights  # noqa: PLC0415
+
+        I = check_quantized_weights(weights, H, activation)
+    elif H2 != H:
         raise ValueError(f"w2 must be [E, H={H}, I], got {tuple(w2.shape)}")
     n13 = 2 * I if is_gated(activation) else I
-    if tuple(w13.shape) != (E, n13, H):
+    if weights.quant is None and tuple(w13.shape) != (E, n13, H):
         kind = "gated" if is_gated(activation) else "non-gated"
         raise ValueError(f"w13 must be [E={E}, {n13}, H={H}] for {kind} activation {activation!r}, got {tuple(w13.shape)}")
     if weights.quant is None and (w13.dtype not in _FLOAT or w2.dtype not in _FLOAT):
@@ -100,6 +104,14 @@ def _host_checks(x: torch.Tensor) -> bool:
     return not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _intermediate_size(weights: ExpertWeights) -> int:
+    if weights.quant is None:
+        return weights.w2.shape[2]
+    from ..quant.layout import logical_intermediate_size  # noqa: PLC0415 (int4 packs two per byte)
+
+    return logical_intermediate_size(weights)
+
+
 def problem_of(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -120,7 +132,7 @@ def problem_of(
         apply_router_weight_on_input=apply_router_weight_on_input,
         num_experts=weights.num_experts,
         hidden_size=x.shape[1],
-        intermediate_size=weights.w2.shape[2],
+        intermediate_size=_intermediate_size(weights),
         top_k=top_k,
         quant=weights.quant,
         requires_grad=torch.is_grad_enabled() and (

@@ -1,7 +1,8 @@
 """`reference`: a plain per-expert loop in fp32. The ground truth every backend is tested against.
 
 Supports: every device, dtype and activation, biases, expert_map, weights on input,
-autograd. Slow by design: it reads as the math.
+autograd. Slow by design: it reads as the math. Quantized weights run the emulation of
+moekit.quant.emulate (dequantize, then the same fp32 loop).
 """
 
 from __future__ import annotations
@@ -62,11 +63,22 @@ class ReferenceBackend(ExpertsBackend):
 
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.quant is not None:
-            return f"quantization scheme {problem.quant!r} needs its own emulation (not registered)"
+            from ..quant.schemes import SCHEMES  # noqa: PLC0415 (quant imports the experts package)
+
+            if problem.quant not in SCHEMES:
+                return f"quantization scheme {problem.quant!r} is not registered (known: {sorted(SCHEMES)})"
         return None
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):
+        if weights.quant is not None:  # dequantize, then fp32 (moekit.quant.emulate)
+            from ..quant.emulate import emulated_experts  # noqa: PLC0415
+
+            return emulated_experts(
+                x, weights, topk_weights, topk_ids, activation=activation,
+                activation_params=activation_params,
+                apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
+            )
         return reference_experts(
             x, weights, topk_weights, topk_ids, activation=activation,
             activation_params=activation_params,

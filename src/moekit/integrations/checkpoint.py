@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 from ..activations import is_gated
 from ..experts.base import ExpertWeights
@@ -44,6 +45,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 LEGACY_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _MAX_LISTED = 20
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # float8 needs scales: not loaded as plain floats
 
 
 class CheckpointError(ValueError):
@@ -89,9 +91,6 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(self, path: Union[str, Path]) -> None:
-        from safetensors import safe_open  # noqa: PLC0415 (a core dependency; imported where used)
-
-        self._safe_open = safe_open
         self.path = Path(path)
         self._handles: Dict[Path, object] = {}
         self._where: Dict[str, Path] = {}
@@ -108,6 +107,7 @@ class SafetensorsCheckpoint:
                 if key in self._where:
                     raise CheckpointError(f"tensor {key!r} appears in both {self._where[key]} and {file}")
                 self._where[key] = file
+        self._keys = sorted(self._where)
 
     def _files(self) -> Dict[Path, Optional[set]]:
         """file -> the keys the index assigns to it (None for an unsharded checkpoint)."""
@@ -142,13 +142,13 @@ class SafetensorsCheckpoint:
             if not file.is_file():
                 raise CheckpointError(f"{file}: shard named in the index json does not exist")
             try:
-                self._handles[file] = self._safe_open(str(file), framework="pt", device="cpu")
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
             except Exception as err:  # safetensors raises its own error type for a damaged file
                 raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
         return self._handles[file]
 
     def keys(self) -> List[str]:
-        return sorted(self._where)
+        return self._keys
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -191,12 +191,13 @@ class MoEKeys:
     interleaved: bool = False
 
 
-# A load plan: key -> (expected shape, writer). Writers copy (after converting) into parameters.
-_Plan = Dict[str, Tuple[Tuple[int, ...], Optional[Callable[[torch.Tensor], None]]]]
+# A load plan: key -> (expected shape, writer or None, whether a float dtype is expected).
+# Writers copy into the model's tensors; None marks stacked tensors converted together.
+_Plan = Dict[str, Tuple[Tuple[int, ...], Optional[Callable[[torch.Tensor], None]], bool]]
 
 
-def _copy_to(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    return lambda src: dst.copy_(src)
+def _entry(shape, dst: torch.Tensor):
+    return tuple(shape), (lambda src: dst.copy_(src)), dst.is_floating_point()
 
 
 def _block_prefix(ckpt: SafetensorsCheckpoint, keys: MoEKeys, example: str, example_shape) -> str:
@@ -225,7 +226,7 @@ def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes
         if has_bias:
             names += [(base + up_name + "_bias", (E, rows)), (base + "down_proj_bias", (E, H))]
         for key, shape in names:
-            plan[key] = (shape, None)  # converted together below
+            plan[key] = (shape, None, True)  # converted together below
         stacked_writes.append([key for key, _ in names])
         return
     packed = [k for k in ckpt.keys() if k.startswith(base) and k.endswith(("_blocks", "_scales"))]
@@ -237,18 +238,18 @@ def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes
     g, u, d = legacy
     for e in range(E):
         if gated:
-            plan[f"{base}{e}.{g}.weight"] = ((I, H), _copy_to(ex.w13.data[e, :I]))
-            plan[f"{base}{e}.{u}.weight"] = ((I, H), _copy_to(ex.w13.data[e, I:]))
+            plan[f"{base}{e}.{g}.weight"] = _entry((I, H), ex.w13.data[e, :I])
+            plan[f"{base}{e}.{u}.weight"] = _entry((I, H), ex.w13.data[e, I:])
         else:
-            plan[f"{base}{e}.{u}.weight"] = ((I, H), _copy_to(ex.w13.data[e]))
-        plan[f"{base}{e}.{d}.weight"] = ((H, I), _copy_to(ex.w2.data[e]))
+            plan[f"{base}{e}.{u}.weight"] = _entry((I, H), ex.w13.data[e])
+        plan[f"{base}{e}.{d}.weight"] = _entry((H, I), ex.w2.data[e])
         if has_bias:
             if gated:
-                plan[f"{base}{e}.{g}.bias"] = ((I,), _copy_to(ex.b13.data[e, :I]))
-                plan[f"{base}{e}.{u}.bias"] = ((I,), _copy_to(ex.b13.data[e, I:]))
+                plan[f"{base}{e}.{g}.bias"] = _entry((I,), ex.b13.data[e, :I])
+                plan[f"{base}{e}.{u}.bias"] = _entry((I,), ex.b13.data[e, I:])
             else:
-                plan[f"{base}{e}.{u}.bias"] = ((I,), _copy_to(ex.b13.data[e]))
-            plan[f"{base}{e}.{d}.bias"] = ((H,), _copy_to(ex.b2.data[e]))
+                plan[f"{base}{e}.{u}.bias"] = _entry((I,), ex.b13.data[e])
+            plan[f"{base}{e}.{d}.bias"] = _entry((H,), ex.b2.data[e])
 
 
 def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
@@ -260,11 +261,11 @@ def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
     plan: _Plan = {}
     stacked: list = []
     if layer.gate is not None:
-        plan[p + router_w] = ((E, H), _copy_to(layer.gate.weight.data))
+        plan[p + router_w] = _entry((E, H), layer.gate.weight.data)
         if layer.gate.bias is not None:
-            plan[f"{p}{keys.router}.bias"] = ((E,), _copy_to(layer.gate.bias.data))
+            plan[f"{p}{keys.router}.bias"] = _entry((E,), layer.gate.bias.data)
     if layer.e_score_correction_bias is not None:
-        plan[f"{p}{keys.router}.e_score_correction_bias"] = ((E,), _copy_to(layer.e_score_correction_bias))
+        plan[f"{p}{keys.router}.e_score_correction_bias"] = _entry((E,), layer.e_score_correction_bias)
     _expert_plan(layer, ckpt, p, keys, plan, stacked)
     if layer.shared is not None:
         if keys.shared is None:
@@ -273,15 +274,16 @@ def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
         I_s = sh.down.shape[1]
         s = f"{p}{keys.shared}."
         if is_gated(sh.activation):
-            plan[s + "gate_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data[:I_s]))
-            plan[s + "up_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data[I_s:]))
+            plan[s + "gate_proj.weight"] = _entry((I_s, H), sh.gate_up.data[:I_s])
+            plan[s + "up_proj.weight"] = _entry((I_s, H), sh.gate_up.data[I_s:])
         else:
-            plan[s + "up_proj.weight"] = ((I_s, H), _copy_to(sh.gate_up.data))
-        plan[s + "down_proj.weight"] = ((H, I_s), _copy_to(sh.down.data))
+            plan[s + "up_proj.weight"] = _entry((I_s, H), sh.gate_up.data)
+        plan[s + "down_proj.weight"] = _entry((H, I_s), sh.down.data)
         if sh.gate is not None:
             if keys.shared_gate is None:
-                raise CheckpointError(f"the layer's shared experts are gated but MoEKeys.shared_gate names none (block {p!r})")
-            plan[f"{p}{keys.shared_gate}.weight"] = ((1, H), _copy_to(sh.gate.data))
+                raise CheckpointError(
+                    f"the layer's shared experts are gated but MoEKeys.shared_gate names none (block {p!r})")
+            plan[f"{p}{keys.shared_gate}.weight"] = _entry((1, H), sh.gate.data)
     return p, plan, stacked
 
 
@@ -294,15 +296,16 @@ def _stacked_writer(layer, keys: MoEKeys, names: List[str]) -> Callable[[Dict[st
 
 
 def _check(ckpt: SafetensorsCheckpoint, plan: _Plan, problems: List[str]) -> None:
-    for key, (shape, _) in plan.items():
+    for key, (shape, _, floating) in plan.items():
         if key not in ckpt:
             problems.append(f"missing tensor {key!r} (expected shape {_shape(shape)})")
             continue
         got = ckpt.shape(key)
         if tuple(got) != tuple(shape):
             problems.append(f"tensor {key!r} has shape {_shape(got)}, expected {_shape(shape)}")
-        elif ckpt.dtype(key) not in ("F64", "F32", "F16", "BF16"):
-            problems.append(f"tensor {key!r} has dtype {ckpt.dtype(key)}, expected a float dtype (F32/F16/BF16)")
+        elif (ckpt.dtype(key) in _FLOAT_DTYPES) != floating:
+            want = "a float dtype (F64/F32/F16/BF16)" if floating else "an integer or bool dtype"
+            problems.append(f"tensor {key!r} has dtype {ckpt.dtype(key)}, expected {want}")
 
 
 def _raise(ckpt: SafetensorsCheckpoint, problems: List[str]) -> None:
@@ -367,7 +370,7 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
         problems += [f"unexpected tensor {k!r} (the model has no parameter or buffer of that name)"
                      for k in ckpt.keys() if k not in plan]
     _raise(ckpt, problems)
-    for key, (_, write) in plan.items():
+    for key, (_, write, _) in plan.items():
         if write is not None:
             write(ckpt.get(key))
     for write, names in stacked:
@@ -387,4 +390,4 @@ def _named_plan(model: nn.Module, ckpt: SafetensorsCheckpoint, moe_names: Iterab
     for names in groups.values():
         present = [(n, t) for n, t in names if n in ckpt]
         for n, t in present or names[:1]:
-            plan[n] = (tuple(t.shape), _copy_to(t.data))
+            plan[n] = _entry(tuple(t.shape), t.data)

@@ -25,6 +25,8 @@ call so gradients reach the original parameters.
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
 import inspect
 import itertools
 import textwrap
@@ -171,11 +173,10 @@ class _KnownGate:
     limit_attr: str
 
 
+@functools.lru_cache(maxsize=None)
 def _known_gates() -> Dict[str, _KnownGate]:
     """Signatures of the custom `_apply_gate` functions of the installed transformers that moekit
     computes exactly (gpt-oss: interleaved swigluoai; OpenAI privacy filter: concatenated)."""
-    import importlib  # noqa: PLC0415
-
     found: Dict[str, _KnownGate] = {}
     for module, cls, gate in (
         ("gpt_oss", "GptOssExperts", _KnownGate(True, "alpha", "limit")),
@@ -191,13 +192,8 @@ def _known_gates() -> Dict[str, _KnownGate]:
     return found
 
 
-_gate_cache: Dict[str, Optional[Dict[str, _KnownGate]]] = {"known": None}
-
-
 def _gate_of(cls: type) -> Optional[_KnownGate]:
-    if _gate_cache["known"] is None:
-        _gate_cache["known"] = _known_gates()
-    return _gate_cache["known"].get(source_signature(cls._apply_gate))
+    return _known_gates().get(source_signature(cls._apply_gate))
 
 
 # -- layout ------------------------------------------------------------------------------------
@@ -216,7 +212,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
     if getattr(module, "has_post_expert_norm", False):
         raise ValueError(f"{owner}: a norm after each expert (has_post_expert_norm) is not reproduced by moekit")
     if getattr(module, "_is_expert_parallel", False):
-        raise ValueError(f"{owner}: transformers' own expert parallelism is enabled; moekit does not take its sentinel ids")
+        raise ValueError(
+            f"{owner}: transformers' own expert parallelism is enabled; moekit does not take its sentinel ids")
     gated = bool(module.has_gate)
     transposed = bool(module.is_transposed)
     bias = bool(getattr(module, "has_bias", False))
@@ -227,7 +224,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
     known = _gate_of(cls)
     if known is None:
         raise ValueError(f"{owner}._apply_gate is a custom gate function moekit does not reproduce exactly")
-    params = ActivationParams(alpha=float(getattr(module, known.alpha_attr)), limit=float(getattr(module, known.limit_attr)))
+    params = ActivationParams(alpha=float(getattr(module, known.alpha_attr)),
+                              limit=float(getattr(module, known.limit_attr)))
     return ExpertsLayout("swigluoai", transposed, known.interleaved, bias, params)
 
 

@@ -73,11 +73,11 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         expert_end = torch.empty(E, dtype=torch.int32, device=dev)
         align.align_count_kernel[(NC,)](topk_ids, emap, chunk_counts, TK, E, C=C, CS=CS, EB=EB,
                                         HAS_MAP=has_map, num_warps=4)
-        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids,
-                                      block_expert, num_padded, NC, E, TK, max_blocks,
-                                      BM=block_m, R=64, EB=EB, NB=64, num_warps=8)
-        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_base, expert_start, sorted_ids, TK, E,
-                                          C=C, CS=CS, EB=EB, HAS_MAP=has_map, num_warps=4)
+        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids, num_padded,
+                                      NC, E, TK, BM=block_m, R=64, EB=EB, num_warps=8)
+        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_base, expert_start, expert_end, sorted_ids,
+                                          block_expert, TK, E, max_blocks, triton.cdiv(max_blocks, NC),
+                                          BM=block_m, C=C, CS=CS, EB=EB, NB=32, HAS_MAP=has_map, num_warps=4)
     return Alignment(sorted_ids, block_expert, num_padded, max_blocks, block_m)
 
 

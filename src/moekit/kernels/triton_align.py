@@ -9,7 +9,8 @@ Output layout (no host synchronisation: every size is a bound known from the sha
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
 Two variants: one program for small T * k (one launch), and count -> scan -> scatter
-over chunks of assignments for large T * k (three launches, each parallel but the scan).
+over chunks of assignments for large T * k (three launches; only the scan, over chunk
+counts, is a single program).
 """
 
 from __future__ import annotations
@@ -84,15 +85,14 @@ def align_count_kernel(
         tl.store(chunk_counts_ptr + c * E + experts, counts, mask=experts < E)
 
 
-@triton.jit(do_not_specialize=["NC", "TK", "max_blocks"])
+@triton.jit(do_not_specialize=["NC", "TK"])
 def align_scan_kernel(
-    chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr,
-    sorted_ptr, block_expert_ptr, num_padded_ptr,
-    NC, E, TK, max_blocks,
-    BM: tl.constexpr, R: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr,
+    chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, num_padded_ptr,
+    NC, E, TK,
+    BM: tl.constexpr, R: tl.constexpr, EB: tl.constexpr,
 ):
     """One program (grid (1,)): per-chunk bases (exclusive scan over chunks), padded expert
-    extents, sentinel rows, block -> expert and the row count."""
+    extents, sentinel rows and the row count."""
     total = 0
     pad_col = tl.arange(0, BM)
     for e0 in range(0, E, EB):
@@ -116,24 +116,17 @@ def align_scan_kernel(
                  mask=emask[:, None] & (pad_col[None, :] < (padded - carry)[:, None]))
         total += tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
-    # expert_end was written by other threads of this program: make it visible first.
-    tl.debug_barrier()
-    for b0 in range(0, max_blocks, NB):
-        blocks = b0 + tl.arange(0, NB)
-        owner = tl.zeros([NB], dtype=tl.int32)
-        for e0 in range(0, E, EB):
-            experts = e0 + tl.arange(0, EB)
-            ends = tl.load(expert_end_ptr + experts, mask=experts < E, other=2147483647)
-            owner += tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
 
 
-@triton.jit(do_not_specialize=["TK"])
+@triton.jit(do_not_specialize=["TK", "max_blocks", "blocks_per_chunk"])
 def align_scatter_kernel(
-    ids_ptr, map_ptr, chunk_base_ptr, expert_start_ptr, sorted_ptr, TK, E,
-    C: tl.constexpr, CS: tl.constexpr, EB: tl.constexpr, HAS_MAP: tl.constexpr,
+    ids_ptr, map_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, block_expert_ptr,
+    TK, E, max_blocks, blocks_per_chunk,
+    BM: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
-    """sorted_ids[row] = a for every local assignment a of chunk c (stable within an expert)."""
+    """sorted_ids[row] = a for every local assignment a of chunk c (stable within an expert),
+    and block_expert for this chunk's share of the row blocks."""
     c = tl.program_id(0)
     for e0 in range(0, E, EB):
         experts = e0 + tl.arange(0, EB)
@@ -147,3 +140,13 @@ def align_scatter_kernel(
             pos = tl.sum((tl.cumsum(onehot, axis=0) - 1 + running[None, :]) * onehot, axis=1)
             tl.store(sorted_ptr + pos, offs, mask=(lid >= e0) & (lid < e0 + EB))
             running += tl.sum(onehot, axis=0)
+    # Row block b belongs to the expert whose padded rows [start, end) hold b * BM.
+    first = c * blocks_per_chunk
+    for b0 in range(first, first + blocks_per_chunk, NB):
+        blocks = b0 + tl.arange(0, NB)
+        owner = tl.zeros([NB], dtype=tl.int32)
+        for e0 in range(0, E, EB):
+            experts = e0 + tl.arange(0, EB)
+            ends = tl.load(expert_end_ptr + experts, mask=experts < E, other=2147483647)
+            owner += tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, owner, mask=(blocks < max_blocks) & (blocks < first + blocks_per_chunk))

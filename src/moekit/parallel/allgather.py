@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import Dispatched
-from .ep_common import (ExpertParallelDispatcher, RowLayout, all_gather_single, pack_meta, pack_rows,
-                        reduce_scatter_single, unpack_rows)
+from .ep_common import (ExpertParallelDispatcher, RowLayout, all_gather_single, pack_rows, reduce_scatter_single,
+                        unpack_rows)
 
 __all__ = ["AllGatherReduceScatterDispatcher"]
 
@@ -41,20 +41,20 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] global ids -> all ranks' tokens [P*T_max, ..]."""
         T, H = x.shape
-        k = topk_ids.shape[1]
-        P = self.size
+        k, P = topk_ids.shape[1], self.size
         _, emap = self.tables(x.device)
         counts = torch.empty(P, dtype=torch.int64, device=x.device)
-        all_gather_single(counts, torch.tensor([T], dtype=torch.int64, device=x.device), group=self.group)
+        all_gather_single(counts, torch.full((1,), T, dtype=torch.int64, device=x.device), group=self.group)
         T_max = max(counts.tolist())  # the one host sync
-        layout = RowLayout(H, x.dtype, 2 * k)
-        block = pack_rows(x, pack_meta(topk_weights, topk_ids), layout, extra_rows=T_max - T)  # [T_max, B]
+        layout = RowLayout(H, x.dtype, k)
+        zeros = torch.zeros((T_max - T, layout.row_bytes), dtype=torch.uint8, device=x.device)
+        block = pack_rows(x, topk_weights, topk_ids, layout, tail=zeros)  # [T_max, B]
         rows = torch.empty((P * T_max, layout.row_bytes), dtype=torch.uint8, device=x.device)
         all_gather_single(rows, block, group=self.group)
-        x_all, meta = unpack_rows(rows, layout)  # [P*T_max, H], [P*T_max, 2k]
+        x_all, w_all, ids_all = unpack_rows(rows, layout)  # [P*T_max, H], [P*T_max, k], [P*T_max, k]
+        # Padding rows are zero bytes (weight 0); pointing their ids at a foreign expert lets backends skip them.
         valid = (torch.arange(T_max, device=x.device) < counts.unsqueeze(1)).reshape(P * T_max, 1)
-        w_all = torch.where(valid, meta[:, :k].view(torch.float32), 0.0)
-        ids_all = torch.where(valid, meta[:, k:], self.pad_id)
+        ids_all = torch.where(valid, ids_all, self.pad_id)
         return Dispatched(x_all, w_all, ids_all, emap, AllGatherHandle(T, T_max))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """What the expert-parallel dispatchers share: placement state, row packing, destination math.
 
-Packing: a token travels as one row of bytes [x (H values) | pad to 4 | meta (m int32)
-| pad to 16], so dispatch moves hidden states, routing weights (fp32 bits) and ids in one
-collective instead of three. Receivers read x and meta as views of the received bytes.
+Packing: a token travels as one row of bytes [x (H values) | pad to 4 | weights (k fp32)
+| ids (k int32) | pad to 16], so dispatch moves hidden states, routing weights and ids in
+one collective instead of three. Receivers read them as views of the received bytes.
 
-Destinations: a token goes once to each rank holding any of its k experts, so it has
-at most C = min(P, k) destinations; they are listed in increasing rank order, padded
-with P. Combine sums a token's C partial outputs in that order, so the result does not
-depend on timing (no atomics).
+Destinations: a token goes once to each rank holding any of its k experts. Pairs
+(rank r, token t) are indexed as [P, T]; rows_PT[r, t] is the send-buffer row of the pair
+(a "trash" row past the used ones when t does not go to r). Combine keeps, per token,
+C = min(P, k) rows [T, C] in increasing rank order and sums the partials in that order,
+so the result does not depend on timing (no atomics).
+
+Every helper is a few whole-tensor ops: eager GPU calls are bound by per-op launch cost.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .base import Dispatcher
 from .config import ParallelConfig
@@ -25,11 +29,12 @@ __all__ = [
     "ExpertParallelDispatcher",
     "RowLayout",
     "pack_rows",
+    "padding_rows",
     "unpack_rows",
-    "pack_meta",
-    "destinations",
-    "send_slots",
-    "gather_sources",
+    "destination_mask",
+    "send_rows",
+    "row_sources",
+    "combine_rows",
     "sum_partials",
     "all_gather_single",
     "reduce_scatter_single",
@@ -46,113 +51,127 @@ def _round_up(n: int, m: int) -> int:
 
 
 class RowLayout:
-    """Byte layout of one packed row: x [H] of `dtype`, then m int32 meta values."""
+    """Byte layout of one packed row: x [H] of `dtype`, then k fp32 weights and k int32 ids."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, meta_size: int) -> None:
-        self.hidden_size, self.dtype, self.meta_size = hidden_size, dtype, meta_size
+    def __init__(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> None:
+        self.hidden_size, self.dtype, self.top_k = hidden_size, dtype, top_k
         self.x_bytes = hidden_size * dtype.itemsize
-        self.meta_offset = _round_up(self.x_bytes, 4)
-        self.row_bytes = _round_up(self.meta_offset + 4 * meta_size, 16)
+        self.w_offset = _round_up(self.x_bytes, 4)
+        self.ids_offset = self.w_offset + 4 * top_k
+        self.row_bytes = _round_up(self.ids_offset + 4 * top_k, 16)
 
 
-def pack_meta(topk_weights: torch.Tensor, topk_ids: torch.Tensor, flag: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Routing weights (as fp32 bits), ids and an optional flag column as int32 meta.
+def pack_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layout: RowLayout,
+              tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pack tokens into rows of bytes.
 
     Args:
-        topk_weights: [T, k] fp32.  topk_ids: [T, k] integer.  flag: [T] int32 or None.
+        x: [T, H].  topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.
+        tail: [n, row_bytes] uint8 rows appended as they are (padding rows), or None.
     Returns:
-        [T, 2k] or [T, 2k + 1] int32.
-    """
-    cols = [topk_weights.float().contiguous().view(torch.int32), topk_ids.to(torch.int32)]
-    if flag is not None:
-        cols.append(flag.to(torch.int32).unsqueeze(1))
-    return torch.cat(cols, dim=1)
-
-
-def pack_rows(x: torch.Tensor, meta: torch.Tensor, layout: RowLayout, extra_rows: int = 0) -> torch.Tensor:
-    """Pack x [T, H] and meta [T, m] int32 into rows [T + extra_rows, row_bytes] uint8.
-
-    The extra rows at the end are all zero bytes (a zero token whose flag is 0).
+        [T (+ n), row_bytes] uint8.
     """
     T = x.shape[0]
-    out = torch.empty((T + extra_rows, layout.row_bytes), dtype=torch.uint8, device=x.device)
+    n = 0 if tail is None else tail.shape[0]
+    out = torch.empty((T + n, layout.row_bytes), dtype=torch.uint8, device=x.device)
+    k = layout.top_k
     out[:T, :layout.x_bytes] = x.contiguous().view(torch.uint8)
-    out[:T, layout.meta_offset:layout.meta_offset + 4 * layout.meta_size] = meta.contiguous().view(torch.uint8)
-    if extra_rows:
-        out[T:].zero_()
+    out[:T, layout.w_offset:layout.w_offset + 4 * k] = topk_weights.float().contiguous().view(torch.uint8)
+    out[:T, layout.ids_offset:layout.ids_offset + 4 * k] = topk_ids.to(torch.int32).contiguous().view(torch.uint8)
+    if n:
+        out[T:] = tail
     return out
 
 
-def unpack_rows(rows: torch.Tensor, layout: RowLayout) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Views of packed rows [N, row_bytes] uint8: x [N, H] of layout.dtype and meta [N, m] int32."""
+def padding_rows(layout: RowLayout, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of zero tokens with weights 0 and every id set to ids[i] ([n] int32): [n, row_bytes] uint8."""
+    n = ids.shape[0]
+    x = torch.zeros((n, layout.hidden_size), dtype=layout.dtype, device=ids.device)
+    w = torch.zeros((n, layout.top_k), dtype=torch.float32, device=ids.device)
+    return pack_rows(x, w, ids.to(torch.int32).unsqueeze(1).expand(n, layout.top_k), layout)
+
+
+def unpack_rows(rows: torch.Tensor, layout: RowLayout) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of packed rows [N, row_bytes]: x [N, H], weights [N, k] fp32, ids [N, k] int32."""
+    k = layout.top_k
     x = rows[:, :layout.x_bytes].view(layout.dtype)
-    meta = rows[:, layout.meta_offset:layout.meta_offset + 4 * layout.meta_size].view(torch.int32)
-    return x, meta
+    w = rows[:, layout.w_offset:layout.w_offset + 4 * k].view(torch.float32)
+    ids = rows[:, layout.ids_offset:layout.ids_offset + 4 * k].view(torch.int32)
+    return x, w, ids
 
 
-def destinations(topk_ids: torch.Tensor, owner: torch.Tensor, num_ranks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def destination_mask(topk_ids: torch.Tensor, owner: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """Which ranks each token goes to (once per rank, however many of its experts live there).
 
     Args:
         topk_ids: [T, k] global expert ids.  owner: [E] int64 rank of each expert.
     Returns:
-        mask [T, P] bool (token t goes to rank r) and dest [T, C] int64 with C = min(P, k):
-        the token's destination ranks in increasing order, padded with P.
+        [P, T] bool: token t goes to rank r.
     """
-    T, k = topk_ids.shape
-    P = num_ranks
-    ranks_Tk = owner[topk_ids.long()]  # [T, k]
-    mask = torch.zeros((T, P), dtype=torch.bool, device=topk_ids.device)
-    mask.scatter_(1, ranks_Tk, True)  # [T, P]
-    key = torch.where(mask, torch.arange(P, device=mask.device), P)  # [T, P]
-    dest = torch.topk(key, min(P, k), dim=1, largest=False, sorted=True).values  # [T, C]
-    return mask, dest
+    mask_PT = torch.zeros((num_ranks, topk_ids.shape[0]), dtype=torch.bool, device=topk_ids.device)
+    return mask_PT.scatter_(0, owner[topk_ids.t()], True)  # owner[ids^T]: [k, T] ranks
 
 
-def send_slots(mask: torch.Tensor, dest: torch.Tensor, block_start: torch.Tensor, trash: int) -> torch.Tensor:
-    """Row of the send buffer that carries each (token, destination) pair.
+def send_rows(mask_PT: torch.Tensor, capacity: Optional[int], trash: int) -> torch.Tensor:
+    """Send-buffer row of each (rank, token) pair; tokens keep their order within a rank's block.
 
-    Tokens bound for rank r fill the block that starts at block_start[r] in token order.
     Args:
-        mask: [T, P] bool.  dest: [T, C] int64 padded with P.  block_start: [P] int64.
-        trash: the row index given to padding pairs (one past the used rows).
+        mask_PT: [P, T] bool.
+        capacity: None packs the blocks back to back (rank r's block starts after the
+            rows of ranks < r); an int C gives rank r the fixed block [r*C, (r+1)*C).
+        trash: the row given to pairs that are not sent.
+    Returns:
+        [P, T] int64.
+    """
+    P, T = mask_PT.shape
+    if capacity is None:
+        rows = mask_PT.reshape(-1).cumsum(0).view(P, T) - 1  # r-major running count = packed row
+    else:
+        start = torch.arange(P, device=mask_PT.device).unsqueeze(1) * capacity - 1  # [P, 1]
+        rows = mask_PT.cumsum(1) + start
+    return torch.where(mask_PT, rows, trash)
+
+
+def row_sources(rows_PT: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """Invert send_rows: the token each send row carries.
+
+    Args:
+        rows_PT: [P, T] rows in [0, N] (N = the trash row).
+        fill: [N + 1] int64, overwritten: rows no pair writes keep their value (a padding row index).
+    Returns:
+        [N] int64, a view of fill.
+    """
+    P, T = rows_PT.shape
+    tokens = torch.arange(T, device=rows_PT.device).expand(P, T)
+    # Only unsent pairs share an index (the trash row), so which write wins there does not matter.
+    return fill.scatter_(0, rows_PT.reshape(-1), tokens.reshape(-1))[:-1]
+
+
+def combine_rows(rows_PT: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per token, the rows of its C = min(P, k) destinations in increasing rank order.
+
+    Valid rows of one token increase with the rank and the trash row is the largest
+    index, so the C smallest rows per token are its destinations, padded with trash.
     Returns:
         [T, C] int64.
     """
-    P = mask.shape[1]
-    pos_TP = torch.cumsum(mask.long(), dim=0) - 1  # [T, P] index of t among rank r's tokens
-    d = dest.clamp(max=P - 1)  # [T, C] (padding clamped, masked below)
-    rows = block_start[d] + pos_TP.gather(1, d)  # [T, C]
-    return torch.where(dest < P, rows, trash)
+    P = rows_PT.shape[0]
+    if P > top_k:
+        rows_PT = torch.topk(rows_PT, top_k, dim=0, largest=False, sorted=True).values  # [C, T]
+    return rows_PT.t().contiguous()
 
 
-def gather_sources(slots: torch.Tensor, num_rows: int, fill: int) -> torch.Tensor:
-    """Invert send_slots: for each of num_rows send rows, the token it carries (`fill` if none).
-
-    Args:
-        slots: [T, C] int64 rows in [0, num_rows] (num_rows is the trash row).
-    Returns:
-        [num_rows] int64 token index per send row.
-    """
-    T, C = slots.shape
-    src = torch.full((num_rows + 1,), fill, dtype=torch.int64, device=slots.device)
-    tokens = torch.arange(T, device=slots.device).repeat_interleave(C)  # [T*C]
-    # Only padding pairs share an index (the trash row), so which write wins there does not matter.
-    src.scatter_(0, slots.reshape(-1), tokens)
-    return src[:num_rows]
-
-
-def sum_partials(y_back: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Sum each token's partial outputs in destination order.
+def sum_partials(back: torch.Tensor, rows_TC: torch.Tensor, trash: int) -> torch.Tensor:
+    """Sum each token's partial outputs in destination order, in one gather-and-add pass.
 
     Args:
-        y_back: [N + 1, H] fp32 rows as returned, last row zero (the trash row).
-        slots: [T, C] rows per (token, destination), trash for padding.
+        back: [trash + 1, H] fp32 rows as returned; the trash row is never read.
+        rows_TC: [T, C] rows per (token, destination), `trash` for no destination.
     Returns:
-        [T, H] fp32.
+        [T, H] fp32. embedding_bag adds each bag's rows in order, one bag per thread block
+        (no atomics), so the sum is deterministic.
     """
-    T, C = slots.shape
-    return y_back[slots.reshape(-1)].view(T, C, y_back.shape[1]).sum(dim=1)
+    return F.embedding_bag(rows_TC, back, mode="sum", padding_idx=trash)
 
 
 class ExpertParallelDispatcher(Dispatcher):
@@ -175,16 +194,21 @@ class ExpertParallelDispatcher(Dispatcher):
         self._owner_cpu = expert_owner(num_experts, self.size, parallel.placement)  # [E] int64
         self._map_cpu = expert_map(num_experts, self.size, self.rank, parallel.placement)  # [E] int32
         self.pad_id = non_local_expert(num_experts, self.size, self.rank, parallel.placement)
-        self._by_device: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: Dict[tuple, torch.Tensor] = {}
+
+    def cached(self, key: tuple, make) -> torch.Tensor:
+        """A constant tensor made once per key (device, dtype, ...).
+
+        The first call on a device copies tables from the host: make it before a CUDA graph capture.
+        """
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def tables(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(owner [E] int64, expert_map [E] int32) on `device`, copied once per device.
-
-        The first call on a device copies from the host: make it before a CUDA graph capture.
-        """
-        if device not in self._by_device:
-            self._by_device[device] = (self._owner_cpu.to(device), self._map_cpu.to(device))
-        return self._by_device[device]
+        """(owner [E] int64, expert_map [E] int32) on `device`."""
+        return (self.cached(("owner", device), lambda: self._owner_cpu.to(device)),
+                self.cached(("map", device), lambda: self._map_cpu.to(device)))
 
     def num_chunks(self, x: torch.Tensor, chunk_size: int) -> int:
         """Rounds every rank runs: fixed by max_tokens_per_rank, else agreed on with a MAX all-reduce."""
@@ -196,6 +220,6 @@ class ExpertParallelDispatcher(Dispatcher):
                     "(raise it in ParallelConfig)"
                 )
             return max(1, -(-self.max_tokens_per_rank // chunk_size))
-        t = torch.tensor([T], dtype=torch.int64, device=x.device)
+        t = torch.full((1,), T, dtype=torch.int64, device=x.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return max(1, -(-int(t.item()) // chunk_size))

@@ -13,9 +13,9 @@ communication, naming max_tokens_per_rank. Nothing is ever dropped. (The ranks t
 not overflow then wait in their collective until the process group's own timeout ends
 them, as with any collective a rank leaves.)
 
-Rows carry a flag column: filled slots have flag 1; empty slots are zero bytes (flag 0)
-and the receiver turns them into zero tokens whose ids point at an expert it does not
-hold and whose weights are 0, so every experts backend skips them.
+Empty slots carry padding rows: zero tokens with weights 0 whose ids all point at an
+expert the destination rank does not hold, so every experts backend skips them and the
+receiver needs no extra work.
 
 Trade-off against `all_to_all` (the dynamic path):
   + no count exchange and no host sync (the dynamic path pays an extra small collective
@@ -39,17 +39,18 @@ import torch.distributed as dist
 
 from .base import Dispatched
 from .config import ParallelConfig
-from .ep_common import (ExpertParallelDispatcher, RowLayout, destinations, gather_sources, pack_meta, pack_rows,
-                        send_slots, sum_partials, unpack_rows)
+from .ep_common import (ExpertParallelDispatcher, RowLayout, combine_rows, destination_mask, pack_rows, padding_rows,
+                        row_sources, send_rows, sum_partials, unpack_rows)
+from .placement import non_local_expert
 
 __all__ = ["StaticAllToAllDispatcher"]
 
 
 @dataclass(frozen=True)
 class StaticHandle:
-    """What combine needs: slots [T, C_copies] rows per (token, destination), trash row P*C for padding."""
+    """What combine needs: rows [T, C] of each token's partial per destination (trash row P*cap for padding)."""
 
-    slots: torch.Tensor
+    rows: torch.Tensor
 
 
 class StaticAllToAllDispatcher(ExpertParallelDispatcher):
@@ -62,38 +63,41 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
         if parallel.max_tokens_per_rank is None:
             raise ValueError("static_all_to_all needs ParallelConfig.max_tokens_per_rank, got None")
         self.capacity = parallel.max_tokens_per_rank
+        # padding id for each destination rank: an expert that rank does not hold
+        self._pad_ids_cpu = torch.tensor(
+            [non_local_expert(num_experts, self.size, r, parallel.placement) for r in range(self.size)],
+            dtype=torch.int32)
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
-        """x [T, H] (T <= capacity), topk_weights [T, k] fp32, topk_ids [T, k] -> [P*C, ..] rows to compute here."""
+        """x [T, H] (T <= capacity), topk_weights [T, k] fp32, topk_ids [T, k] -> [P*cap, ..] rows to compute here."""
         T, H = x.shape
-        k = topk_ids.shape[1]
-        P, C = self.size, self.capacity
+        k, P, C = topk_ids.shape[1], self.size, self.capacity
         if T > C:
             raise ValueError(
                 f"static_all_to_all: this rank got {T} tokens, more than its capacity "
                 f"max_tokens_per_rank={C}; raise max_tokens_per_rank or use the 'all_to_all' dispatcher"
             )
-        owner, emap = self.tables(x.device)
-        mask, dest = destinations(topk_ids, owner, P)  # [T, P], [T, Cc]
-        block_start = torch.arange(P, device=x.device) * C  # [P]
-        slots = send_slots(mask, dest, block_start, trash=P * C)  # [T, Cc]
-        layout = RowLayout(H, x.dtype, 2 * k + 1)
-        flag = torch.ones(T, dtype=torch.int32, device=x.device)
-        packed = pack_rows(x, pack_meta(topk_weights, topk_ids, flag), layout, extra_rows=1)  # [T+1, B], row T zero
-        send = packed[gather_sources(slots, P * C, fill=T)]  # [P*C, B]; empty slots copy the zero row
+        device = x.device
+        owner, emap = self.tables(device)
+        layout = RowLayout(H, x.dtype, k)
+        pad = self.cached(("pad", device, x.dtype, H, k),
+                          lambda: padding_rows(layout, self._pad_ids_cpu.to(device)))  # [P, B]
+        # slot i of block r keeps padding row T + r unless a token is written there; the trash slot too
+        block = self.cached(("block", device),
+                            lambda: torch.arange(P * C + 1, device=device).floor_divide(C).clamp(max=P - 1))
+        mask_PT = destination_mask(topk_ids, owner, P)  # [P, T]
+        rows_PT = send_rows(mask_PT, C, trash=P * C)  # [P, T]
+        src = row_sources(rows_PT, block + T)  # [P*C]
+        packed = pack_rows(x, topk_weights, topk_ids, layout, tail=pad)  # [T + P, B]
+        send = packed[src]  # [P*C, B]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        x_r, meta = unpack_rows(recv, layout)  # [P*C, H], [P*C, 2k+1]
-        valid = meta[:, 2 * k:] == 1  # [P*C, 1]
-        w_r = torch.where(valid, meta[:, :k].view(torch.float32), 0.0)
-        ids_r = torch.where(valid, meta[:, k:2 * k], self.pad_id)
-        return Dispatched(x_r, w_r, ids_r, emap, StaticHandle(slots))
+        x_r, w_r, ids_r = unpack_rows(recv, layout)  # [P*C, H], [P*C, k], [P*C, k]
+        return Dispatched(x_r, w_r, ids_r, emap, StaticHandle(combine_rows(rows_PT, k)))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        """y [P*C, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
-        slots = dispatched.handle.slots
+        """y [P*cap, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
         n = self.size * self.capacity
-        back = torch.empty((n + 1, y.shape[1]), dtype=torch.float32, device=y.device)
-        back[n].zero_()  # the trash row padding slots read
+        back = torch.empty((n + 1, y.shape[1]), dtype=torch.float32, device=y.device)  # + the trash row
         dist.all_to_all_single(back[:n], y.float().contiguous(), group=self.group)
-        return sum_partials(back, slots)
+        return sum_partials(back, dispatched.handle.rows, trash=n)

@@ -51,15 +51,25 @@ class QuantizedRoutedExperts(nn.Module):
         E, H, I = num_experts, hidden_size, intermediate_size
         check_fits(self.scheme, H, I)
         self.activation = activation
-        self.shape13 = (E, 2 * I if is_gated(activation) else I, H)
-        self.shape2 = (E, H, I)
+        self.hidden_size, self.intermediate_size = H, I
+        self.rows13 = 2 * I if is_gated(activation) else I
         kw = dict(dtype=dtype, device=device)
-        self.b13 = nn.Parameter(torch.zeros(E, self.shape13[1], **kw)) if bias else None
+        self.b13 = nn.Parameter(torch.zeros(E, self.rows13, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(E, H, **kw)) if bias else None
         self._scale_names = []
-        w13 = torch.randn(self.shape13, dtype=torch.float32, device=device) * H ** -0.5
-        w2 = torch.randn(self.shape2, dtype=torch.float32, device=device) * I ** -0.5
+        w13 = torch.randn((E, self.rows13, H), dtype=torch.float32, device=device) * H ** -0.5
+        w2 = torch.randn((E, H, I), dtype=torch.float32, device=device) * I ** -0.5
         self._store(quantize_experts(w13, w2, self.scheme))
+
+    @property
+    def shape13(self):
+        """Float shape of w13 [E, 2I or I, H] (E = the slots held now; EPLB may resize them)."""
+        return (self.w13.shape[0], self.rows13, self.hidden_size)
+
+    @property
+    def shape2(self):
+        """Float shape of w2 [E, H, I]."""
+        return (self.w13.shape[0], self.hidden_size, self.intermediate_size)
 
     def _store(self, q: ExpertWeights) -> None:
         """Replace the stored weights and scales (buffers) with q's tensors."""

@@ -1,0 +1,174 @@
+"""Quantized experts on this CPU against moekit's own bf16-weight `cpu` backend, same process.
+
+Shape E=64, k=8, H=1024, I=512 (SwiGLU), bf16 activations, M in {1, 32} tokens, uniform
+random routing drawn fresh per call. Variants:
+
+- bf16 weights, backend `cpu` (the baseline);
+- int8_w8a8, backend `cpu_int8` (exact int8 GEMM);
+- int4_w4a16 (group 128, symmetric), backend `cpu_wo` (torch's int4 kernel on bf16 inputs);
+- int8_w8a16 (group 128), backend `cpu_wo` (fp32 GEMMs from weights dequantized in blocks):
+  what an fp32-from-int8 path costs, the alternative to the int8 GEMM;
+- int4_w4a16 with fp32 activations, backend `cpu_wo` (the fp32 block path for int4).
+
+Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3.
+Rounds run every variant once in turn (so a load change on a shared machine hits all of
+them alike); each time is the median over rounds, each ratio the median of per-round ratios.
+
+    python bench/cpu_quant.py --rounds 30 --out bench/results/cpu-quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import moekit
+from moekit import quantize_experts
+from moekit.config import ActivationParams
+from moekit.experts.base import BACKENDS, ExpertWeights
+
+E, K_TOP, H, I = 64, 8, 1024, 512
+L3_BYTES = 32 * 1024 * 1024
+DRAM_BYTES_PER_S = 12e9  # PERF.md: the whole box
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"})
+    except OSError:
+        pass
+    return []
+
+
+def read_bytes(w: ExpertWeights) -> int:
+    """Bytes of one layer's stored weights and scales that the variant streams."""
+    n = w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size()
+    return n + sum(t.numel() * t.element_size() for t in w.scales.values())
+
+
+def make_variants(gen: torch.Generator):
+    """name -> (backend, x dtype, [ExpertWeights copies], bytes per layer)."""
+    w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
+    specs = [
+        ("bf16 cpu", "cpu", torch.bfloat16, lambda a, b: ExpertWeights(a.bfloat16(), b.bfloat16())),
+        ("int8_w8a8 cpu_int8", "cpu_int8", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a8")),
+        ("int4_w4a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
+        ("int8_w8a16 cpu_wo (fp32 blocks)", "cpu_wo", torch.bfloat16,
+         lambda a, b: quantize_experts(a, b, "int8_w8a16")),
+        ("int4_w4a16 cpu_wo fp32 x (fp32 blocks)", "cpu_wo", torch.float32,
+         lambda a, b: quantize_experts(a, b, "int4_w4a16")),
+    ]
+    out = {}
+    for name, backend, dtype, build in specs:
+        first = build(w13, w2)
+        nbytes = read_bytes(first)
+        copies = [first]
+        while len(copies) * nbytes < 3 * L3_BYTES or len(copies) < 2:
+            # perturb so no two copies share bytes (and a repacking cache keeps one entry each)
+            copies.append(build(w13 + 1e-3 * len(copies), w2))
+        out[name] = (backend, dtype, copies, nbytes)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ms", default="1,32", help="token counts M")
+    p.add_argument("--out", default=None, help="write the results JSON here")
+    args = p.parse_args(argv)
+    Ms = [int(m) for m in args.ms.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    variants = make_variants(gen)
+    params = ActivationParams()
+    load_before = os.getloadavg()
+
+    def call(name: str, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, copy: int) -> float:
+        backend, _, copies, _ = variants[name]
+        w = copies[copy % len(copies)]
+        t0 = time.perf_counter()
+        BACKENDS[backend].apply(x, w, tw, ids, activation="silu", activation_params=params,
+                                apply_router_weight_on_input=False, expert_map=None)
+        return time.perf_counter() - t0
+
+    times = {(n, M): [] for n in variants for M in Ms}
+    with torch.inference_mode():
+        for r in range(args.warmup + args.rounds):
+            for M in Ms:
+                ids = torch.rand(M, E, generator=gen).argsort(dim=1)[:, :K_TOP].to(torch.int32)  # fresh routing
+                tw = torch.rand(M, K_TOP, generator=gen)
+                x = torch.randn(M, H, generator=gen)
+                for name, (_, dtype, _, _) in variants.items():
+                    t = call(name, x.to(dtype), ids, tw, r)
+                    if r >= args.warmup:
+                        times[name, M].append(t)
+    load_after = os.getloadavg()
+
+    base = "bf16 cpu"
+    results = []
+    for M in Ms:
+        touched = E * (1 - (1 - K_TOP / E) ** M)  # PERF.md D(M)
+        for name, (backend, dtype, copies, nbytes) in variants.items():
+            ts = times[name, M]
+            floor_s = touched / E * nbytes / DRAM_BYTES_PER_S
+            med = statistics.median(ts)
+            row = {
+                "variant": name, "backend": backend, "x_dtype": str(dtype).replace("torch.", ""), "M": M,
+                "median_us": round(med * 1e6, 1),
+                "p25_us": round(statistics.quantiles(ts, n=4)[0] * 1e6, 1),
+                "p75_us": round(statistics.quantiles(ts, n=4)[2] * 1e6, 1),
+                "weight_bytes_per_layer": nbytes, "weight_copies_rotated": len(copies),
+                "dram_floor_us": round(floor_s * 1e6, 1), "pct_of_floor": round(100 * floor_s / med, 1),
+                "speedup_vs_bf16_cpu": round(statistics.median(
+                    b / t for b, t in zip(times[base, M], ts)), 2),
+            }
+            results.append(row)
+            print(f"M={M:3d} {name:40s} {row['median_us']:10.1f} us  x{row['speedup_vs_bf16_cpu']:.2f} vs bf16 cpu"
+                  f"  ({row['pct_of_floor']}% of DRAM floor)")
+    doc = {
+        "benchmark": "cpu_quant",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "moekit": moekit.__version__, "python": platform.python_version(),
+        "shape": {"E": E, "k": K_TOP, "H": H, "I": I, "activation": "silu"},
+        "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        "rounds": args.rounds, "warmup": args.warmup,
+        "method": ("round-robin over variants with fresh uniform routing per round; weights rotated over copies "
+                   "totalling >= 3x the 32 MB L3; medians over rounds; speedup = median of per-round ratios"),
+        "targets_at_M1": {"int8_w8a8 cpu_int8": 1.7, "int4_w4a16 cpu_wo": 2.5},
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

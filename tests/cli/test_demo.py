@@ -1,0 +1,33 @@
+"""`moekit demo` runs at its default small size, checks, and reports; --model takes a local folder."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from moekit.cli.main import main  # noqa: E402
+
+
+def test_demo_default_passes(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "built-in tiny DeepSeek-V3" in out and "all checks passed" in out
+    assert "greedy ids identical   32/32" in out
+    for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(layer))
+        counts = [int(c) for c in line.split()[-8:]]  # 8 experts, top-2
+        assert sum(counts) == (8 + 32 - 1) * 2  # the prompt, then every generated token but the last
+    assert "tokens/s" in out and "transformers eager" in out
+
+
+def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
+    from moekit.cli.demo import tiny_deepseek_v3
+
+    tiny_deepseek_v3(seed=3).save_pretrained(tmp_path)
+    assert main(["demo", "--model", str(tmp_path), "--tokens", "4", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path) in out and "all checks passed" in out
+
+
+def test_demo_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="--tokens"):
+        main(["demo", "--tokens", "0"])
