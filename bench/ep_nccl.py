@@ -11,6 +11,8 @@ tokens per rank (1, 16, 128, 1024, 4096), with uniform random routing and bf16 t
 - static_all_to_all (capacity = tokens per rank): dispatch + combine eagerly and replayed
   from a CUDA graph (the decode path), against the two raw equal-split calls.
 - allgather_reducescatter: dispatch + combine against a raw all-gather + reduce-scatter.
+- a whole decode step of FusedMoE with the static dispatcher (router, dispatch, experts,
+  combine; --layer-tokens per rank), eagerly and replayed from a CUDA graph.
 
 The experts are replaced by a stand-in that keeps the data honest: y = x * (sum of the
 routing weights of this rank's experts), so combine must return x * sum(weights); the
@@ -33,13 +35,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from moekit import FusedMoE, RoutingConfig
 from moekit.parallel import ParallelConfig, build_dispatcher
 from moekit.parallel.ep_common import RowLayout, all_gather_single, reduce_scatter_single
 
 SHAPES = {
-    "deepseek-v3": dict(E=256, k=8, H=7168),
-    "qwen3-30b-a3b": dict(E=128, k=8, H=2048),
-    "tiny": dict(E=8, k=2, H=16),
+    "deepseek-v3": dict(E=256, k=8, H=7168, I=2048),
+    "qwen3-30b-a3b": dict(E=128, k=8, H=2048, I=768),
+    "tiny": dict(E=8, k=2, H=16, I=8),
 }
 
 
@@ -49,6 +52,7 @@ def parse(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--shapes", nargs="+", default=["deepseek-v3", "qwen3-30b-a3b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024, 4096])
+    p.add_argument("--layer-tokens", nargs="*", type=int, default=[1, 16], help="decode steps of the whole layer")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=5)
@@ -215,6 +219,38 @@ def graph_row(disp, x, w, ids, y, clock, static_base, per_graph=10):
                 GBps=static_base["bytes_per_rank"] / t / 1e9, check_rel_err=err)
 
 
+def layer_rows(shape_name, shape, T, clock, device, args, use_graph):
+    """One FusedMoE decode step (static dispatcher, capacity T), eager and as a CUDA graph replay."""
+    E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    parallel = ParallelConfig.expert_parallel(dispatcher="static_all_to_all", max_tokens_per_rank=T)
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=k), dtype=dtype, device=device, parallel=parallel)
+    g = torch.Generator(device="cpu").manual_seed(args.seed + T)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    logits = torch.randn(T, E, generator=g).to(device)
+    base = dict(shape=shape_name, E=E, k=k, H=H, I=I, tokens_per_rank=T, dispatcher="static_all_to_all",
+                backend=layer.runner.backend)
+    with torch.no_grad():
+        out = layer(x, logits)
+        rows = [dict(base, mode="layer_eager", us=clock(lambda: layer(x, logits)) * 1e6,
+                     finite=bool(torch.isfinite(out).all()))]
+        if use_graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    layer(x, logits)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = layer(x, logits)
+            graph.replay()
+            same = bool(torch.equal(captured, layer(x, logits)))
+            rows.append(dict(base, mode="layer_cuda_graph", us=clock(graph.replay) * 1e6,
+                             finite=bool(torch.isfinite(captured).all()), replay_equals_eager=same))
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -237,6 +273,13 @@ def main(argv=None) -> int:
                     print(f"{name:14s} T={T:5d} {r['dispatcher']:24s} {r['mode']:10s} {r['us']:10.1f} us "
                           f"raw {r['raw_us']:10.1f} us  {100 * r['fraction_of_raw']:5.1f}% of raw  "
                           f"check {r['check_rel_err']:.1e}", flush=True)
+    for name in args.shapes:
+        for T in args.layer_tokens:
+            results.extend(layer_rows(name, SHAPES[name], T, clock, device, args, use_graph))
+            if rank == 0:
+                for r in results[-(2 if use_graph else 1):]:
+                    print(f"{name:14s} T={T:5d} FusedMoE decode step  {r['mode']:18s} {r['us']:10.1f} us "
+                          f"(experts backend {r['backend']})", flush=True)
     if rank == 0:
         meta = dict(
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -10,6 +10,7 @@ from .config import ActivationParams, RoutingConfig, SharedExpertsConfig, settin
 from .experts import BACKENDS, ExpertsBackend, ExpertsProblem, ExpertWeights, fused_experts
 from .layer import FusedMoE, RoutedExperts
 from .oracle import available_backends, choose_backend, explain
+from .parallel import ParallelConfig
 from .quant import QuantScheme, get_scheme, quantize_experts
 from .routing import TopK, route
 
@@ -32,6 +33,7 @@ __all__ = [
     "available_backends",
     "choose_backend",
     "explain",
+    "ParallelConfig",
     "QuantScheme",
     "get_scheme",
     "quantize_experts",

@@ -87,14 +87,17 @@ class MoERunner:
         if shared is not None and self.shared_mode == "fused":
             expert_weights, weights_Tk, ids_Tk = self._append_fused_shared(layer, x, expert_weights, weights_Tk, ids_Tk)
         d = self.dispatcher.dispatch(x, weights_Tk, ids_Tk)
+        s = self.output_scale()
+        # Nothing is added to the routed output here: let the backend write x's dtype directly.
+        direct_out = shared_out is None and s == 1.0 and isinstance(self.dispatcher, LocalDispatcher)
         y = experts_forward(
             d.x, expert_weights, d.topk_weights, d.topk_ids, activation=self.activation,
             activation_params=self.activation_params,
             apply_router_weight_on_input=self.routing.apply_router_weight_on_input,
             expert_map=d.expert_map, backend=self.backend, owner=self.name,
+            out_dtype=x.dtype if direct_out else torch.float32,
         )
-        routed = self.dispatcher.combine(y, d)  # [T, H] fp32
-        s = self.output_scale()
+        routed = self.dispatcher.combine(y, d)  # [T, H] fp32 (x's dtype when direct_out)
         if s != 1.0:
             routed = routed * s
         if stream is not None:

@@ -31,3 +31,12 @@ def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
 def test_demo_rejects_bad_arguments():
     with pytest.raises(ValueError, match="--tokens"):
         main(["demo", "--tokens", "0"])
+
+
+def test_demo_exit_status_follows_the_check(monkeypatch, capsys):
+    """A logits comparison that fails (here forced to inf) makes the command fail."""
+    from moekit.cli import demo
+
+    monkeypatch.setattr(demo, "_rel_err", lambda out, ref: float("inf"))
+    assert main(["demo", "--tokens", "2"]) == 1
+    assert "CHECKS FAILED" in capsys.readouterr().out

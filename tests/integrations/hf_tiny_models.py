@@ -35,7 +35,7 @@ def build(family: str, dtype=torch.float32, seed: int = 0, **overrides):
     """A tiny eager-experts model with weights drawn from a seeded generator."""
     config = AutoConfig.for_model(family, **{**COMMON, **CONFIGS[family], **overrides})
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     with torch.no_grad():

@@ -59,6 +59,21 @@ def test_block_keeps_its_return_contract(family):
         assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
 
 
+def test_router_scores_when_the_runner_chunks():
+    """gpt-oss returns the routing weights; with several chunks they are recomputed for all T."""
+    model = build("gpt_oss")
+    block = model.model.layers[0].mlp
+    patched, _ = _patched(model)
+    new = patched.model.layers[0].mlp
+    new.moe.runner.chunk_size = 4
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        (ref, ref_scores), (out, scores) = block(x), new(x)
+    assert scores.shape == ref_scores.shape == (9, 2)
+    assert torch.allclose(scores.sort(-1).values, ref_scores.sort(-1).values, atol=1e-6)
+    assert rel_err(out, ref) <= 1e-5
+
+
 def test_zero_tokens():
     model = build("deepseek_v3")
     patched, _ = _patched(model)

@@ -73,15 +73,13 @@ else:
         """Independent alignment: per expert, its assignments in order, padded to bm rows."""
         flat = ids.reshape(-1).long()
         local = flat if emap is None else emap.long()[flat]
-        rows, owners = [], []
+        rows, ends = [], []
         for e in range(E):
             mine = (local == e).nonzero().flatten().tolist()
-            if not mine:
-                continue
             padded = -(-len(mine) // bm) * bm
             rows += mine + [flat.numel()] * (padded - len(mine))
-            owners += [e] * (padded // bm)
-        return rows, owners
+            ends.append(len(rows))
+        return rows, ends
 
     def test_interpreter_flag_was_read():
         assert settings.triton_interpret
@@ -91,18 +89,19 @@ else:
         (5, 9, 3, 16, 3, True),        # non-local experts (-1) get no rows
         (37, 70, 2, 32, 0, True),      # most experts empty, E not a power of two
         (40, 3, 3, 16, 0, True),       # k = E: every expert full, several blocks each
-        (300, 8, 2, 64, 2, False),     # three-kernel path with an expert map
-        (130, 70, 4, 16, 0, False),    # three-kernel path, chunk boundary inside an expert
+        (1, 8, 2, 16, 6, True),        # both slots non-local: no rows at all
+        (1500, 8, 3, 64, 2, False),    # chunked path (two chunks) with an expert map
+        (2100, 70, 4, 16, 0, False),   # chunked path, three chunks, chunk boundary inside experts
     ])
     def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
+        if n_remote and T == 1:  # route the token to non-local experts only
+            ids = (emap < 0).nonzero().flatten()[:k].to(torch.int32).reshape(1, k)
         al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0)
-        rows, owners = _expected_alignment(ids, emap, E, bm)
-        n = int(al.num_padded)
-        assert n == len(rows)
-        assert al.sorted_ids[:n].tolist() == rows
-        assert al.block_expert[: n // bm].tolist() == owners
-        assert al.max_blocks >= n // bm
+        rows, ends = _expected_alignment(ids, emap, E, bm)
+        assert al.expert_end.tolist() == ends
+        assert al.sorted_ids[:len(rows)].tolist() == rows
+        assert al.max_blocks * bm >= len(rows)
 
     @pytest.mark.parametrize("case", [
         dict(T=1, E=4, k=2, H=32, I=16),                      # one token: direct path
@@ -160,9 +159,15 @@ else:
         out = fused_experts(x, wts.w13, wts.w2, w, ids, backend="triton")
         ref = fused_experts(x, wts.w13, wts.w2, w, ids, backend="reference")
         assert out.dtype == torch.float16 and rel_err(out, ref) <= TOL[torch.float16]
+        for direct in (True, False):  # x's dtype written directly equals fp32 then one cast
+            o32 = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=direct)
+            o16 = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=direct, out_dtype=x.dtype)
+            assert o16.dtype == torch.float16 and torch.equal(o16, o32.to(torch.float16))
         empty = fused_experts(x[:0], wts.w13, wts.w2, w[:0], ids[:0], backend="triton")
         assert empty.shape == (0, 32)
         assert fused_moe(x[:0], wts.w13, wts.w2, None, None, w[:0], ids[:0], None, "silu").shape == (0, 32)
+        with pytest.raises(TypeError, match="out_dtype"):
+            fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", out_dtype=torch.bfloat16)
 
     def test_backend_refuses_bf16_in_the_interpreter():
         from moekit.experts.base import ExpertsProblem
@@ -185,4 +190,6 @@ else:
 
     def test_custom_op_fake_and_schema(gen):
         x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float16, gen)
-        torch.library.opcheck(triton_fused_experts, (x, wts.w13, wts.w2, None, None, w, ids, None, "silu", 1.702, 7.0, False))
+        for out_dtype in (torch.float32, torch.float16):
+            torch.library.opcheck(triton_fused_experts,
+                                  (x, wts.w13, wts.w2, None, None, w, ids, None, "silu", 1.702, 7.0, False, out_dtype))

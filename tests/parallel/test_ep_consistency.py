@@ -26,15 +26,16 @@ MISMATCHES = [
     ("E", dict(E=8), dict(E=6), r"num_experts: rank 0 = 8, rank 1 = 6"),
     ("k", dict(k=2), dict(k=3), r"top_k: rank 0 = 2, rank 1 = 3"),
     ("H and I", dict(H=16), dict(H=17, I=4), r"hidden_size: rank 0 = 16, rank 1 = 17; intermediate_size"),
-    ("activation", dict(activation="silu"), dict(activation="gelu"), r"activation differs \(rank \d has '(silu|gelu)'\)"),
+    ("activation", dict(activation="silu"), dict(activation="gelu"),
+     r"activation differs \(rank \d has '(silu|gelu)'\)"),
     ("dispatcher", dict(dispatcher="all_to_all"), dict(dispatcher="allgather_reducescatter"), r"dispatcher differs"),
     ("ep_size", dict(ep_size=2), dict(ep_size=4), r"ep_size: rank 0 = 2, rank 1 = 4"),
     ("placement", dict(placement="linear"), dict(placement="round_robin"), r"placement differs"),
     ("shared experts", dict(), dict(shared=SharedExpertsConfig(8)), r"shared_experts differs"),
     # consistent on every rank but wrong for the group: every rank raises the same local error
     ("group size", dict(ep_size=4), dict(ep_size=4), r"ep_size/ep_rank must match the process group"),
-    ("fused shared", dict(shared=SharedExpertsConfig(8, mode="fused")), dict(shared=SharedExpertsConfig(8, mode="fused")),
-     r"shared_experts mode 'fused' cannot be split over ranks"),
+    ("fused shared", dict(shared=SharedExpertsConfig(8, mode="fused")),
+     dict(shared=SharedExpertsConfig(8, mode="fused")), r"shared_experts mode 'fused' cannot be split over ranks"),
     ("E < ranks", dict(E=1, k=1), dict(E=1, k=1), r"every rank holds at least one expert"),
 ]
 
@@ -59,9 +60,17 @@ def _check(rank, size):
         got = layer.expert_map.tolist()
         if got != expect[placement, rank] or layer.experts.w13.shape[0] != (4, 3)[rank]:
             failures.append(f"[E=7 {placement}] rank {rank}: expert_map {got}, {layer.experts.w13.shape[0]} experts")
-    # After the reported mismatches the group still works: one forward.
+    # After the reported mismatches the group still works. Collectives carry no gradients, so a
+    # forward that autograd records is refused (on every rank, at the same step), not half-recorded.
     layer = _layer(rank)
-    out = layer(torch.randn(3, 16), torch.randn(3, 8))
+    try:
+        layer(torch.randn(3, 16), torch.randn(3, 8))
+        failures.append(f"rank {rank}: a forward recording gradients was not refused")
+    except ValueError as exc:
+        if "inference-only" not in str(exc):
+            failures.append(f"rank {rank}: unexpected error {exc}")
+    with torch.no_grad():
+        out = layer(torch.randn(3, 16), torch.randn(3, 8))
     if out.shape != (3, 16) or not torch.isfinite(out).all():
         failures.append(f"rank {rank}: forward after the errors gave {tuple(out.shape)}")
     # Last (it leaves a collective pending): rank 1 never builds the layer; rank 0 must give up.

@@ -51,7 +51,7 @@ def tiny_deepseek_v3(seed: int = 0, dtype: torch.dtype = torch.float32):
 
     config = AutoConfig.for_model("deepseek_v3", **TINY_DEEPSEEK_V3)
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     with torch.no_grad():  # spread-out weights so routing is decisive (transformers' init is tiny)

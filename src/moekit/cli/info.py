@@ -28,6 +28,15 @@ def _devices():
 
 
 def run(args) -> int:
+    scheme = None
+    if args.quant is not None:
+        from moekit.quant import get_scheme  # noqa: PLC0415
+
+        try:
+            scheme = get_scheme(args.quant)
+        except ValueError as err:
+            print(f"moekit info: {err}")
+            return 2
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     if torch.cuda.is_available():
@@ -40,7 +49,7 @@ def run(args) -> int:
         print(f"  {name:12s} {'yes' if reason is None else 'no: ' + reason}  -- {desc}")
     for device in _devices():
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
-        wdtype = dtype
+        wdtype = dtype if scheme is None else scheme.storage_dtype()
         problem = ExpertsProblem(device, dtype, wdtype, args.activation, False, False, False, 64, 1024, 512, 8,
                                  quant=args.quant)
         print(f"\noracle for {problem.describe()}:")
@@ -55,4 +64,11 @@ def run(args) -> int:
                 print(f"     {name}: refused: {reason}")
         if not picked:
             print("  no backend can run this problem here")
+        if scheme is not None:  # the backends outside this precision's list, and why they would not do
+            listed = {name for name, _ in explain(problem)}
+            print(f"  not in the {scheme.precision!r} priority list for {device} ({scheme.describe()}):")
+            for name in sorted(set(moekit.BACKENDS) - listed):
+                b = moekit.BACKENDS[name]
+                reason = b.available() or b.unsupported(problem)
+                print(f"     {name}: {'could run but is not listed' if reason is None else 'refused: ' + reason}")
     return 0

@@ -187,7 +187,7 @@ def fused_experts(
     out = experts_forward(
         hidden_states, weights, topk_weights, topk_ids, activation=activation,
         activation_params=activation_params, apply_router_weight_on_input=apply_router_weight_on_input,
-        expert_map=expert_map, backend=backend, owner=owner,
+        expert_map=expert_map, backend=backend, owner=owner, out_dtype=hidden_states.dtype,
     )
     return out.to(hidden_states.dtype)
 
@@ -204,8 +204,13 @@ def experts_forward(
     expert_map: Optional[torch.Tensor],
     backend: str,
     owner: str,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Checked inputs -> oracle -> backend. Returns [T, H] fp32 (the runner adds shared experts in fp32)."""
+    """Checked inputs -> oracle -> backend. Returns [T, H] fp32 (the runner adds shared experts in fp32).
+
+    out_dtype: x's dtype lets a backend that sets `native_out_dtype` write it directly (its
+    sum over k still accumulates in fp32), sparing a cast pass; others are cast once.
+    """
     if apply_router_weight_on_input and topk_ids.shape[1] != 1:
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={topk_ids.shape[1]}")
     from ..oracle import choose_backend  # noqa: PLC0415 (oracle imports the experts registry)
@@ -215,10 +220,11 @@ def experts_forward(
     chosen = choose_backend(problem, backend, owner=owner).backend
     T, H = x.shape
     if T == 0:
-        return x.new_zeros((0, H), dtype=torch.float32)
+        return x.new_zeros((0, H), dtype=out_dtype)
+    native = {"out_dtype": out_dtype} if getattr(chosen, "native_out_dtype", False) else {}
     return chosen.apply(
         x.contiguous(), weights, topk_weights.float().contiguous(),
         topk_ids.to(torch.int32).contiguous(), activation=activation,
         activation_params=activation_params or ActivationParams(),
-        apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
-    ).float()
+        apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map, **native,
+    ).to(out_dtype)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["local_ids", "sort_by_expert", "combine_k", "loop_over_experts"]
+__all__ = ["local_ids", "sort_by_expert", "combine_k", "SortedRows", "sort_rows", "unsort_rows"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -46,45 +46,55 @@ def combine_k(y_sorted: torch.Tensor, order: torch.Tensor, T: int, k: int) -> to
     return y_flat.view(T, k, H).sum(dim=1)
 
 
-def loop_over_experts(
+
+class SortedRows(NamedTuple):
+    """Assignments sorted by local expert, for host-driven (CPU) backends.
+
+    rows: [n, H] the GEMM1 input of each local assignment, grouped by expert.
+    spans: (e, start, end) per expert with rows, in order; rows[start:end] belong to e.
+    order: [T*k] assignment index of each sorted position.  w_sorted: [T*k, 1] fp32.
+    """
+
+    rows: torch.Tensor
+    spans: List[Tuple[int, int, int]]
+    order: torch.Tensor
+    w_sorted: torch.Tensor
+
+
+def sort_rows(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: Optional[torch.Tensor],
     num_experts: int,
     apply_router_weight_on_input: bool,
-    expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
     row_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Sort assignments by expert, run expert_fn on each active expert's rows, weight, sum over k.
-
-    For host-driven backends (CPU): the per-expert counts are read to the host once.
+) -> SortedRows:
+    """Gather each local assignment's input row, grouped by expert (reads the counts to the host once).
 
     Args:
         x: [T, H].  topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.
         expert_map: [E_global] int32 or None.
-        expert_fn: (e, rows [n, H] in row_dtype) -> [n, H] fp32, expert e's unweighted output.
-        row_dtype: dtype of the rows handed to expert_fn (router weights on the input are
-            applied in fp32 first).
-    Returns:
-        [T, H] fp32.
+        row_dtype: dtype of the rows (router weights on the input are applied in fp32 first).
     """
-    T, k = topk_ids.shape
-    H = x.shape[1]
+    k = topk_ids.shape[1]
     order, counts = sort_by_expert(local_ids(topk_ids, expert_map).reshape(-1), num_experts)
-    counts_list = counts.tolist()
-    n_valid = sum(counts_list)
-    w_sorted = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
-    x_sorted = x[order[:n_valid] // k]  # [n_valid, H]
-    if apply_router_weight_on_input:
-        x_sorted = x_sorted.float() * w_sorted[:n_valid]
-    x_sorted = x_sorted.to(row_dtype)
-    y_sorted = x.new_zeros((T * k, H), dtype=torch.float32)  # rows >= n_valid stay zero (non-local)
-    start = 0
-    for e, n in enumerate(counts_list):
+    spans, start = [], 0
+    for e, n in enumerate(counts.tolist()):
         if n:
-            y_sorted[start:start + n] = expert_fn(e, x_sorted[start:start + n])
+            spans.append((e, start, start + n))
             start += n
+    w_sorted = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
+    rows = x[order[:start] // k]  # [n, H]
+    if apply_router_weight_on_input:
+        rows = rows.float() * w_sorted[:start]
+    return SortedRows(rows.to(row_dtype), spans, order, w_sorted)
+
+
+def unsort_rows(y: torch.Tensor, sr: SortedRows, T: int, k: int, apply_router_weight_on_input: bool) -> torch.Tensor:
+    """Expert outputs y [n, H] fp32 (in sort_rows' order) -> weighted, summed over k: [T, H] fp32."""
+    y_sorted = y.new_zeros((T * k, y.shape[1]))  # rows >= n stay zero (non-local experts)
+    y_sorted[:y.shape[0]] = y
     if not apply_router_weight_on_input:
-        y_sorted = y_sorted * w_sorted
-    return combine_k(y_sorted, order, T, k)
+        y_sorted = y_sorted * sr.w_sorted
+    return combine_k(y_sorted, sr.order, T, k)

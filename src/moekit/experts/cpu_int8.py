@@ -27,7 +27,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import loop_over_experts
+from .common import sort_rows, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K"]
 
@@ -37,15 +37,28 @@ MAX_K = (2 ** 31 - 1) // (127 * 127)
 _SCHEME = get_scheme("int8_w8a8")
 
 
-def _int8_linear(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
-    """rows [n, K] float -> [n, N] fp32 = dynamic per-row int8 quantization, exact int8 GEMM, rescale.
+def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_spans) -> torch.Tensor:
+    """All experts' rows [n, K] float -> [n, N] fp32: per-row int8 quantization, exact int8 GEMMs, rescale.
 
     Args:
-        q_w: [N, K] int8 weights.  s_w: [N] fp32 per-channel scales.
+        q_w: [E, N, K] int8 weights.  s_w: [E, N] fp32 per-channel scales.
+        sr_spans: (e, start, end) row ranges per expert.
     """
-    q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]
-    acc = torch._int_mm(q_x, q_w.t())  # [n, N] int32, exact
-    return acc.float().mul_(s_x).mul_(s_w)
+    q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
+    acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
+    for e, a, b in sr_spans:
+        torch._int_mm(q_x[a:b], q_w[e].t(), out=acc[a:b])  # exact int32
+    out = acc.float().mul_(s_x)
+    for e, a, b in sr_spans:
+        out[a:b].mul_(s_w[e])
+    return out
+
+
+def _add_bias(h: torch.Tensor, bias, sr_spans) -> torch.Tensor:
+    if bias is not None:
+        for e, a, b in sr_spans:
+            h[a:b].add_(bias[e].float())
+    return h
 
 
 class CPUInt8Backend(ExpertsBackend):
@@ -70,18 +83,14 @@ class CPUInt8Backend(ExpertsBackend):
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):
-        s13, s2 = weights.scales["w13_scale"], weights.scales["w2_scale"]  # [E, 2I], [E, H]
-
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            h = _int8_linear(rows, weights.w13[e], s13[e])  # [n, 2I]
-            if weights.b13 is not None:
-                h = h + weights.b13[e].float()
-            a = apply_activation(h, activation, activation_params)  # [n, I]
-            y = _int8_linear(a, weights.w2[e], s2[e])  # [n, H]
-            return y if weights.b2 is None else y + weights.b2[e].float()
-
-        return loop_over_experts(x, topk_weights, topk_ids, expert_map, weights.num_experts,
-                                 apply_router_weight_on_input, expert, torch.float32)
+        T, k = topk_ids.shape
+        sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
+                       apply_router_weight_on_input, torch.float32)
+        s = weights.scales
+        h = _add_bias(_int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans), weights.b13, sr.spans)  # [n, 2I]
+        a = apply_activation(h, activation, activation_params)  # [n, I]
+        y = _add_bias(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans), weights.b2, sr.spans)  # [n, H]
+        return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
 
 register_backend(CPUInt8Backend())

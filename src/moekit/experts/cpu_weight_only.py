@@ -24,7 +24,7 @@ points, every activation, biases, expert_map, weights on input. No autograd.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -33,12 +33,13 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import loop_over_experts
+from .common import sort_rows, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
-# fp32 bytes of one dequantized weight block (rows x K); sized for a 1-2 MB L2.
-BLOCK_BYTES = 512 * 1024
+# fp32 bytes of one dequantized weight block (rows x K): about the L2 of both cores together;
+# 0.25-8 MB measured within noise of each other on the benchmark shape, 2 MB the best.
+BLOCK_BYTES = 2 * 1024 * 1024
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -90,7 +91,7 @@ class _Int4Repacked:
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
                      scheme: QuantScheme, out: torch.Tensor) -> torch.Tensor:
-    """Dequantize rows of one expert's projection into out.
+    """Dequantize rows of one expert's projection into out: w = q * s - z * s, one fused op per half.
 
     Args:
         q: [n, K / pack] stored rows.  scale: [n, K/g] fp32.  zero: [n, K/g] uint8 or None.
@@ -98,38 +99,24 @@ def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
     """
     n, K = out.shape
     g = scheme.group_size
-    if scheme.weight_dtype == "int4":
-        # Unpack through int32 views: one mask and one shift for 8 values at a time.
-        p32 = q.view(torch.int32)  # [n, K/8]
-        pairs = out.view(n, K // 2, 2)
-        pairs[:, :, 0].copy_((p32 & _NIBBLES).view(torch.uint8))
-        pairs[:, :, 1].copy_(((p32 >> 4) & _NIBBLES).view(torch.uint8))
-    else:
-        out.copy_(q)
-    groups = out.view(n, K // g, g)
+    s = scale.unsqueeze(-1)  # [n, K/g, 1]
     if zero is not None:
-        groups.sub_(zero.unsqueeze(-1))
+        neg_zs = -(zero.unsqueeze(-1) * s)  # [n, K/g, 1]
     elif scheme.weight_dtype == "int4":
-        groups.sub_(8.0)
-    groups.mul_(scale.unsqueeze(-1))
-    return out
-
-
-def _blocked_linear(rows: torch.Tensor, weights: ExpertWeights, name: str, e: int, scheme: QuantScheme,
-                    buf: torch.Tensor) -> torch.Tensor:
-    """rows [n, K] fp32 @ dequantized W_e^T -> [n, N] fp32, block by block over N."""
-    q = getattr(weights, name)[e]  # [N, K / pack]
-    scale = weights.scales[f"{name}_scale"][e]  # [N, K/g]
-    zero = weights.scales.get(f"{name}_zero")
-    zero = None if zero is None else zero[e]
-    N, K = q.shape[0], rows.shape[1]
-    nb = max(1, min(N, BLOCK_BYTES // (4 * K)))
-    out = rows.new_empty((rows.shape[0], N))
-    for r0 in range(0, N, nb):
-        r1 = min(N, r0 + nb)
-        w = _dequantize_rows(q[r0:r1], scale[r0:r1], None if zero is None else zero[r0:r1], scheme,
-                             buf[:(r1 - r0) * K].view(r1 - r0, K))
-        out[:, r0:r1] = rows @ w.t()
+        neg_zs = -8.0 * s  # symmetric int4 is stored offset by 8
+    else:
+        neg_zs = None
+    if scheme.weight_dtype == "int8":
+        if neg_zs is None:
+            return torch.mul(q.view(n, K // g, g), s, out=out.view(n, K // g, g)).view(n, K)
+        return torch.addcmul(neg_zs, q.view(n, K // g, g), s, out=out.view(n, K // g, g)).view(n, K)
+    # int4: unpack through int32 views (one mask, one shift for 8 values at a time); the low
+    # nibbles are the even columns, the high ones the odd columns, g/2 of each per group.
+    p32 = q.view(torch.int32)  # [n, K/8]
+    halves = out.view(n, K // g, g // 2, 2)
+    for i, nib in enumerate((p32 & _NIBBLES, (p32 >> 4) & _NIBBLES)):
+        u = nib.view(torch.uint8).view(n, K // g, g // 2)
+        torch.addcmul(neg_zs, u, s, out=halves[..., i])
     return out
 
 
@@ -156,44 +143,60 @@ class CPUWeightOnlyBackend(ExpertsBackend):
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):
+        T, k = topk_ids.shape
         scheme = scheme_of(weights)
-        if self.uses_int4_kernel(x.dtype, scheme):
-            expert, row_dtype = self._int4_kernel_expert(weights, scheme, activation, activation_params)
-        else:
-            expert, row_dtype = self._blocked_expert(weights, scheme, activation, activation_params), torch.float32
-        return loop_over_experts(x, topk_weights, topk_ids, expert_map, weights.num_experts,
-                                 apply_router_weight_on_input, expert, row_dtype)
+        kernel = self.uses_int4_kernel(x.dtype, scheme)
+        sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
+                       apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
+        linear = self._int4_kernel_linear(weights, scheme) if kernel else self._blocked_linear(weights, scheme)
+        h = _add_bias(linear(sr.rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
+        a = apply_activation(h, activation, activation_params)  # [n, I]
+        y = _add_bias(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
+        return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
-    def _int4_kernel_expert(self, weights, scheme, activation, activation_params) -> Tuple:
-        (p13, so13), (p2, so2) = self._repacked.get(weights, scheme)
-        g = scheme.group_size
+    def _int4_kernel_linear(self, weights, scheme):
+        """(rows [n, K] bf16, projection name, spans) -> [n, N] fp32 through torch's int4 kernel."""
+        packed = dict(zip(("w13", "w2"), self._repacked.get(weights, scheme)))
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            h = mm(rows, p13[e], g, so13[e]).float()  # [n, 2I]
-            if weights.b13 is not None:
-                h = h + weights.b13[e].float()
-            a = apply_activation(h, activation, activation_params).to(torch.bfloat16)  # [n, I]
-            y = mm(a, p2[e], g, so2[e]).float()  # [n, H]
-            return y if weights.b2 is None else y + weights.b2[e].float()
+        def linear(rows: torch.Tensor, name: str, spans) -> torch.Tensor:
+            p, so = packed[name]  # [E, N, K/2] uint8, [E, K/g, N, 2] bf16
+            parts = [mm(rows[a:b], p[e], scheme.group_size, so[e]) for e, a, b in spans]
+            if not parts:
+                return rows.new_zeros((0, p.shape[1]), dtype=torch.float32)
+            return torch.cat(parts).float()
 
-        return expert, torch.bfloat16
+        return linear
 
     @staticmethod
-    def _blocked_expert(weights, scheme, activation, activation_params):
+    def _blocked_linear(weights, scheme):
+        """(rows [n, K] fp32, projection name, spans) -> [n, N] fp32 from blocks dequantized in one buffer."""
         H = weights.w2.shape[1]
         I = weights.w2.shape[2] * scheme.pack
         buf = torch.empty(max(H, I, BLOCK_BYTES // 4), dtype=torch.float32)  # one block, reused
 
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            h = _blocked_linear(rows, weights, "w13", e, scheme, buf)  # [n, 2I]
-            if weights.b13 is not None:
-                h = h + weights.b13[e].float()
-            a = apply_activation(h, activation, activation_params)  # [n, I]
-            y = _blocked_linear(a, weights, "w2", e, scheme, buf)  # [n, H]
-            return y if weights.b2 is None else y + weights.b2[e].float()
+        def linear(rows: torch.Tensor, name: str, spans) -> torch.Tensor:
+            q_all = getattr(weights, name)  # [E, N, K / pack]
+            scale, zero = weights.scales[f"{name}_scale"], weights.scales.get(f"{name}_zero")
+            N, K = q_all.shape[1], rows.shape[1]
+            nb = max(1, min(N, BLOCK_BYTES // (4 * K)))  # rows of W per block
+            out = rows.new_empty((rows.shape[0], N))
+            for e, a, b in spans:
+                for r0 in range(0, N, nb):
+                    r1 = min(N, r0 + nb)
+                    w = _dequantize_rows(q_all[e, r0:r1], scale[e, r0:r1], None if zero is None else zero[e, r0:r1],
+                                         scheme, buf[:(r1 - r0) * K].view(r1 - r0, K))
+                    out[a:b, r0:r1] = rows[a:b] @ w.t()
+            return out
 
-        return expert
+        return linear
+
+
+def _add_bias(h: torch.Tensor, bias, spans) -> torch.Tensor:
+    if bias is not None:
+        for e, a, b in spans:
+            h[a:b].add_(bias[e].float())
+    return h
 
 
 register_backend(CPUWeightOnlyBackend())

@@ -21,6 +21,7 @@ import torch
 
 from ..config import settings
 from ..kernels.launch import fused_moe
+from ..kernels.triton_moe import MAX_EXPERTS
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 
 __all__ = ["TritonBackend", "triton_fused_experts", "TOLERANCE"]
@@ -43,16 +44,17 @@ def triton_fused_experts(
     alpha: float,
     limit: float,
     on_input: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Routed output [T, H] fp32 of x [T, H] (see kernels.launch.fused_moe for the arguments)."""
+    """Routed output [T, H] in out_dtype (fp32 or x's) of x [T, H] (arguments: kernels.launch.fused_moe)."""
     return fused_moe(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, activation,
-                     alpha=alpha, limit=limit, on_input=on_input)
+                     alpha=alpha, limit=limit, on_input=on_input, out_dtype=out_dtype)
 
 
 @triton_fused_experts.register_fake
 def _triton_fused_experts_fake(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, activation, alpha,
-                               limit, on_input):
-    return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
+                               limit, on_input, out_dtype):
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=out_dtype)
 
 
 class TritonBackend(ExpertsBackend):
@@ -60,12 +62,17 @@ class TritonBackend(ExpertsBackend):
     description = "fused Triton GEMMs after a GPU sort by expert (CUDA)"
     graph_safe = True
     differentiable = False
+    # apply(..., out_dtype=x.dtype) writes x's dtype directly (the k-sum stays fp32), which
+    # spares the caller a cast kernel (see experts.api.experts_forward).
+    native_out_dtype = True
 
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.quant is not None:
             return f"runs unquantized weights only, got quant={problem.quant!r}"
         if problem.dtype != problem.weight_dtype:
             return f"activation dtype {problem.dtype} differs from weight dtype {problem.weight_dtype}"
+        if problem.num_experts > MAX_EXPERTS:
+            return f"takes at most {MAX_EXPERTS} local experts, got {problem.num_experts}"
         if problem.device == "cuda":
             if settings.triton_interpret:
                 return "the Triton interpreter is on (TRITON_INTERPRET=1) and would run the kernels on the CPU"
@@ -83,11 +90,12 @@ class TritonBackend(ExpertsBackend):
         return f"device {problem.device!r} is not supported (cuda; cpu under the Triton interpreter)"
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
-              apply_router_weight_on_input, expert_map):
+              apply_router_weight_on_input, expert_map, out_dtype=torch.float32):
         emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
         return triton_fused_experts(
             x, weights.w13, weights.w2, weights.b13, weights.b2, topk_weights, topk_ids, emap, activation,
-            float(activation_params.alpha), float(activation_params.limit), bool(apply_router_weight_on_input))
+            float(activation_params.alpha), float(activation_params.limit), bool(apply_router_weight_on_input),
+            out_dtype)
 
 
 register_backend(TritonBackend())

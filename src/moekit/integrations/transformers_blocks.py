@@ -195,8 +195,9 @@ class MoEBlock(nn.Module):
         if last is not None and last.weights.shape[0] == T:
             return last.weights
         gate = self.moe.gate
-        x2 = x.reshape(T, -1)
-        logits = nn.functional.linear(x2, gate.weight.to(x2.dtype), None if gate.bias is None else gate.bias.to(x2.dtype))
+        dt = self.moe.router_dtype or x.dtype
+        x2 = x.reshape(T, -1).to(dt)
+        logits = nn.functional.linear(x2, gate.weight.to(dt), None if gate.bias is None else gate.bias.to(dt))
         return route(logits, self.moe.routing, self.moe.e_score_correction_bias).weights
 
     def extra_repr(self) -> str:
@@ -284,10 +285,10 @@ def moe_blocks(model: nn.Module) -> Dict[str, MoEBlock]:
 
 
 def _candidates(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Modules with an `experts` child, outside already patched blocks."""
+    """Modules with an `experts` child, outside already patched blocks and FusedMoE layers."""
     found, patched = [], []
     for name, module in model.named_modules():
-        if isinstance(module, MoEBlock):
+        if isinstance(module, (MoEBlock, FusedMoE)):
             patched.append(name + ".")
             continue
         if any(name.startswith(p) for p in patched):

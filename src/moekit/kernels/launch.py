@@ -21,17 +21,16 @@ from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 __all__ = ["Alignment", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
-ALIGN_SMALL_MAX = 1024
+ALIGN_SMALL_MAX = align.CHUNK
 
 
 @dataclass(frozen=True)
 class Alignment:
-    """Rows of the sorted path (see triton_align): sorted_ids [max_blocks*BM], block_expert
-    [max_blocks], num_padded [1], all int32 on the device; max_blocks is a host bound."""
+    """Rows of the sorted path (see triton_align): sorted_ids [max_blocks * BM] and
+    expert_end [E] (cumulative padded rows), int32 on the device; max_blocks is a host bound."""
 
     sorted_ids: torch.Tensor
-    block_expert: torch.Tensor
-    num_padded: torch.Tensor
+    expert_end: torch.Tensor
     max_blocks: int
     block_m: int
 
@@ -48,37 +47,34 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         topk_ids: [T, k] int32, contiguous (global ids when expert_map is given).
         expert_map: [E_global] int32 global -> local id or -1, or None.
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
-        small_max: largest T*k aligned by the one-program kernel.
+        small_max: largest T*k aligned by the one-program kernel (at most triton_align.CHUNK).
     """
     TK = topk_ids.numel()
     E = num_experts
     dev = topk_ids.device
     max_blocks = max(1, min(TK, triton.cdiv(TK, block_m) + E))
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    expert_end = torch.empty(E, dtype=torch.int32, device=dev)
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
-    e_pad = _pow2(E)
-    if TK <= small_max and e_pad <= 1024:
-        align.align_small_kernel[(1,)](
-            topk_ids, emap, sorted_ids, block_expert, num_padded, TK, max_blocks,
-            BM=block_m, C=max(16, min(256, 8192 // e_pad)), E_PAD=e_pad, NB=64, HAS_MAP=has_map, num_warps=4)
+    e_pad = triton.next_power_of_2(E + 1)  # one spare bin for non-local lanes
+    if TK <= min(small_max, align.CHUNK):
+        n = _pow2(TK)
+        align.align_small_kernel[(1,)](topk_ids, emap, sorted_ids, expert_end, TK, E,
+                                       BM=block_m, N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=8 if n > 1024 else 4)
     else:
-        C, CS, EB = 256, 64, min(64, e_pad)
-        NC = triton.cdiv(TK, C)
-        chunk_counts = torch.empty(NC, E, dtype=torch.int32, device=dev)
-        chunk_base = torch.empty(NC, E, dtype=torch.int32, device=dev)
-        expert_start = torch.empty(E, dtype=torch.int32, device=dev)
-        expert_end = torch.empty(E, dtype=torch.int32, device=dev)
-        align.align_count_kernel[(NC,)](topk_ids, emap, chunk_counts, TK, E, C=C, CS=CS, EB=EB,
-                                        HAS_MAP=has_map, num_warps=4)
-        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids, num_padded,
-                                      NC, E, TK, BM=block_m, R=64, EB=EB, num_warps=8)
-        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_base, expert_start, expert_end, sorted_ids,
-                                          block_expert, TK, E, max_blocks, triton.cdiv(max_blocks, NC),
-                                          BM=block_m, C=C, CS=CS, EB=EB, NB=32, HAS_MAP=has_map, num_warps=4)
-    return Alignment(sorted_ids, block_expert, num_padded, max_blocks, block_m)
+        n = align.CHUNK
+        NC = triton.cdiv(TK, n)
+        chunk_counts = torch.empty(NC, e_pad, dtype=torch.int32, device=dev)
+        chunk_base = torch.empty(NC, e_pad, dtype=torch.int32, device=dev)
+        expert_start = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        align.align_count_kernel[(NC,)](topk_ids, emap, chunk_counts, TK, N=n, E_PAD=e_pad, HAS_MAP=has_map,
+                                        num_warps=8)
+        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids, NC, E, TK,
+                                      BM=block_m, R=max(1, 8192 // e_pad), E_PAD=e_pad, num_warps=8)
+        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_counts, chunk_base, expert_start, sorted_ids, TK, E,
+                                          N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=8)
+    return Alignment(sorted_ids, expert_end, max_blocks, block_m)
 
 
 def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:
@@ -112,6 +108,7 @@ def fused_moe(
     on_input: bool = False,
     config: Optional[MoEConfig] = None,
     direct: Optional[bool] = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Routed experts on the Triton kernels.
 
@@ -122,8 +119,9 @@ def fused_moe(
         activation: a name of moekit.activations; alpha, limit: swigluoai parameters.
         on_input: the routed weight multiplies the expert input (k = 1) instead of its output.
         config: tiles (None: tuned file or heuristic).  direct: force the no-sort path (None: by shape).
+        out_dtype: float32 or x's dtype (the sum over k is fp32 either way; x's dtype saves a cast).
     Returns:
-        [T, H] fp32.
+        [T, H] in out_dtype.
     """
     check_activation(activation)
     dev = x.device
@@ -132,14 +130,20 @@ def fused_moe(
     _check("topk_weights", topk_weights, dev, torch.float32)
     _check("topk_ids", topk_ids, dev, torch.int32)
     _check("expert_map", expert_map, dev, torch.int32)
+    if out_dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"out_dtype must be torch.float32 or x's dtype {x.dtype}, got {out_dtype}")
     T, H = x.shape
     E, _, I = w2.shape
     k = topk_ids.shape[1]
     gated = is_gated(activation)
+    if E > moe.MAX_EXPERTS:
+        raise ValueError(f"w2 holds {E} experts; the Triton kernels take at most {moe.MAX_EXPERTS}")
     if T == 0:
-        return x.new_zeros((0, H), dtype=torch.float32)
+        return x.new_zeros((0, H), dtype=out_dtype)
     if direct is None:
         direct = use_direct(T, k, E)
+    if direct and k > moe.MAX_TOP_K:
+        raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
         config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
     TK = T * k
@@ -151,33 +155,33 @@ def fused_moe(
         # One live row per program: the smallest tile tl.dot takes, no L2 grouping needed.
         g1 = TileConfig(16, g1.BLOCK_SIZE_N, g1.BLOCK_SIZE_K, 1, g1.num_warps, g1.num_stages)
         g2 = TileConfig(16, g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, 1, g2.num_warps, g2.num_stages)
-        sorted_ids = block_expert = num_padded = topk_ids  # unused by the direct kernels
+        sorted_ids = expert_end = topk_ids  # unused by the direct kernels
         rows1, rows2 = TK, T
         act = torch.empty(TK, I, dtype=x.dtype, device=dev)
-        out2 = torch.empty(T, H, dtype=torch.float32, device=dev)
+        out2 = torch.empty(T, H, dtype=out_dtype, device=dev)
     else:
         al = moe_align(topk_ids, expert_map, E, config.block_m)
-        sorted_ids, block_expert, num_padded = al.sorted_ids, al.block_expert, al.num_padded
+        sorted_ids, expert_end = al.sorted_ids, al.expert_end
         rows1 = rows2 = al.max_blocks
         act = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=dev)
         out2 = torch.empty(TK, H, dtype=x.dtype, device=dev)
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
     moe.gemm1_kernel[(rows1 * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
-        x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, block_expert, num_padded,
-        I, H, TK, k, rows1,
+        x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, expert_end,
+        I, H, TK, k, rows1, E,
         x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         DIRECT=direct, GATED=gated, ACT=activation, **flags, **_launch_kwargs(g1))
     flags.pop("HAS_BIAS")
     moe.gemm2_kernel[(rows2 * triton.cdiv(H, g2.BLOCK_SIZE_N),)](
-        act, w2, bias2, out2, topk_weights, topk_ids, emap, sorted_ids, block_expert, num_padded,
-        H, I, TK, k, rows2,
+        act, w2, bias2, out2, topk_weights, topk_ids, emap, sorted_ids, expert_end,
+        H, I, TK, k, rows2, E,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, out2.stride(0),
         DIRECT=direct, HAS_BIAS=b2 is not None, **flags, **_launch_kwargs(g2))
     if direct:
         return out2
-    out = torch.empty(T, H, dtype=torch.float32, device=dev)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(1024, _pow2(H))
     bt = max(1, 4096 // bn)
     moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](

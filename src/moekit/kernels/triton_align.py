@@ -4,13 +4,15 @@ Output layout (no host synchronisation: every size is a bound known from the sha
     sorted_ids [max_blocks * BM] int32: assignment index a = t * k + j of each GEMM row,
         grouped by expert, each expert's rows padded to a multiple of BM with the
         sentinel T * k; stable (assignment order within an expert).
-    block_expert [max_blocks] int32: the local expert of each row block.
-    num_padded [1] int32: rows in use; blocks past it are skipped by the GEMMs.
+    expert_end [E] int32: cumulative padded row counts; row block b belongs to the expert
+        whose rows [end[e-1], end[e]) hold b * BM, and blocks at or past end[E-1] are unused.
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
-Two variants: one program for small T * k (one launch), and count -> scan -> scatter
-over chunks of assignments for large T * k (three launches; only the scan, over chunk
-counts, is a single program).
+Method: a bitonic sort of keys (bin * n + index) puts each expert's assignments together
+in order; a histogram gives the counts; a row's place is its expert's padded start plus
+its rank among that expert's assignments. Bins are the E experts plus one more (E_PAD - 1
+>= E) that collects non-local and out-of-range lanes. Up to CHUNK assignments one
+program does it all (one launch); above, count -> scan -> scatter over chunks of CHUNK.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_count_kernel", "align_scan_kernel", "align_scatter_kernel", "local_expert"]
+__all__ = ["align_small_kernel", "align_count_kernel", "align_scan_kernel", "align_scatter_kernel",
+           "local_expert", "CHUNK"]
+
+# Assignments sorted by one program.
+CHUNK = 4096
 
 
 @triton.jit
@@ -30,123 +36,101 @@ def local_expert(ids_ptr, map_ptr, offs, mask, HAS_MAP: tl.constexpr):
     return gid
 
 
-@triton.jit(do_not_specialize=["TK", "max_blocks"])
+@triton.jit
+def _bins(ids_ptr, map_ptr, offs, n, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Histogram bin of each assignment: its local expert, or E_PAD - 1 for the rest."""
+    lid = local_expert(ids_ptr, map_ptr, offs, offs < n, HAS_MAP)
+    return tl.where(lid >= 0, lid, E_PAD - 1)
+
+
+@triton.jit
+def _sorted_rows(bins, base, first, N: tl.constexpr):
+    """Sort N assignments by bin (stable); return (bin, index in the chunk, row) of each.
+
+    base [E_PAD]: the first row of each expert for this chunk.  first [E_PAD]: where each
+    bin starts in the chunk's sorted order (exclusive cumsum of its histogram).
+    """
+    key = tl.sort(bins * N + tl.arange(0, N))
+    sbin = key // N
+    sidx = key - sbin * N
+    rows = tl.gather(base, sbin, 0) + tl.arange(0, N) - tl.gather(first, sbin, 0)
+    return sbin, sidx, rows
+
+
+@triton.jit
+def _sentinels(sorted_ptr, starts, counts, padded, TK, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """Fill each expert's padding rows [start + count, start + padded) with the sentinel TK."""
+    for p0 in tl.static_range(0, BM, 16):
+        col = p0 + tl.arange(0, 16)
+        tl.store(sorted_ptr + (starts + counts)[:, None] + col[None, :], tl.zeros([E_PAD, 16], tl.int32) + TK,
+                 mask=col[None, :] < (padded - counts)[:, None])
+
+
+@triton.jit(do_not_specialize=["TK"])
 def align_small_kernel(
-    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    TK, max_blocks,
-    BM: tl.constexpr, C: tl.constexpr, E_PAD: tl.constexpr, NB: tl.constexpr, HAS_MAP: tl.constexpr,
+    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """The whole alignment in one program (grid (1,)); C assignments at a time against all experts."""
+    """The whole alignment of TK <= N assignments in one program (grid (1,))."""
     experts = tl.arange(0, E_PAD)
-    # Step 1: tokens per expert.
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, TK, C):
-        offs = c0 + tl.arange(0, C)
-        lid = local_expert(ids_ptr, map_ptr, offs, offs < TK, HAS_MAP)
-        counts += tl.sum((lid[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    # Step 2: padded extents, sentinel rows, block -> expert.
-    padded = (counts + BM - 1) // BM * BM
+    bins = _bins(ids_ptr, map_ptr, tl.arange(0, N), TK, E_PAD, HAS_MAP)
+    counts = tl.histogram(bins, E_PAD)
+    local = tl.where(experts < E, counts, 0)
+    padded = (local + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    pad_col = tl.arange(0, BM)
-    tl.store(sorted_ptr + (starts + counts)[:, None] + pad_col[None, :], tl.zeros([E_PAD, BM], tl.int32) + TK,
-             mask=pad_col[None, :] < (padded - counts)[:, None])
-    for b0 in range(0, max_blocks, NB):
-        blocks = b0 + tl.arange(0, NB)
-        owner = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # Step 3: each assignment's row = its expert's start + assignments of that expert before it.
-    running = starts
-    for c0 in range(0, TK, C):
-        offs = c0 + tl.arange(0, C)
-        lid = local_expert(ids_ptr, map_ptr, offs, offs < TK, HAS_MAP)
-        onehot = (lid[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
-        pos = tl.sum(rank * onehot, axis=1)
-        tl.store(sorted_ptr + pos, offs, mask=lid >= 0)
-        running += tl.sum(onehot, axis=0)
+    sbin, sidx, rows = _sorted_rows(bins, starts, tl.cumsum(counts, axis=0) - counts, N)
+    tl.store(sorted_ptr + rows, sidx, mask=sbin < E)
+    _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
+    tl.store(expert_end_ptr + experts, ends, mask=experts < E)
 
 
 @triton.jit(do_not_specialize=["TK"])
 def align_count_kernel(
-    ids_ptr, map_ptr, chunk_counts_ptr, TK, E,
-    C: tl.constexpr, CS: tl.constexpr, EB: tl.constexpr, HAS_MAP: tl.constexpr,
+    ids_ptr, map_ptr, chunk_counts_ptr, TK,
+    N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """chunk_counts[c, e] = assignments of chunk c (C assignments) routed to local expert e."""
+    """chunk_counts[c, :] = histogram of the bins of chunk c (N assignments)."""
     c = tl.program_id(0)
-    for e0 in range(0, E, EB):
-        experts = e0 + tl.arange(0, EB)
-        counts = tl.zeros([EB], dtype=tl.int32)
-        for s0 in range(0, C, CS):
-            offs = c * C + s0 + tl.arange(0, CS)
-            lid = local_expert(ids_ptr, map_ptr, offs, offs < TK, HAS_MAP)
-            counts += tl.sum((lid[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        tl.store(chunk_counts_ptr + c * E + experts, counts, mask=experts < E)
+    bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
+    tl.store(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
 
 
 @triton.jit(do_not_specialize=["NC", "TK"])
 def align_scan_kernel(
-    chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, num_padded_ptr,
-    NC, E, TK,
-    BM: tl.constexpr, R: tl.constexpr, EB: tl.constexpr,
+    chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, NC, E, TK,
+    BM: tl.constexpr, R: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    """One program (grid (1,)): per-chunk bases (exclusive scan over chunks), padded expert
-    extents, sentinel rows and the row count."""
-    total = 0
-    pad_col = tl.arange(0, BM)
-    for e0 in range(0, E, EB):
-        experts = e0 + tl.arange(0, EB)
-        emask = experts < E
-        carry = tl.zeros([EB], dtype=tl.int32)
-        for c0 in range(0, NC, R):
-            chunks = c0 + tl.arange(0, R)
-            idx = chunks[:, None] * E + experts[None, :]
-            m = (chunks < NC)[:, None] & emask[None, :]
-            tile = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
-            incl = tl.cumsum(tile, axis=0) + carry[None, :]
-            tl.store(chunk_base_ptr + idx, incl - tile, mask=m)
-            carry += tl.sum(tile, axis=0)
-        padded = (carry + BM - 1) // BM * BM
-        ends = total + tl.cumsum(padded, axis=0)
-        starts = ends - padded
-        tl.store(expert_start_ptr + experts, starts, mask=emask)
-        tl.store(expert_end_ptr + experts, ends, mask=emask)
-        tl.store(sorted_ptr + (starts + carry)[:, None] + pad_col[None, :], tl.zeros([EB, BM], tl.int32) + TK,
-                 mask=emask[:, None] & (pad_col[None, :] < (padded - carry)[:, None]))
-        total += tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
+    """One program (grid (1,)): chunk_base[c, e] = rows of expert e in chunks before c;
+    padded expert extents; sentinel rows."""
+    experts = tl.arange(0, E_PAD)
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, NC, R):
+        chunks = c0 + tl.arange(0, R)
+        idx = chunks[:, None] * E_PAD + experts[None, :]
+        m = (chunks < NC)[:, None]
+        tile = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
+        tl.store(chunk_base_ptr + idx, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
+        carry += tl.sum(tile, axis=0)
+    local = tl.where(experts < E, carry, 0)
+    padded = (local + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(expert_start_ptr + experts, starts)
+    tl.store(expert_end_ptr + experts, ends, mask=experts < E)
+    _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
 
 
-@triton.jit(do_not_specialize=["TK", "max_blocks", "blocks_per_chunk"])
+@triton.jit(do_not_specialize=["TK"])
 def align_scatter_kernel(
-    ids_ptr, map_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, block_expert_ptr,
-    TK, E, max_blocks, blocks_per_chunk,
-    BM: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    ids_ptr, map_ptr, chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, sorted_ptr, TK, E,
+    N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """sorted_ids[row] = a for every local assignment a of chunk c (stable within an expert),
-    and block_expert for this chunk's share of the row blocks."""
+    """sorted_ids[row] = a for every local assignment a of chunk c (stable within an expert)."""
     c = tl.program_id(0)
-    for e0 in range(0, E, EB):
-        experts = e0 + tl.arange(0, EB)
-        emask = experts < E
-        running = (tl.load(chunk_base_ptr + c * E + experts, mask=emask, other=0)
-                   + tl.load(expert_start_ptr + experts, mask=emask, other=0))
-        for s0 in range(0, C, CS):
-            offs = c * C + s0 + tl.arange(0, CS)
-            lid = local_expert(ids_ptr, map_ptr, offs, offs < TK, HAS_MAP)
-            onehot = (lid[:, None] == experts[None, :]).to(tl.int32)
-            pos = tl.sum((tl.cumsum(onehot, axis=0) - 1 + running[None, :]) * onehot, axis=1)
-            tl.store(sorted_ptr + pos, offs, mask=(lid >= e0) & (lid < e0 + EB))
-            running += tl.sum(onehot, axis=0)
-    # Row block b belongs to the expert whose padded rows [start, end) hold b * BM.
-    first = c * blocks_per_chunk
-    for b0 in range(first, first + blocks_per_chunk, NB):
-        blocks = b0 + tl.arange(0, NB)
-        owner = tl.zeros([NB], dtype=tl.int32)
-        for e0 in range(0, E, EB):
-            experts = e0 + tl.arange(0, EB)
-            ends = tl.load(expert_end_ptr + experts, mask=experts < E, other=2147483647)
-            owner += tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, owner, mask=(blocks < max_blocks) & (blocks < first + blocks_per_chunk))
+    experts = tl.arange(0, E_PAD)
+    bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
+    counts = tl.load(chunk_counts_ptr + c * E_PAD + experts)
+    base = tl.load(expert_start_ptr + experts) + tl.load(chunk_base_ptr + c * E_PAD + experts)
+    sbin, sidx, rows = _sorted_rows(bins, base, tl.cumsum(counts, axis=0) - counts, N)
+    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)

@@ -23,7 +23,14 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel"]
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "MAX_EXPERTS", "MAX_TOP_K"]
+
+# Local experts the sorted path supports (one vector of expert ends per program).
+MAX_EXPERTS = 1024
+# Slots per token the direct path supports (their ids and weights are held in registers).
+MAX_TOP_K = 32
+_MAX_EXPERTS: tl.constexpr = tl.constexpr(MAX_EXPERTS)
+_MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
 
 
 @triton.jit
@@ -59,6 +66,14 @@ def _expert_of(ids_ptr, map_ptr, assign, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
+def _block_expert(expert_end_ptr, pid_m, E, BM: tl.constexpr):
+    """The expert whose padded rows hold row block pid_m (E when past the last one)."""
+    ar = tl.arange(0, _MAX_EXPERTS)
+    ends = tl.load(expert_end_ptr + ar, mask=ar < E, other=2147483647)
+    return tl.sum((ends <= pid_m * BM).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks side by side so the
     weight tiles they share stay in L2."""
@@ -72,11 +87,11 @@ def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M"])
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
 def gemm1_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
-    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, TK, top_k, NUM_M,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
+    N, K, TK, top_k, NUM_M, E,
     stride_xm, stride_we, stride_wn, stride_be, stride_om,
     alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -98,9 +113,9 @@ def gemm1_kernel(
         live = rows == 0
         out_rows = assign
     else:
-        if pid_m * BM >= tl.load(num_padded_ptr):
+        e = _block_expert(expert_end_ptr, pid_m, E, BM)
+        if e >= E:  # past the last expert's rows
             return
-        e = tl.load(block_expert_ptr + pid_m)
         assign = tl.load(sorted_ptr + pid_m * BM + rows)
         live = assign < TK
         out_rows = pid_m * BM + rows
@@ -152,11 +167,11 @@ def gemm1_kernel(
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M"])
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
 def gemm2_kernel(
     a_ptr, w_ptr, b_ptr, out_ptr,
-    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, TK, top_k, NUM_M,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
+    N, K, TK, top_k, NUM_M, E,
     stride_am, stride_we, stride_wn, stride_be, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
@@ -165,7 +180,7 @@ def gemm2_kernel(
     """Down projection with the routed weight (unless it went on the input).
 
     sorted: y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n], y [TK, N=H] in x's dtype.
-    direct: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], out [T, H] fp32.
+    direct: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], out [T, H] (fp32 or x's dtype).
     act [R, K=I]; w2 [E, N, K]; b2 [E, N].
     """
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
@@ -175,19 +190,26 @@ def gemm2_kernel(
     ks = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if DIRECT:
-        # Token pid_m; iteration it covers slot j = it // num_k, K-block it % num_k.
+        # Token pid_m; iteration it covers slot j = it // num_k, K-block it % num_k. The
+        # slots' experts and weights sit in registers, so every weight address is known
+        # ahead of time and the pipeline streams on across expert boundaries.
         live = rows == 0
+        slots = tl.arange(0, _MAX_TOP_K)
+        slot_e = local_expert(ids_ptr, map_ptr, pid_m * top_k + slots, slots < top_k, HAS_MAP)
+        if ON_INPUT:
+            slot_w = tl.where(slots < top_k, 1.0, 0.0)
+        else:
+            slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
         num_k = tl.cdiv(K, BK)
         for it in range(0, top_k * num_k):
             j = it // num_k
             k0 = (it - j * num_k) * BK
-            assign = pid_m * top_k + j
-            e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+            e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
             k_ok = (ks + k0 < K) & (ks * 0 + e >= 0)
-            a = tl.load(a_ptr + assign.to(tl.int64) * stride_am + k0 + rows[:, None] * 0 + ks[None, :],
+            a = tl.load(a_ptr + (pid_m * top_k + j).to(tl.int64) * stride_am + k0 + rows[:, None] * 0 + ks[None, :],
                         mask=live[:, None] & k_ok[None, :], other=0.0)
             if not ON_INPUT:
-                a = (a.to(tl.float32) * tl.load(topk_w_ptr + assign)).to(a_ptr.dtype.element_ty)
+                a = (a.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)).to(a_ptr.dtype.element_ty)
             wt = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
                          + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if IEEE:
@@ -196,19 +218,16 @@ def gemm2_kernel(
                 acc = tl.dot(a, wt, acc)
         if HAS_BIAS:
             for j in range(0, top_k):
-                assign = pid_m * top_k + j
-                e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+                e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
                 bias = tl.load(b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be + cols,
                                mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
-                if not ON_INPUT:
-                    bias = bias * tl.load(topk_w_ptr + assign)
-                acc += bias[None, :]
+                acc += (bias * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0))[None, :]
         o_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + rows[:, None] * 0 + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
     else:
-        if pid_m * BM >= tl.load(num_padded_ptr):
+        e = _block_expert(expert_end_ptr, pid_m, E, BM)
+        if e >= E:  # past the last expert's rows
             return
-        e = tl.load(block_expert_ptr + pid_m)
         assign = tl.load(sorted_ptr + pid_m * BM + rows)
         live = assign < TK
         a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
@@ -238,7 +257,7 @@ def sum_k_kernel(
 ):
     """out[t, n] = sum over j = 0..k-1 (in order) of y[t*k+j, n], skipping non-local slots.
 
-    y [TK, N] (x's dtype); out [T, N] fp32.
+    y [TK, N] (x's dtype); out [T, N] (fp32 or x's dtype; the sum is fp32).
     """
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -251,4 +270,5 @@ def sum_k_kernel(
         v = tl.load(y_ptr + assign.to(tl.int64)[:, None] * stride_y + n[None, :],
                     mask=(e >= 0)[:, None] & n_ok[None, :], other=0.0)
         acc += v.to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :], acc, mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])

@@ -1,4 +1,19 @@
-"""Expert parallelism: dispatchers over torch.distributed."""
+"""Expert parallelism and tensor parallelism of I for FusedMoE, over torch.distributed.
+
+    torch.distributed.init_process_group("nccl")          # or "gloo" on CPU; under torchrun
+    layer = FusedMoE(E, H, I, routing, device="cuda",
+                     parallel=ParallelConfig.expert_parallel(dispatcher="all_to_all"))
+    layer.load_weights(w13, w2)                            # full [E, ..] tensors or this rank's
+    with torch.no_grad():
+        out = layer(x, router_logits)                      # this rank's tokens -> [T, H]
+
+Every rank gets exactly the single-process layer's output for its own tokens (any T per
+rank, zero included). Dispatchers (parallel/<name>.py): "all_to_all" (dynamic, default),
+"allgather_reducescatter", "static_all_to_all" (fixed capacity, CUDA-graph capturable
+decode path) and, for ParallelConfig.tensor_parallel, "all_reduce". Inference only: the
+collectives carry no gradients, and a forward that autograd records is refused.
+examples/ep_torchrun.py runs and checks all of them; bench/ep_nccl.py times them.
+"""
 
 from .allgather import AllGatherReduceScatterDispatcher
 from .all_to_all import AllToAllDispatcher

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .base import Dispatched
-from .ep_common import (ExpertParallelDispatcher, RowLayout, combine_rows, destination_mask, pack_rows, row_sources,
-                        send_rows, sum_partials, unpack_rows)
+from .ep_common import (ExpertParallelDispatcher, RowLayout, check_no_grad, combine_rows, destination_mask, pack_rows,
+                        row_sources, send_rows, sum_partials, unpack_rows)
 
 __all__ = ["AllToAllDispatcher"]
 
 
 @dataclass(frozen=True)
 class AllToAllHandle:
-    """What combine needs from dispatch: rows [T, C] (the returned row of each token's
+    """What combine needs from dispatch: rows [C, T] (the returned row of each token's
     partial per destination, trash row n_send for padding) and both directions' split sizes."""
 
     rows: torch.Tensor
@@ -48,6 +48,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] global ids -> tokens to compute here."""
+        check_no_grad(x, "x")
         H, k, P = x.shape[1], topk_ids.shape[1], self.size
         owner, emap = self.tables(x.device)
         layout = RowLayout(H, x.dtype, k)
@@ -69,8 +70,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [n_recv, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
+        check_no_grad(y, "the experts' output")
         h: AllToAllHandle = dispatched.handle
         n_send = sum(h.send_counts)
-        back = torch.empty((n_send + 1, y.shape[1]), dtype=torch.float32, device=y.device)  # + the trash row
+        back = torch.empty((n_send + 1, y.shape[1]), dtype=torch.float32, device=y.device)
+        back[n_send].zero_()  # the trash row padding entries read
         dist.all_to_all_single(back[:n_send], y.float().contiguous(), h.send_counts, h.recv_counts, group=self.group)
-        return sum_partials(back, h.rows, trash=n_send)  # [T, H]
+        return sum_partials(back, h.rows)  # [T, H]

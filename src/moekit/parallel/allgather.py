@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import Dispatched
-from .ep_common import (ExpertParallelDispatcher, RowLayout, all_gather_single, pack_rows, reduce_scatter_single,
-                        unpack_rows)
+from .ep_common import (ExpertParallelDispatcher, RowLayout, all_gather_single, check_no_grad, pack_rows,
+                        reduce_scatter_single, unpack_rows)
 
 __all__ = ["AllGatherReduceScatterDispatcher"]
 
@@ -40,6 +40,7 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] global ids -> all ranks' tokens [P*T_max, ..]."""
+        check_no_grad(x, "x")
         T, H = x.shape
         k, P = topk_ids.shape[1], self.size
         _, emap = self.tables(x.device)
@@ -59,6 +60,7 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [P*T_max, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
+        check_no_grad(y, "the experts' output")
         h: AllGatherHandle = dispatched.handle
         out = torch.empty((h.block_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
         reduce_scatter_single(out, y.float().contiguous(), group=self.group)

@@ -87,7 +87,8 @@ class ParallelConfig:
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
         if self.dispatcher_name == "static_all_to_all" and self.max_tokens_per_rank is None:
-            raise ValueError("dispatcher 'static_all_to_all' needs max_tokens_per_rank (it sizes the buffers), got None")
+            raise ValueError(
+                "dispatcher 'static_all_to_all' needs max_tokens_per_rank (it sizes the buffers), got None")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
 

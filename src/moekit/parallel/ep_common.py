@@ -7,7 +7,7 @@ one collective instead of three. Receivers read them as views of the received by
 Destinations: a token goes once to each rank holding any of its k experts. Pairs
 (rank r, token t) are indexed as [P, T]; rows_PT[r, t] is the send-buffer row of the pair
 (a "trash" row past the used ones when t does not go to r). Combine keeps, per token,
-C = min(P, k) rows [T, C] in increasing rank order and sums the partials in that order,
+C = min(P, k) rows [C, T] in increasing rank order and sums the partials in that order,
 so the result does not depend on timing (no atomics).
 
 Every helper is a few whole-tensor ops: eager GPU calls are bound by per-op launch cost.
@@ -19,7 +19,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .base import Dispatcher
 from .config import ParallelConfig
@@ -38,12 +37,22 @@ __all__ = [
     "sum_partials",
     "all_gather_single",
     "reduce_scatter_single",
+    "check_no_grad",
 ]
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
 # (Both are None on torch builds without distributed support.)
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+def check_no_grad(t: torch.Tensor, name: str) -> None:
+    """Collectives carry no gradients: refuse, rather than silently drop them, when autograd records."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but parallel layers are inference-only (their collectives carry no "
+            "gradients); call the layer under torch.no_grad() or torch.inference_mode()"
+        )
 
 
 def _round_up(n: int, m: int) -> int:
@@ -153,25 +162,24 @@ def combine_rows(rows_PT: torch.Tensor, top_k: int) -> torch.Tensor:
     Valid rows of one token increase with the rank and the trash row is the largest
     index, so the C smallest rows per token are its destinations, padded with trash.
     Returns:
-        [T, C] int64.
+        [C, T] int64.
     """
     P = rows_PT.shape[0]
-    if P > top_k:
-        rows_PT = torch.topk(rows_PT, top_k, dim=0, largest=False, sorted=True).values  # [C, T]
-    return rows_PT.t().contiguous()
+    if P <= top_k:
+        return rows_PT
+    return torch.topk(rows_PT, top_k, dim=0, largest=False, sorted=True).values
 
 
-def sum_partials(back: torch.Tensor, rows_TC: torch.Tensor, trash: int) -> torch.Tensor:
-    """Sum each token's partial outputs in destination order, in one gather-and-add pass.
+def sum_partials(back: torch.Tensor, rows_CT: torch.Tensor) -> torch.Tensor:
+    """Sum each token's partial outputs in destination order (a gather, then a fixed-order sum).
 
     Args:
-        back: [trash + 1, H] fp32 rows as returned; the trash row is never read.
-        rows_TC: [T, C] rows per (token, destination), `trash` for no destination.
+        back: [N + 1, H] fp32 rows as returned, the last row zero (the trash row).
+        rows_CT: [C, T] rows per (destination, token), N for no destination.
     Returns:
-        [T, H] fp32. embedding_bag adds each bag's rows in order, one bag per thread block
-        (no atomics), so the sum is deterministic.
+        [T, H] fp32.
     """
-    return F.embedding_bag(rows_TC, back, mode="sum", padding_idx=trash)
+    return back[rows_CT].sum(dim=0)
 
 
 class ExpertParallelDispatcher(Dispatcher):

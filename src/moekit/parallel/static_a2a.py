@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from .base import Dispatched
 from .config import ParallelConfig
-from .ep_common import (ExpertParallelDispatcher, RowLayout, combine_rows, destination_mask, pack_rows, padding_rows,
-                        row_sources, send_rows, sum_partials, unpack_rows)
+from .ep_common import (ExpertParallelDispatcher, RowLayout, check_no_grad, combine_rows, destination_mask, pack_rows,
+                        padding_rows, row_sources, send_rows, sum_partials, unpack_rows)
 from .placement import non_local_expert
 
 __all__ = ["StaticAllToAllDispatcher"]
@@ -48,7 +48,7 @@ __all__ = ["StaticAllToAllDispatcher"]
 
 @dataclass(frozen=True)
 class StaticHandle:
-    """What combine needs: rows [T, C] of each token's partial per destination (trash row P*cap for padding)."""
+    """What combine needs: rows [C, T] of each token's partial per destination (trash row P*cap for padding)."""
 
     rows: torch.Tensor
 
@@ -70,6 +70,7 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H] (T <= capacity), topk_weights [T, k] fp32, topk_ids [T, k] -> [P*cap, ..] rows to compute here."""
+        check_no_grad(x, "x")
         T, H = x.shape
         k, P, C = topk_ids.shape[1], self.size, self.capacity
         if T > C:
@@ -97,7 +98,9 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [P*cap, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
+        check_no_grad(y, "the experts' output")
         n = self.size * self.capacity
-        back = torch.empty((n + 1, y.shape[1]), dtype=torch.float32, device=y.device)  # + the trash row
+        back = torch.empty((n + 1, y.shape[1]), dtype=torch.float32, device=y.device)
+        back[n].zero_()  # the trash row padding entries read
         dist.all_to_all_single(back[:n], y.float().contiguous(), group=self.group)
-        return sum_partials(back, dispatched.handle.rows, trash=n)
+        return sum_partials(back, dispatched.handle.rows)

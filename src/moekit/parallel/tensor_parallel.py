@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .base import Dispatched, Dispatcher
 from .config import ParallelConfig
+from .ep_common import check_no_grad
 from .placement import split_bounds
 
 __all__ = ["AllReduceDispatcher", "shard_intermediate"]
@@ -69,6 +70,7 @@ class AllReduceDispatcher(Dispatcher):
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [T, H] partial outputs of this rank's I-slice -> [T, H] fp32 sum over ranks."""
+        check_no_grad(y, "the experts' output")
         out = y.float().contiguous()
         dist.all_reduce(out, group=self.group)
         return out

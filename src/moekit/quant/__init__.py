@@ -7,7 +7,7 @@ precision, and each precision has its own oracle priority list (added here).
 
 from ..oracle import PRIORITIES
 from .checkpoint import load_deepseek_fp8, load_quantized, save_quantized
-from .emulate import dequantize_expert, emulated_experts
+from .emulate import TOLERANCE, dequantize_expert, emulated_experts
 from .layout import check_quantized_weights, logical_intermediate_size, scheme_of
 from .quantize import (
     QuantizedWeight,
@@ -21,7 +21,7 @@ from .quantize import (
     quantize_weight,
     unpack_int4,
 )
-from .schemes import SCHEMES, QuantScheme, get_scheme, precision_of_scheme, register_scheme, scheme_names
+from .schemes import LAYER_ERROR_BOUND, SCHEMES, QuantScheme, get_scheme, precision_of_scheme, register_scheme, scheme_names
 
 # precision -> device -> backends in order of preference. fp8 on CPU runs the reference
 # emulation (torch has float8 storage on CPU but no fp8 GEMM).
@@ -36,6 +36,7 @@ for _precision, _prio in {
 __all__ = [
     "QuantScheme",
     "SCHEMES",
+    "LAYER_ERROR_BOUND",
     "get_scheme",
     "register_scheme",
     "scheme_names",
@@ -54,6 +55,7 @@ __all__ = [
     "logical_intermediate_size",
     "check_quantized_weights",
     "emulated_experts",
+    "TOLERANCE",
     "dequantize_expert",
     "save_quantized",
     "load_quantized",

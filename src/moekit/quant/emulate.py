@@ -29,7 +29,11 @@ from .layout import scheme_of
 from .quantize import dequantize_weight, fake_quantize_activation
 from .schemes import QuantScheme
 
-__all__ = ["emulated_experts", "dequantize_expert"]
+__all__ = ["emulated_experts", "dequantize_expert", "TOLERANCE"]
+
+# PERF.md: relative error ||out - ref|| / ||ref|| a quantized backend may have against this
+# emulation, per precision (the oracle's keys).
+TOLERANCE = {"fp8": 3.5e-2, "int8": 6.5e-2, "int8_w8a16": 2e-2, "int4_w4a16": 2e-2}
 
 
 def dequantize_expert(weights: ExpertWeights, e: int, scheme: QuantScheme):

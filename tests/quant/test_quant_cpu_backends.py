@@ -1,0 +1,176 @@
+"""`cpu_int8` and `cpu_wo` against the emulated reference (PERF.md tolerances, plus the tighter
+bound each exact path must meet), on many shapes and edges; refusals name their reason."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from moekit import fused_experts, quantize_experts
+from moekit.config import ActivationParams
+from moekit.experts.base import BACKENDS
+from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend, int4_kernel_available
+from moekit.quant import TOLERANCE, get_scheme
+
+GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+# Exact paths: the int8 GEMM is exact and the fp32 block path dequantizes to the same values
+# as the emulation; only summation order (and, for int8, a rare rounding flip of a GEMM2
+# input) differs. The int4 kernel path rounds its inputs and group scales to bf16 (~2^-9).
+TIGHT = {"cpu_int8": 1e-4, "cpu_wo blocks": 1e-5, "cpu_wo int4 kernel": 1e-2}
+
+CASES = [
+    # id, scheme, options, dtype, E, H, I, k, T, activation, bias, on_input, expert_map
+    ("int8-fp32", "int8_w8a8", {}, torch.float32, 8, 64, 32, 2, 9, "silu", False, False, False),
+    ("int8-bf16-bias", "int8_w8a8", {}, torch.bfloat16, 6, 48, 40, 3, 5, "swigluoai", True, False, False),
+    ("int8-odd-H-I", "int8_w8a8", {}, torch.float16, 5, 33, 17, 2, 4, "gelu", False, False, False),
+    ("int8-T1", "int8_w8a8", {}, torch.float32, 8, 64, 32, 2, 1, "silu", False, False, False),
+    ("int8-k1-on-input", "int8_w8a8", {}, torch.float32, 4, 32, 16, 1, 6, "silu", False, True, False),
+    ("int8-k=E-non-gated", "int8_w8a8", {}, torch.float32, 3, 32, 16, 3, 4, "relu2_no_mul", True, False, False),
+    ("int8-expert-map", "int8_w8a8", {}, torch.float32, 4, 32, 16, 2, 7, "silu", False, False, True),
+    ("int8-empty-experts", "int8_w8a8", {}, torch.float32, 16, 32, 16, 1, 2, "silu", False, False, False),
+    ("w8a16-fp32", "int8_w8a16", {}, torch.float32, 4, 128, 128, 2, 6, "silu", False, False, False),
+    ("w8a16-g32-zp-bias", "int8_w8a16", dict(group_size=32, symmetric=False), torch.bfloat16, 5, 96, 64, 2, 5,
+     "gelu", True, False, False),
+    ("w4a16-fp32", "int4_w4a16", {}, torch.float32, 4, 128, 128, 2, 6, "silu", False, False, False),
+    ("w4a16-bf16", "int4_w4a16", {}, torch.bfloat16, 6, 128, 128, 2, 7, "silu", False, False, False),
+    ("w4a16-bf16-g32-zp-bias", "int4_w4a16", dict(group_size=32, symmetric=False), torch.bfloat16, 5, 96, 64, 3, 5,
+     "swigluoai", True, False, False),
+    ("w4a16-bf16-g64-T1-map", "int4_w4a16", dict(group_size=64), torch.bfloat16, 4, 64, 64, 2, 1,
+     "silu", False, False, True),
+    ("w4a16-fp16-g64-on-input", "int4_w4a16", dict(group_size=64), torch.float16, 4, 64, 64, 1, 5,
+     "gelu_tanh", False, True, False),
+    ("w4a16-bf16-non-gated-k1", "int4_w4a16", dict(group_size=32), torch.bfloat16, 8, 64, 32, 1, 3,
+     "silu_no_mul", False, False, False),
+]
+
+
+def _problem(case, gen):
+    _, name, opts, dtype, E, H, I, k, T, act, bias, on_input, use_map = case
+    rows = 2 * I if act in GATED else I
+    extra = {}
+    if bias:
+        extra = dict(b13=torch.randn(E, rows, generator=gen).to(dtype), b2=torch.randn(E, H, generator=gen).to(dtype))
+    w = quantize_experts(torch.randn(E, rows, H, generator=gen) * H ** -0.5,
+                         torch.randn(E, H, I, generator=gen) * I ** -0.5, name, **opts, **extra)
+    emap = None
+    E_ids = E
+    if use_map:  # twice as many global experts, half of them elsewhere
+        E_ids = 2 * E
+        emap = torch.full((E_ids,), -1, dtype=torch.int32)
+        emap[torch.randperm(E_ids, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
+    if use_map:  # the last row all remote, every other row with a local expert first
+        local, remote = (emap >= 0).nonzero()[:, 0], (emap < 0).nonzero()[:, 0]
+        for t in range(T):
+            pool = remote if t == T - 1 and T > 1 else local
+            first = pool[torch.randint(len(pool), (1,), generator=gen)]
+            rest = torch.tensor([i for i in torch.randperm(E_ids, generator=gen).tolist() if i != int(first)])
+            rest = rest[emap[rest] < 0] if t == T - 1 and T > 1 else rest
+            ids[t] = torch.cat((first, rest[:k - 1])).to(torch.int32)
+    tw = torch.rand(T, k, generator=gen)
+    kwargs = dict(activation=act, activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+                  expert_map=emap)
+    return w, x, tw, ids, kwargs
+
+
+def _path(backend, x, name, opts):
+    if backend == "cpu_int8":
+        return "cpu_int8"
+    kernel = CPUWeightOnlyBackend.uses_int4_kernel(x.dtype, get_scheme(name, **opts))
+    return "cpu_wo int4 kernel" if kernel else "cpu_wo blocks"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_backend_matches_the_emulated_reference(case, gen):
+    w, x, tw, ids, kwargs = _problem(case, gen)
+    name, opts = case[1], case[2]
+    backend = "cpu_int8" if name == "int8_w8a8" else "cpu_wo"
+    out = BACKENDS[backend].apply(x, w, tw, ids, **kwargs)
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kwargs)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[get_scheme(name).precision]  # PERF.md
+    assert err <= TIGHT[_path(backend, x, name, opts)]
+
+
+def test_rows_of_remote_experts_and_empty_experts_are_zero(gen):
+    case = next(c for c in CASES if c[0] == "int8-expert-map")
+    w, x, tw, ids, kwargs = _problem(case, gen)
+    out = BACKENDS["cpu_int8"].apply(x, w, tw, ids, **kwargs)
+    all_remote = (kwargs["expert_map"].long()[ids.long()] < 0).all(dim=1)
+    assert all_remote.tolist() == [False] * (len(ids) - 1) + [True]
+    assert (out[-1] == 0).all() and (out[:-1] != 0).any(dim=1).all()
+
+
+@pytest.mark.parametrize("name, backend", [("int8_w8a8", "cpu_int8"), ("int4_w4a16", "cpu_wo"),
+                                           ("int8_w8a16", "cpu_wo")])
+@pytest.mark.parametrize("T", [0, 1])
+def test_fused_experts_explicit_backend_at_t0_t1(name, backend, T, gen):
+    w = quantize_experts(torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen), name)
+    x = torch.randn(T, 128, generator=gen, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (T, 2), generator=gen, dtype=torch.int32)
+    tw = torch.rand(T, 2, generator=gen)
+    out = fused_experts(x, w, None, tw, ids, backend=backend)
+    ref = fused_experts(x, w, None, tw, ids, backend="reference")
+    assert out.shape == (T, 128) and out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref.float()) <= TOLERANCE[get_scheme(name).precision]
+
+
+def test_oracle_picks_the_quantized_cpu_backends(gen):
+    from moekit.experts.api import problem_of
+    from moekit.oracle import choose_backend
+
+    for name, expected in (("int8_w8a8", "cpu_int8"), ("int8_w8a16", "cpu_wo"), ("int4_w4a16", "cpu_wo"),
+                           ("fp8_w8a8_block128", "reference")):
+        w = quantize_experts(torch.randn(2, 256, 128), torch.randn(2, 128, 128), name)
+        p = problem_of(torch.randn(1, 128), w, 1, "silu", False, False)
+        assert choose_backend(p, owner="test").backend.name == expected
+
+
+@pytest.mark.parametrize("backend, name, match", [
+    ("cpu_int8", "int4_w4a16", r"runs quant='int8_w8a8' only, got quant='int4_w4a16'"),
+    ("cpu_wo", "int8_w8a8", r"runs weight-only schemes .* got quant='int8_w8a8'"),
+    ("cpu", "int8_w8a8", r"unquantized weights only"),
+])
+def test_explicit_backend_that_cannot_serve_raises_its_reason(backend, name, match):
+    w = quantize_experts(torch.randn(2, 256, 128), torch.randn(2, 128, 128), name)
+    with pytest.raises(ValueError, match=match):
+        fused_experts(torch.randn(2, 128), w, None, torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32),
+                      backend=backend)
+
+
+def test_malformed_quantized_weights_are_rejected_by_name():
+    w = quantize_experts(torch.randn(2, 256, 128), torch.randn(2, 128, 128), "int4_w4a16", group_size=64)
+    x, tw, ids = torch.randn(2, 128), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    bad = type(w)(w.w13, w.w2, scales={**w.scales, "w2_scale": w.scales["w2_scale"][:, :, :1]}, quant=w.quant)
+    with pytest.raises(ValueError, match=r"scales\['w2_scale'\] must be \[2, 128, 2\]"):
+        fused_experts(x, bad, None, tw, ids)
+    bad = type(w)(w.w13.to(torch.int8), w.w2, scales=w.scales, quant=w.quant)
+    with pytest.raises(TypeError, match="w13 must be stored as torch.uint8"):
+        fused_experts(x, bad, None, tw, ids)
+    bad = type(w)(w.w13, w.w2, scales={**w.scales, "a13_scale": torch.ones(2)}, quant=w.quant)
+    with pytest.raises(ValueError, match=r"scales\['a13_scale'\] is not part of quant='int4_w4a16'"):
+        fused_experts(x, bad, None, tw, ids)
+    with pytest.raises(ValueError, match=r"w13 must be \[E=2, 128, 64\]"):
+        fused_experts(x, w, None, tw, ids, activation="silu_no_mul")
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="this torch has no CPU int4 kernel")
+def test_int4_kernel_repacks_after_an_in_place_weight_change(gen):
+    """Regression: the repacked-weight cache must follow in-place writes (EPLB commits rows in place)."""
+    w = quantize_experts(torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen), "int4_w4a16")
+    x = torch.randn(3, 128, generator=gen, dtype=torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32), torch.rand(3, 2, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    assert CPUWeightOnlyBackend.uses_int4_kernel(x.dtype, get_scheme("int4_w4a16"))
+    before = BACKENDS["cpu_wo"].apply(x, w, tw, ids, **kw)
+    with torch.no_grad():
+        w.w13[1].copy_(w.w13[0])
+        w.scales["w13_scale"][1].mul_(2)
+    after = BACKENDS["cpu_wo"].apply(x, w, tw, ids, **kw)
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+    assert rel_err(after, ref) <= TIGHT["cpu_wo int4 kernel"]
+    assert rel_err(before, ref) > 0.1

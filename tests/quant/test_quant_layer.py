@@ -1,0 +1,125 @@
+"""FusedMoE(quant=...): quantize on load, pre-quantized loads, output against the bf16 layer."""
+
+import pytest
+import torch
+
+from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig
+from moekit.quant import LAYER_ERROR_BOUND, get_scheme, quantize_experts
+from moekit.quant.module import QuantizedRoutedExperts
+
+E, H, I, K_TOP, T = 8, 256, 128, 2, 16
+SCHEMES = [("fp8_w8a8", {}), ("fp8_w8a8_channel", {}), ("fp8_w8a8_block128", {}), ("int8_w8a8", {}),
+           ("int8_w8a16", {}), ("int8_w8a16", dict(group_size=32, symmetric=False)),
+           ("int4_w4a16", {}), ("int4_w4a16", dict(group_size=64, symmetric=False))]
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _layer(quant=None, **kw):
+    return FusedMoE(E, H, I, RoutingConfig(top_k=K_TOP), dtype=torch.bfloat16, quant=quant, **kw)
+
+
+@pytest.fixture
+def bf16_layer(gen):
+    layer = _layer().requires_grad_(False)
+    layer.load_weights(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    return layer
+
+
+@pytest.mark.parametrize("name, opts", SCHEMES, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in SCHEMES])
+def test_quantized_layer_is_within_the_documented_bound_of_the_bf16_layer(name, opts, bf16_layer, gen):
+    q = _layer(get_scheme(name, **opts))
+    q.load_weights(bf16_layer.experts.w13.detach(), bf16_layer.experts.w2.detach())  # quantized on load
+    assert q.quant == name and q.experts.w13.dtype == get_scheme(name, **opts).storage_dtype()
+    x = torch.randn(2, T // 2, H, generator=gen).to(torch.bfloat16)  # leading dims are kept
+    logits = torch.randn(2, T // 2, E, generator=gen)
+    out, ref = q(x, logits), bf16_layer(x, logits)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    err = _rel(out, ref)
+    assert err <= LAYER_ERROR_BOUND[name]
+    assert err > 1e-4  # the weights really are quantized
+
+
+def test_quantized_layer_runs_before_any_load_and_at_t0_t1(gen):
+    q = _layer("int4_w4a16")
+    for n in (0, 1):
+        out = q(torch.randn(n, H, generator=gen).to(torch.bfloat16), torch.randn(n, E, generator=gen))
+        assert out.shape == (n, H) and torch.isfinite(out).all()
+
+
+def test_load_quantized_equals_quantize_on_load(bf16_layer, gen):
+    w13, w2 = bf16_layer.experts.w13.detach(), bf16_layer.experts.w2.detach()
+    a, b = _layer(get_scheme("int4_w4a16", group_size=32)), _layer(get_scheme("int4_w4a16", group_size=32))
+    a.load_weights(w13, w2)
+    b.load_quantized(quantize_experts(w13, w2, "int4_w4a16", group_size=32))
+    x, logits = torch.randn(5, H, generator=gen).to(torch.bfloat16), torch.randn(5, E, generator=gen)
+    assert torch.equal(a(x, logits), b(x, logits))
+
+
+def test_load_quantized_checks_scheme_and_shapes(gen):
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    q = _layer("int4_w4a16")
+    with pytest.raises(ValueError, match="quantized as int4 weights per group of 64 columns"):
+        q.load_quantized(quantize_experts(w13, w2, "int4_w4a16", group_size=64))
+    with pytest.raises(ValueError, match="quantized as int8"):
+        q.load_quantized(quantize_experts(w13, w2, "int8_w8a16"))
+    with pytest.raises(ValueError, match=r"w2 must be \[E=8, H=256"):
+        q.load_quantized(quantize_experts(w13[:4], w2[:4], "int4_w4a16"))
+    with pytest.raises(ValueError, match="unquantized"):
+        _layer().load_quantized(quantize_experts(w13, w2, "int4_w4a16"))
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        q.load_quantized({"w13": w13})
+
+
+def test_load_weights_checks_float_shapes():
+    q = _layer("int8_w8a8")
+    with pytest.raises(ValueError, match=r"w13 must have shape \[8, 256, 256\]"):
+        q.load_weights(torch.randn(E, I, H), torch.randn(E, H, I))
+    with pytest.raises(ValueError, match="bias=False"):
+        q.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), b13=torch.zeros(E, 2 * I))
+
+
+def test_biases_stay_float_and_are_loaded(gen):
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), activation="swigluoai", bias=True, quant="int8_w8a8")
+    b13, b2 = torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen)
+    q.load_weights(torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen), b13, b2)
+    assert torch.equal(q.experts.b13.detach(), b13) and q.experts.b13.dtype == torch.float32
+    w = q.experts.expert_weights()
+    assert w.b13 is q.experts.b13 and w.quant == "int8_w8a8"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(quant="int5"), "quant must be one of"),
+    (dict(quant=get_scheme("int4_w4a16", group_size=128), intermediate_size=96), "multiples of 128"),
+    (dict(quant="int8_w8a8", shared_experts=SharedExpertsConfig(I, mode="fused")), "cannot ride in quantized"),
+])
+def test_bad_quantized_layers_fail_at_construction(kwargs, match):
+    args = dict(num_experts=E, hidden_size=H, intermediate_size=I, routing=RoutingConfig(top_k=K_TOP))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(**args)
+
+
+def test_shared_experts_beside_quantized_experts(gen):
+    q = _layer("int8_w8a8", shared_experts=SharedExpertsConfig(2 * I, gated=True))
+    out = q(torch.randn(3, H, generator=gen).to(torch.bfloat16), torch.randn(3, E, generator=gen))
+    assert torch.isfinite(out).all()
+
+
+def test_state_dict_and_per_expert_tensors_hold_every_scale():
+    q = _layer(get_scheme("int4_w4a16", group_size=64, symmetric=False))
+    sd = q.state_dict()
+    for name in ("w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero"):
+        assert f"experts.{name}" in sd
+    tensors = dict(q.experts.expert_weights().per_expert_tensors())
+    assert set(tensors) == {"w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero"}
+    assert all(t.shape[0] == E for t in tensors.values())
+    assert isinstance(q.experts, QuantizedRoutedExperts)
+
+
+def test_an_explicit_backend_that_cannot_run_the_scheme_says_why(gen):
+    q = _layer("int4_w4a16", backend="cpu_int8")
+    with pytest.raises(ValueError, match=r"backend='cpu_int8' cannot run .*runs quant='int8_w8a8' only"):
+        q(torch.randn(2, H, generator=gen).to(torch.bfloat16), torch.randn(2, E, generator=gen))
