@@ -131,3 +131,15 @@ def test_reference_backend_serves_every_scheme_and_t0(gen):
             x = torch.randn(T, 128, generator=gen, dtype=torch.bfloat16)
             out = fused_experts(x, w, None, torch.rand(T, 1), torch.zeros(T, 1, dtype=torch.int32), backend="reference")
             assert out.shape == (T, 128) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_gradients_through_quantized_experts(gen):
+    """Weight-only emulation is differentiable in x; w8a8 rounds x, so autograd is refused, not zeroed."""
+    x = torch.randn(3, 128, generator=gen, requires_grad=True)
+    ids, tw = torch.tensor([[0], [1], [0]], dtype=torch.int32), torch.rand(3, 1, generator=gen)
+    w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), "int8_w8a16")
+    fused_experts(x, w, None, tw, ids).sum().backward()  # the oracle skips cpu_wo (forward only)
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), "int8_w8a8")
+    with pytest.raises(ValueError, match="rounds the activations, so no gradient flows"):
+        fused_experts(x, w, None, tw, ids)

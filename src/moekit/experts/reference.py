@@ -67,6 +67,8 @@ class ReferenceBackend(ExpertsBackend):
 
             if problem.quant not in SCHEMES:
                 return f"quantization scheme {problem.quant!r} is not registered (known: {sorted(SCHEMES)})"
+            if problem.requires_grad and not SCHEMES[problem.quant].weight_only:
+                return f"quant={problem.quant!r} rounds the activations, so no gradient flows (inputs require grad)"
         return None
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
