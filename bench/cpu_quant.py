@@ -13,6 +13,8 @@ random routing drawn fresh per call. Variants:
 Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3.
 Rounds run every variant once in turn (so a load change on a shared machine hits all of
 them alike); each time is the median over rounds, each ratio the median of per-round ratios.
+Floor: the stored bytes of the D(M) = E (1 - (1 - k/E)^M) experts touched (PERF.md) over the
+streaming read bandwidth measured in the same process.
 
     python bench/cpu_quant.py --rounds 30 --out bench/results/cpu-quant.json
 """
@@ -34,10 +36,10 @@ import moekit
 from moekit import quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS, ExpertWeights
+from moekit.experts.cpu import native_dtypes
 
 E, K_TOP, H, I = 64, 8, 1024, 512
 L3_BYTES = 32 * 1024 * 1024
-DRAM_BYTES_PER_S = 12e9  # PERF.md: the whole box
 
 
 def cpu_name() -> str:
@@ -61,6 +63,17 @@ def cpu_flags() -> list:
     except OSError:
         pass
     return []
+
+
+def dram_read_bytes_per_s() -> float:
+    """Streaming read bandwidth: the median of 5 sums over a 512 MB tensor (16x the L3)."""
+    big = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        big.sum()
+        ts.append(time.perf_counter() - t0)
+    return big.numel() * 4 / statistics.median(ts[1:])
 
 
 def read_bytes(w: ExpertWeights) -> int:
@@ -106,6 +119,7 @@ def main(argv=None) -> int:
     variants = make_variants(gen)
     params = ActivationParams()
     load_before = os.getloadavg()
+    dram = dram_read_bytes_per_s()
 
     def call(name: str, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, copy: int) -> float:
         backend, _, copies, _ = variants[name]
@@ -134,7 +148,7 @@ def main(argv=None) -> int:
         touched = E * (1 - (1 - K_TOP / E) ** M)  # PERF.md D(M)
         for name, (backend, dtype, copies, nbytes) in variants.items():
             ts = times[name, M]
-            floor_s = touched / E * nbytes / DRAM_BYTES_PER_S
+            floor_s = touched / E * nbytes / dram
             med = statistics.median(ts)
             row = {
                 "variant": name, "backend": backend, "x_dtype": str(dtype).replace("torch.", ""), "M": M,
@@ -148,7 +162,7 @@ def main(argv=None) -> int:
             }
             results.append(row)
             print(f"M={M:3d} {name:40s} {row['median_us']:10.1f} us  x{row['speedup_vs_bf16_cpu']:.2f} vs bf16 cpu"
-                  f"  ({row['pct_of_floor']}% of DRAM floor)")
+                  f"  ({row['pct_of_floor']}% of the {dram / 1e9:.1f} GB/s read floor)")
     doc = {
         "benchmark": "cpu_quant",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -156,6 +170,8 @@ def main(argv=None) -> int:
         "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "moekit": moekit.__version__, "python": platform.python_version(),
         "shape": {"E": E, "k": K_TOP, "H": H, "I": I, "activation": "silu"},
+        "dram_read_GB_per_s": round(dram / 1e9, 1),
+        "cpu_backend_native_dtypes": sorted(str(d).replace("torch.", "") for d in native_dtypes()),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "rounds": args.rounds, "warmup": args.warmup,
         "method": ("round-robin over variants with fresh uniform routing per round; weights rotated over copies "

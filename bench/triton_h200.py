@@ -23,7 +23,7 @@ from moekit.cli.tune import plan_shape, search_shape, write_configs
 from moekit.kernels.launch import moe_align
 from moekit.kernels.tuning import device_name
 
-TUNE_MS = (1, 16, 64, 256, 1024, 4096)
+TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
 def measured_ceilings() -> dict:
@@ -100,7 +100,7 @@ def align(args) -> None:
             ids = [torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).int() for _ in range(4)]
             row = []
             for small_max in (10**9, 0):
-                if small_max and T * k > 8192:
+                if small_max and T * k > 4096:
                     row.append(float("nan"))
                     continue
                 us = graph_time_us(lambda i: moe_align(i, None, E, 16, small_max=small_max), [(i,) for i in ids])

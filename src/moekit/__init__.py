@@ -42,14 +42,8 @@ __all__ = [
     "__version__",
 ]
 
-# Hugging Face transformers: register the "moekit" experts implementation (see moekit.hf).
-# Skipped silently only when transformers is not installed.
-try:
-    from .integrations.transformers import register_experts_implementation as _register_hf_experts
-except ImportError as _err:
-    if _err.name != "transformers":
-        import warnings
+# Hugging Face transformers: register the "moekit" experts implementation (see moekit.hf)
+# as soon as transformers loads its MoE module, without importing transformers here.
+from .integrations.hf_hook import register_when_imported as _register_hf_when_imported
 
-        warnings.warn(f"moekit: the transformers integration is unavailable: {_err}", stacklevel=2)
-else:
-    _register_hf_experts()
+_register_hf_when_imported()

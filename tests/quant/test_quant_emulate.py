@@ -91,7 +91,8 @@ def test_emulation_matches_the_per_token_definition(case, gen):
     if bias:
         extra.update(b13=torch.randn(E, rows, generator=gen), b2=torch.randn(E, H, generator=gen))
     if static:
-        extra.update(a13_scale=torch.rand(E, generator=gen) * 0.02 + 0.005, a2_scale=torch.rand(E, generator=gen) * 0.02 + 0.005)
+        extra.update(a13_scale=torch.rand(E, generator=gen) * 0.02 + 0.005,
+                     a2_scale=torch.rand(E, generator=gen) * 0.02 + 0.005)
     w = quantize_experts(w13, w2, name, **opts, **extra)
     x = torch.randn(T, H, generator=gen)
     ids = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(torch.int32)

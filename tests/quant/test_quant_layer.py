@@ -24,7 +24,8 @@ def _layer(quant=None, **kw):
 @pytest.fixture
 def bf16_layer(gen):
     layer = _layer().requires_grad_(False)
-    layer.load_weights(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    layer.load_weights(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
+                       torch.randn(E, H, I, generator=gen) * I ** -0.5)
     return layer
 
 

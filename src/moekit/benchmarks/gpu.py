@@ -183,8 +183,6 @@ def run_gpu_bench(
     Returns:
         a JSON-ready dict (date, device, versions, records with us, TFLOP/s, % of floor).
     """
-    from moekit.experts.triton_experts import triton_fused_experts  # noqa: PLC0415
-
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     shapes = [shape_by_name(s) if isinstance(s, str) else tuple(s) for s in (shapes or GPU_SHAPES)]
     Ms = list(Ms or GPU_MS)
@@ -195,8 +193,6 @@ def run_gpu_bench(
         w2 = torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5
         runners: Dict[str, Callable] = {
             "moekit_triton": lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton"),
-            "moekit_triton_op": lambda x, w, i: triton_fused_experts(
-                x, w13, w2, None, None, w, i, None, "silu", 1.702, 7.0, False),
             "moekit_grouped_mm": lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="grouped_mm"),
             "torch_grouped_gemm": plain_grouped_gemm(w13, w2),
         }

@@ -16,7 +16,7 @@ Two compute paths, chosen per call by a fixed rule (both tested against the emul
 Why two: at decode (M=1) the fp32 path spends its time converting weights (int4 -> fp32
 costs about what bf16 -> fp32 does), so it cannot beat a bf16 layer by more than the
 bandwidth saved; torch's int4 kernel skips the conversion but is fast only on bf16 inputs
-(fp32 and fp16 inputs take a scalar loop, 30-50x slower, measured).
+(fp32 and fp16 inputs take a scalar loop, about 45x slower, measured).
 
 Supports: CPU, fp32/bf16/fp16 activations, group sizes 32/64/128, symmetric or zero
 points, every activation, biases, expert_map, weights on input. No autograd.
@@ -56,7 +56,7 @@ def _unpacked_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2).to(torch.int32)
 
 
-def _repack_int4(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group: int):
+def _repack_int4(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor]):
     """One projection [E, N, K/2] into torch's CPU int4 layout.
 
     torch's kernel computes w = (u - 8) * s + offset per group; moekit stores w = (u - z) * s,
@@ -76,15 +76,15 @@ class _Int4Repacked:
     def __init__(self) -> None:
         self._cache = WeakTensorKeyDictionary()
 
-    def get(self, weights: ExpertWeights, scheme: QuantScheme):
+    def get(self, weights: ExpertWeights):
         tensors = (weights.w13, weights.w2) + tuple(weights.scales[n] for n in sorted(weights.scales))
         version = tuple((t.data_ptr(), t._version) for t in tensors)
         hit = self._cache.get(weights.w13)
         if hit is None or hit[0] != version:
             s = weights.scales
             hit = (version,
-                   _repack_int4(weights.w13, s["w13_scale"], s.get("w13_zero"), scheme.group_size),
-                   _repack_int4(weights.w2, s["w2_scale"], s.get("w2_zero"), scheme.group_size))
+                   _repack_int4(weights.w13, s["w13_scale"], s.get("w13_zero")),
+                   _repack_int4(weights.w2, s["w2_scale"], s.get("w2_zero")))
             self._cache[weights.w13] = hit
         return hit[1], hit[2]
 
@@ -156,7 +156,7 @@ class CPUWeightOnlyBackend(ExpertsBackend):
 
     def _int4_kernel_linear(self, weights, scheme):
         """(rows [n, K] bf16, projection name, spans) -> [n, N] fp32 through torch's int4 kernel."""
-        packed = dict(zip(("w13", "w2"), self._repacked.get(weights, scheme)))
+        packed = dict(zip(("w13", "w2"), self._repacked.get(weights)))
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
         def linear(rows: torch.Tensor, name: str, spans) -> torch.Tensor:

@@ -290,3 +290,6 @@ def register_experts_implementation(name: str = EXPERTS_IMPLEMENTATION,
                                     fn: Callable = moekit_experts_forward) -> None:
     """Add `fn` to transformers' ExpertsInterface under `name` (idempotent)."""
     _ExpertsInterface.register(name, fn)
+
+
+register_experts_implementation()  # idempotent; `import moekit` triggers this lazily (hf_hook)

@@ -2,7 +2,8 @@
 
 Every size here is known from tensor shapes, never read from the device, so a call can be
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
-(4 launches, 6 for large T*k); direct path (few tokens): GEMM1 -> GEMM2 (2 launches).
+(4 launches; 6 above triton_align.CHUNK assignments); direct path (few tokens): GEMM1 ->
+GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
 """
 
 from __future__ import annotations

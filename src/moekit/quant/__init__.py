@@ -21,7 +21,15 @@ from .quantize import (
     quantize_weight,
     unpack_int4,
 )
-from .schemes import LAYER_ERROR_BOUND, SCHEMES, QuantScheme, get_scheme, precision_of_scheme, register_scheme, scheme_names
+from .schemes import (
+    LAYER_ERROR_BOUND,
+    SCHEMES,
+    QuantScheme,
+    get_scheme,
+    precision_of_scheme,
+    register_scheme,
+    scheme_names,
+)
 
 # precision -> device -> backends in order of preference. fp8 on CPU runs the reference
 # emulation (torch has float8 storage on CPU but no fp8 GEMM).

@@ -47,7 +47,8 @@ def dequantize_expert(weights: ExpertWeights, e: int, scheme: QuantScheme):
     return out[0], out[1]
 
 
-def _fake_quant_rows(rows: List[torch.Tensor], scheme: QuantScheme, static: Optional[torch.Tensor]) -> List[torch.Tensor]:
+def _fake_quant_rows(rows: List[torch.Tensor], scheme: QuantScheme,
+                     static: Optional[torch.Tensor]) -> List[torch.Tensor]:
     """Quantize-dequantize each expert's GEMM input rows [n_e, K] per the scheme."""
     if scheme.weight_only:
         return rows

@@ -41,7 +41,8 @@ def logical_intermediate_size(weights: ExpertWeights) -> int:
     return weights.w2.shape[2] * get_scheme(weights.quant).pack
 
 
-def expected_scales(scheme: QuantScheme, E: int, H: int, I: int, n13: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+def expected_scales(scheme: QuantScheme, E: int, H: int, I: int,
+                    n13: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every scale tensor the scheme stores (static activation scales excluded)."""
     def shape(N: int, K: int) -> Tuple[int, ...]:
         if scheme.weight_granularity == "tensor":
@@ -75,7 +76,8 @@ def check_quantized_weights(weights: ExpertWeights, hidden_size: int, activation
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor, got {type(t).__name__}")
         if t.dtype != scheme.storage_dtype():
-            raise TypeError(f"{name} must be stored as {scheme.storage_dtype()} for quant={scheme.name!r}, got {t.dtype}")
+            raise TypeError(
+                f"{name} must be stored as {scheme.storage_dtype()} for quant={scheme.name!r}, got {t.dtype}")
     E, H, Ip = w2.shape
     I = Ip * scheme.pack
     if H != hidden_size:

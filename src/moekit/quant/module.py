@@ -40,7 +40,7 @@ class QuantizedRoutedExperts(nn.Module):
         activation: decides 2I (gated) or I rows of w13.
         bias: hold float biases b13 [E, 2I or I] and b2 [E, H].
         scheme: a scheme name or QuantScheme (get_scheme carries group size / zero points).
-        dtype: of the biases and of the random initial weights before quantization.
+        dtype: of the biases (the weights are quantized from fp32).
         device: of every tensor.
     """
 

@@ -98,9 +98,11 @@ class QuantScheme:
             raise ValueError("activation_dtype and activation_granularity must be set together")
         if self.activation_granularity is not None and self.activation_granularity not in _ACT_GRANULARITIES:
             raise ValueError(
-                f"activation_granularity must be one of {list(_ACT_GRANULARITIES)}, got {self.activation_granularity!r}")
+                f"activation_granularity must be one of {list(_ACT_GRANULARITIES)}, "
+                f"got {self.activation_granularity!r}")
         if (self.activation_granularity == "group") != (self.activation_group is not None):
-            raise ValueError(f"activation_group must be set exactly for 'group' activations, got {self.activation_group!r}")
+            raise ValueError(
+                f"activation_group must be set exactly for 'group' activations, got {self.activation_group!r}")
 
     @property
     def weight_only(self) -> bool:
