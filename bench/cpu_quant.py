@@ -43,14 +43,18 @@ L3_BYTES = 32 * 1024 * 1024
 
 
 def cpu_name() -> str:
+    """Model name, family and model from /proc/cpuinfo (e.g. "AMD EPYC (family 26, model 2)")."""
+    info = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 def cpu_flags() -> list:
@@ -66,14 +70,15 @@ def cpu_flags() -> list:
 
 
 def dram_read_bytes_per_s() -> float:
-    """Streaming read bandwidth: the median of 5 sums over a 512 MB tensor (16x the L3)."""
+    """Streaming read bandwidth: the best of 5 sums over a 512 MB tensor (16x the L3); the best,
+    since other processes on a shared machine can only lower it."""
     big = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     ts = []
     for _ in range(6):
         t0 = time.perf_counter()
         big.sum()
         ts.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(ts[1:])
+    return big.numel() * 4 / min(ts[1:])
 
 
 def read_bytes(w: ExpertWeights) -> int:
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
         "cpu_backend_native_dtypes": sorted(str(d).replace("torch.", "") for d in native_dtypes()),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "rounds": args.rounds, "warmup": args.warmup,
-        "method": ("round-robin over variants with fresh uniform routing per round; weights rotated over copies "
+        "method": ("backend.apply only (sort, GEMMs, weighting, combine; no router); round-robin over variants "
+                   "with fresh uniform routing per round; weights rotated over copies "
                    "totalling >= 3x the 32 MB L3; medians over rounds; speedup = median of per-round ratios"),
         "targets_at_M1": {"int8_w8a8 cpu_int8": 1.7, "int4_w4a16 cpu_wo": 2.5},
         "results": results,

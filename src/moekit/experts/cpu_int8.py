@@ -8,9 +8,10 @@ multiplied as int8 x int8 -> int32 (exact), and rescaled in fp32:
 
 Why this path: on CPUs with VNNI int8 dot products (AVX512-VNNI, AVX-VNNI) torch._int_mm
 reads 1 byte per weight and needs no conversion pass, so decode (weight streaming) runs
-several times faster than any float path (bench/results/cpu-quant.json). Measured on a
-CPU with AVX-512 VNNI: fp32 compute from int8 weights dequantized in cache-sized blocks
-was 5-10x slower than _int_mm at M=1-32, so there is no such path here.
+faster than any float path. Measured on a 2-core AVX-512 VNNI CPU (bench/cpu_quant.py): fp32
+compute from int8 weights dequantized in cache-sized blocks (cpu_wo's int8_w8a16 path) was
+3-4x slower than _int_mm at M=1 and 32, and slower than bf16 weights, so there is no such
+path here.
 
 Accumulation is exact for K * 127 * 127 < 2^31 (K < 133,000), checked in `unsupported`.
 Supports: CPU, fp32/bf16/fp16 activations, every activation, biases, expert_map, weights
