@@ -40,7 +40,8 @@ def _rank_main(rank, size, port, fn, results):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=60))
-        fn(rank, size)
+        with torch.inference_mode():  # parallel layers are inference-only
+            fn(rank, size)
     except BaseException:  # noqa: BLE001 (sent to the parent, which fails the test)
         failures.append(traceback.format_exc())
     results.put((rank, failures))
