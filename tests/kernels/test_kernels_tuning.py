@@ -119,3 +119,32 @@ def test_oracle_prefers_triton_on_cuda():
     assert PRIORITIES["unquantized"]["cuda"][0] == "triton"
     p = ExpertsProblem("cuda", torch.bfloat16, torch.bfloat16, "silu", False, False, False, 8, 64, 32, 2)
     assert explain(p)[0][0] == "triton"
+
+
+def test_tune_plans_compile_jobs_and_writes_a_readable_file(tmp_path):
+    from moekit.cli.tune import plan_shape, write_configs
+
+    plans, jobs = plan_shape(8, 2, 64, 32, torch.bfloat16, (1, 256))
+    assert sorted(plans) == [1, 256]
+    default, stage1, g2s = plans[256]
+    assert stage1[0] == default and all(c.block_m in g2s for c in stage1)
+    assert {j[4] for j in jobs} == {True, False}  # direct for M = 1, sorted for M = 256
+    path = write_configs({M: plans[M][0] for M in plans}, 8, 32, "Fake_GPU", torch.bfloat16, str(tmp_path))
+    assert os.path.basename(path) == "E=8,N=32,device_name=Fake_GPU.json"
+    with open(path, encoding="utf-8") as fh:
+        assert parse_configs(fh.read(), path) == {M: plans[M][0] for M in plans}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["tune", "--experts", "8"], "give --shape or all of"),         # incomplete shape
+    (["tune", "--shape", "olmoe-1b-7b", "--batch-sizes", "x"], None),  # CPU box: needs a GPU first
+])
+def test_tune_cli_errors(argv, match):
+    from moekit.cli.main import main
+
+    if match is None:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+        match = "needs a CUDA GPU"
+    with pytest.raises(SystemExit, match=match):
+        main(argv)

@@ -90,8 +90,8 @@ else:
         (37, 70, 2, 32, 0, True),      # most experts empty, E not a power of two
         (40, 3, 3, 16, 0, True),       # k = E: every expert full, several blocks each
         (1, 8, 2, 16, 6, True),        # both slots non-local: no rows at all
-        (1500, 8, 3, 64, 2, False),    # chunked path (two chunks) with an expert map
-        (2100, 70, 4, 16, 0, False),   # chunked path, three chunks, chunk boundary inside experts
+        (500, 8, 3, 64, 2, False),     # chunked path (two chunks) with an expert map
+        (700, 70, 4, 16, 0, False),    # chunked path, three chunks, chunk boundaries inside experts
     ])
     def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
@@ -100,7 +100,12 @@ else:
         al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0)
         rows, ends = _expected_alignment(ids, emap, E, bm)
         assert al.expert_end.tolist() == ends
-        assert al.sorted_ids[:len(rows)].tolist() == rows
+        got = al.sorted_ids[:len(rows)].tolist()
+        if small:  # one program: assignment order within each expert
+            assert got == rows
+        else:  # chunked: rows claimed in arrival order, so compare each expert's rows as a set
+            for lo, hi in zip([0] + ends[:-1], ends):
+                assert sorted(got[lo:hi]) == sorted(rows[lo:hi])
         assert al.max_blocks * bm >= len(rows)
 
     @pytest.mark.parametrize("case", [

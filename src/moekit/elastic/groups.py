@@ -19,6 +19,10 @@ group's timeout; destroy_process_group() after such a failure returns at once; a
 that a member never joins fails after the same timeout; a process can build and destroy
 any number of generations one after the other.
 
+Generations are gloo groups and workers compute on the CPU. A GPU deployment would build
+NCCL generations instead (and meet NCCL's rule that the first batch_isend_irecv of a group
+involves every rank); it is not provided here.
+
 Store keys (all small strings):
     alive/{worker}     the worker's pid, set once it has connected and read its gates:
                        the announcement a joiner must make within the join timeout.

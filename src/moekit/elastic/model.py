@@ -110,7 +110,8 @@ def _open(path: Union[str, Path]):
     return safe_open(str(p), framework="pt", device="cpu")
 
 
-def read_experts(path: Union[str, Path], spec: ModelSpec, layer: int, experts: Sequence[int]) -> Dict[str, torch.Tensor]:
+def read_experts(path: Union[str, Path], spec: ModelSpec, layer: int,
+                 experts: Sequence[int]) -> Dict[str, torch.Tensor]:
     """Read some experts of one layer: per-expert tensor name -> [n, ...] rows in `experts` order."""
     bad = [e for e in experts if not 0 <= e < spec.num_experts]
     if bad:

@@ -12,7 +12,8 @@ to a multiple of P (the rounding slots become more replicas). A target world is 
 S <= max_slots_per_rank (the expert memory of one rank) and P <= E (every rank of FusedMoE's
 expert-parallel placement holds at least one expert). Shrinking is therefore bounded below
 by the smallest P with ceil((E + num_redundant) / P) <= max_slots_per_rank; requests below
-it are refused before anything changes.
+it are refused before anything changes. (During a transition a worker holds its staged
+slots beside its live ones: the rule bounds what serves, not that transient copy.)
 
 Placement of the new world: the EPLB policy (moekit.eplb.rebalance_experts) on the recorded
 load over P ranks. Its per-rank packs are then handed, layer by layer, to the ranks that

@@ -83,6 +83,8 @@ class WorkerArgs:
 
 @dataclass(frozen=True)
 class Run:
+    """Forward x through every layer in generation `generation` (batch `batch`'s slice for this rank)."""
+
     seq: int
     generation: int
     batch: int
@@ -91,11 +93,15 @@ class Run:
 
 @dataclass(frozen=True)
 class Report:
+    """Answer the load recorded in the serving window: [L, E] tokens per logical expert."""
+
     seq: int
 
 
 @dataclass(frozen=True)
 class Redistribute:
+    """Join transition generation `generation` (rank plan.rank of world_size) and stage plan's slots."""
+
     seq: int
     generation: int
     world_size: int
@@ -104,6 +110,9 @@ class Redistribute:
 
 @dataclass(frozen=True)
 class Switch:
+    """Serve as `rank` of world_size in generation `generation` with placement phy2log [L][R],
+    over the staged slots (use_staged) or the live ones; rank None: leave and serve nothing."""
+
     seq: int
     generation: int
     rank: Optional[int]
@@ -114,11 +123,15 @@ class Switch:
 
 @dataclass(frozen=True)
 class Inspect:
+    """Answer the live holdings and slot bytes."""
+
     seq: int
 
 
 @dataclass(frozen=True)
 class Stop:
+    """Leave the group and exit."""
+
     seq: int
 
 

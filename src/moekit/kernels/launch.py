@@ -2,7 +2,7 @@
 
 Every size here is known from tensor shapes, never read from the device, so a call can be
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
-(4 launches; 6 above triton_align.CHUNK assignments); direct path (few tokens): GEMM1 ->
+(4 launches; 6 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
 GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
 """
 
@@ -22,7 +22,7 @@ from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 __all__ = ["Alignment", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
-ALIGN_SMALL_MAX = align.CHUNK
+ALIGN_SMALL_MAX = align.SMALL
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         topk_ids: [T, k] int32, contiguous (global ids when expert_map is given).
         expert_map: [E_global] int32 global -> local id or -1, or None.
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
-        small_max: largest T*k aligned by the one-program kernel (at most triton_align.CHUNK).
+        small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
     """
     TK = topk_ids.numel()
     E = num_experts
@@ -59,22 +59,20 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
     e_pad = triton.next_power_of_2(E + 1)  # one spare bin for non-local lanes
-    if TK <= min(small_max, align.CHUNK):
+    if TK <= small_max:
         n = _pow2(TK)
         align.align_small_kernel[(1,)](topk_ids, emap, sorted_ids, expert_end, TK, E,
-                                       BM=block_m, N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=8 if n > 1024 else 4)
+                                       BM=block_m, N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=4)
     else:
-        n = align.CHUNK
-        NC = triton.cdiv(TK, n)
-        chunk_counts = torch.empty(NC, e_pad, dtype=torch.int32, device=dev)
-        chunk_base = torch.empty(NC, e_pad, dtype=torch.int32, device=dev)
-        expert_start = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        align.align_count_kernel[(NC,)](topk_ids, emap, chunk_counts, TK, N=n, E_PAD=e_pad, HAS_MAP=has_map,
-                                        num_warps=8)
-        align.align_scan_kernel[(1,)](chunk_counts, chunk_base, expert_start, expert_end, sorted_ids, NC, E, TK,
-                                      BM=block_m, R=max(1, 8192 // e_pad), E_PAD=e_pad, num_warps=8)
-        align.align_scatter_kernel[(NC,)](topk_ids, emap, chunk_counts, chunk_base, expert_start, sorted_ids, TK, E,
-                                          N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=8)
+        NC = triton.cdiv(TK, align.CHUNK)
+        counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
+        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        align.align_count_kernel[(NC,)](topk_ids, emap, counts, TK, N=align.CHUNK, E_PAD=e_pad, HAS_MAP=has_map,
+                                        num_warps=4)
+        align.align_scan_kernel[(1,)](counts, cursor, expert_end, sorted_ids, E, TK, BM=block_m, E_PAD=e_pad,
+                                      num_warps=4)
+        align.align_scatter_kernel[(NC,)](topk_ids, emap, cursor, sorted_ids, TK, E, N=align.CHUNK, E_PAD=e_pad,
+                                          HAS_MAP=has_map, num_warps=4)
     return Alignment(sorted_ids, expert_end, max_blocks, block_m)
 
 
@@ -161,7 +159,7 @@ def fused_moe(
         act = torch.empty(TK, I, dtype=x.dtype, device=dev)
         out2 = torch.empty(T, H, dtype=out_dtype, device=dev)
     else:
-        al = moe_align(topk_ids, expert_map, E, config.block_m)
+        al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=ALIGN_SMALL_MAX)
         sorted_ids, expert_end = al.sorted_ids, al.expert_end
         rows1 = rows2 = al.max_blocks
         act = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=dev)

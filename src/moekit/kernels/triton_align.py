@@ -3,16 +3,19 @@
 Output layout (no host synchronisation: every size is a bound known from the shapes):
     sorted_ids [max_blocks * BM] int32: assignment index a = t * k + j of each GEMM row,
         grouped by expert, each expert's rows padded to a multiple of BM with the
-        sentinel T * k; stable (assignment order within an expert).
+        sentinel T * k; in assignment order within an expert up to SMALL assignments,
+        in arrival order above (see align_scatter_kernel).
     expert_end [E] int32: cumulative padded row counts; row block b belongs to the expert
         whose rows [end[e-1], end[e]) hold b * BM, and blocks at or past end[E-1] are unused.
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
-Method: a bitonic sort of keys (bin * n + index) puts each expert's assignments together
-in order; a histogram gives the counts; a row's place is its expert's padded start plus
-its rank among that expert's assignments. Bins are the E experts plus one more (E_PAD - 1
->= E) that collects non-local and out-of-range lanes. Up to CHUNK assignments one
-program does it all (one launch); above, count -> scan -> scatter over chunks of CHUNK.
+Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local and
+out-of-range lanes. Up to SMALL assignments one program does it all (one launch): a
+bitonic sort of keys (bin * n + index) puts each expert's assignments together in order,
+a histogram gives the counts, and a row's place is its expert's padded start plus its
+rank. Above, three launches over chunks of CHUNK assignments: histograms added into global
+counts, a one-program scan, then each assignment claims a row with an atomic increment
+(a sort of thousands of keys in one program costs tens of microseconds).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import triton
 import triton.language as tl
 
 __all__ = ["align_small_kernel", "align_count_kernel", "align_scan_kernel", "align_scatter_kernel",
-           "local_expert", "CHUNK"]
+           "local_expert", "SMALL", "CHUNK"]
 
-# Assignments sorted by one program.
-CHUNK = 4096
+# Largest T*k aligned by the one-program sort; assignments per program above it.
+SMALL = 512
+CHUNK = 1024
 
 
 @triton.jit
@@ -86,51 +90,40 @@ def align_small_kernel(
 
 
 @triton.jit(do_not_specialize=["TK"])
-def align_count_kernel(
-    ids_ptr, map_ptr, chunk_counts_ptr, TK,
-    N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """chunk_counts[c, :] = histogram of the bins of chunk c (N assignments)."""
+def align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    """counts[e] += assignments of chunk c (N of them) in bin e (integer adds: exact in any order)."""
     c = tl.program_id(0)
     bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
-    tl.store(chunk_counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
+    tl.atomic_add(counts_ptr + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
 
 
-@triton.jit(do_not_specialize=["NC", "TK"])
+@triton.jit(do_not_specialize=["TK"])
 def align_scan_kernel(
-    chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, expert_end_ptr, sorted_ptr, NC, E, TK,
-    BM: tl.constexpr, R: tl.constexpr, E_PAD: tl.constexpr,
+    counts_ptr, cursor_ptr, expert_end_ptr, sorted_ptr, E, TK,
+    BM: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    """One program (grid (1,)): chunk_base[c, e] = rows of expert e in chunks before c;
-    padded expert extents; sentinel rows."""
+    """One program (grid (1,)): padded expert extents, each expert's first free row
+    (cursor), sentinel rows."""
     experts = tl.arange(0, E_PAD)
-    carry = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, NC, R):
-        chunks = c0 + tl.arange(0, R)
-        idx = chunks[:, None] * E_PAD + experts[None, :]
-        m = (chunks < NC)[:, None]
-        tile = tl.load(chunk_counts_ptr + idx, mask=m, other=0)
-        tl.store(chunk_base_ptr + idx, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
-        carry += tl.sum(tile, axis=0)
-    local = tl.where(experts < E, carry, 0)
+    local = tl.where(experts < E, tl.load(counts_ptr + experts), 0)
     padded = (local + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    tl.store(expert_start_ptr + experts, starts)
+    tl.store(cursor_ptr + experts, starts)
     tl.store(expert_end_ptr + experts, ends, mask=experts < E)
     _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
 
 
 @triton.jit(do_not_specialize=["TK"])
 def align_scatter_kernel(
-    ids_ptr, map_ptr, chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, sorted_ptr, TK, E,
+    ids_ptr, map_ptr, cursor_ptr, sorted_ptr, TK, E,
     N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """sorted_ids[row] = a for every local assignment a of chunk c (stable within an expert)."""
-    c = tl.program_id(0)
-    experts = tl.arange(0, E_PAD)
-    bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
-    counts = tl.load(chunk_counts_ptr + c * E_PAD + experts)
-    base = tl.load(expert_start_ptr + experts) + tl.load(chunk_base_ptr + c * E_PAD + experts)
-    sbin, sidx, rows = _sorted_rows(bins, base, tl.cumsum(counts, axis=0) - counts, N)
-    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)
+    """sorted_ids[row] = a for the local assignments of chunk c; a row is claimed from its
+    expert's cursor, so the order within an expert is the order of arrival. That order does
+    not change any result: each row's GEMM outputs depend on that row alone, and the sum
+    over k runs in slot order."""
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    bins = _bins(ids_ptr, map_ptr, offs, TK, E_PAD, HAS_MAP)
+    rows = tl.atomic_add(cursor_ptr + bins, 1, mask=bins < E)
+    tl.store(sorted_ptr + rows, offs, mask=bins < E)

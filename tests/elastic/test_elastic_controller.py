@@ -1,0 +1,105 @@
+"""Controller pieces that need no worker processes: configuration checks, batch bookkeeping, and the
+errors of a rebuild that cannot happen (run on a controller whose pool is a stand-in)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from moekit.elastic import ElasticConfig, ElasticController, ElasticError, ModelSpec, write_checkpoint
+from moekit.elastic.batches import BatchQueue
+
+
+@pytest.fixture
+def config(tmp_path):
+    spec = ModelSpec(8, 16, 8, 2)
+    return ElasticConfig(spec, str(write_checkpoint(spec, tmp_path / "m.safetensors")), max_slots_per_rank=4)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_slots_per_rank", 0, "max_slots_per_rank must be an int >= 1"),
+    ("num_redundant", -1, "num_redundant must be an int >= 0"),
+    ("num_groups", 3, "num_groups=3 must divide the number of experts 8"),
+    ("collective_timeout_s", 0, "collective_timeout_s must be a number > 0"),
+    ("heartbeat_timeout_s", True, "heartbeat_timeout_s must be a number > 0"),
+    ("checkpoint", "/nonexistent/m.safetensors", "checkpoint must be an existing safetensors file"),
+])
+def test_config_errors_name_the_field(config, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(config, **{field: value})
+
+
+def test_config_type_errors(config):
+    with pytest.raises(TypeError, match="spec must be a ModelSpec, got str"):
+        dataclasses.replace(config, spec="mixtral")
+    with pytest.raises(TypeError, match="config must be an ElasticConfig"):
+        ElasticController({"spec": config.spec})
+
+
+def test_model_spec_errors():
+    with pytest.raises(ValueError, match="top_k=9 is larger than the number of experts 8"):
+        ModelSpec(8, 16, 8, 9)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+        ModelSpec(8, 16, 8, 2, num_layers=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ModelSpec(8, 16, 8, 2, dtype=torch.int8)
+
+
+def test_batches_complete_exactly_once_in_order_of_resubmission():
+    q = BatchQueue(4)
+    ids = [q.submit(torch.randn(t, 4)) for t in (3, 0, 1)]
+    assert ids == [0, 1, 2] and q.pending == 3 and q.submitted == 3
+    bid, x = q.next()
+    assert bid == 0 and q.in_flight == 0 and x.shape == (3, 4)
+    q.requeue(bid)  # interrupted: back at the front
+    assert q.in_flight is None and q.interrupted == 1
+    bid, x = q.next()
+    assert bid == 0 and q.attempts[0] == 2
+    q.complete(bid, x * 2)
+    with pytest.raises(RuntimeError, match="batch 0 completed twice"):
+        q.complete(0, x)
+    assert q.completion_log == [0] and q.pending == 2
+    with pytest.raises(ValueError, match=r"x must be a float tensor \[T, H=4\]"):
+        q.submit(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="float tensor"):
+        q.submit(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        q.submit([[0.0] * 4])
+
+
+class _StandInPool:
+    """Running workers and their holdings, nothing else: _rebuild must refuse before it sends anything."""
+
+    def __init__(self, holdings):
+        self.holdings = holdings
+        self.running = tuple(holdings)
+        self.failed = {}
+
+
+def test_impossible_rebuilds_are_clear_errors(config, tmp_path):
+    ctl = ElasticController(config)
+    ctl.pool = _StandInPool({"a": ((0, 1, 2, 3),), "b": ((4, 5, 6, 7),)})
+    with pytest.raises(ElasticError, match="no worker is left to serve"):
+        ctl._rebuild(0, "recover", ["c"], "c failed")
+    ctl._broken = None
+    # E=8 on one rank needs 8 slots, more than max_slots_per_rank=4
+    with pytest.raises(ElasticError, match=r"b failed; cannot rebuild on the 1 surviving workers \['a'\].*"
+                                           r"max_slots_per_rank=4"):
+        ctl._rebuild(0, "recover", ["a"], "b failed")
+    with pytest.raises(ElasticError, match="cannot rebuild"):
+        ctl.serve()  # the deployment stays broken: every later call says why
+    ctl._broken = None
+    ctl.pool = _StandInPool({"a": ((0, 1, 2, 3),), "b": ((),), "c": ((),)})  # 4..7 died with their holder
+    (tmp_path / "m.safetensors").unlink()
+    with pytest.raises(ElasticError, match="no surviving copy and the checkpoint .* cannot be read"):
+        ctl._rebuild(0, "recover", ["a", "b"], "d failed")
+
+
+def test_requests_need_a_serving_world(config):
+    ctl = ElasticController(config)
+    with pytest.raises(ElasticError, match="call start"):
+        ctl.scale_up(1)
+    with pytest.raises(ValueError, match="num_workers=1 refused: .*max_slots_per_rank=4"):
+        ctl.start(1)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        ctl.start(0)
