@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from .activations import check_activation, is_gated
+from .checks import check_float_tensor
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
 from .experts.base import ExpertWeights
 from .parallel.config import ParallelConfig
@@ -18,15 +19,6 @@ from .shared_experts import SharedMLP, fused_shared_weights
 __all__ = ["FusedMoE", "RoutedExperts"]
 
 _layer_ids = itertools.count()
-
-
-def _check_shape(name: str, t: torch.Tensor, shape) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
 
 
 class RoutedExperts(nn.Module):
@@ -54,15 +46,15 @@ class RoutedExperts(nn.Module):
     @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
         """Copy canonical-layout tensors in (shapes checked, dtype converted)."""
-        _check_shape("w13", w13, self.w13.shape)
-        _check_shape("w2", w2, self.w2.shape)
+        check_float_tensor("w13", w13, self.w13.shape)
+        check_float_tensor("w2", w2, self.w2.shape)
         for name, given in (("b13", b13), ("b2", b2)):
             param = getattr(self, name)
             if given is None:
                 continue
             if param is None:
                 raise ValueError(f"{name} was given but the layer was built with bias=False")
-            _check_shape(name, given, param.shape)
+            check_float_tensor(name, given, param.shape)
             param.copy_(given)
         self.w13.copy_(w13)
         self.w2.copy_(w2)

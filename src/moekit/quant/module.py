@@ -15,21 +15,13 @@ import torch
 import torch.nn as nn
 
 from ..activations import is_gated
+from ..checks import check_float_tensor
 from ..experts.base import ExpertWeights
 from .layout import check_quantized_weights, scheme_of
 from .quantize import check_fits, quantize_experts
 from .schemes import QuantScheme, get_scheme
 
 __all__ = ["QuantizedRoutedExperts"]
-
-
-def _check_float(name: str, t, shape) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
 
 
 class QuantizedRoutedExperts(nn.Module):
@@ -93,14 +85,14 @@ class QuantizedRoutedExperts(nn.Module):
                 continue
             if param is None:
                 raise ValueError(f"{name} was given but the layer was built with bias=False")
-            _check_float(name, given, param.shape)
+            check_float_tensor(name, given, param.shape)
             param.copy_(given)
 
     @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
         """Quantize float canonical-layout weights on load: w13 [E, 2I, H], w2 [E, H, I], biases float."""
-        _check_float("w13", w13, self.shape13)
-        _check_float("w2", w2, self.shape2)
+        check_float_tensor("w13", w13, self.shape13)
+        check_float_tensor("w2", w2, self.shape2)
         self._load_biases(b13, b2)
         device = self.w13.device
         self._store(quantize_experts(w13.to(device), w2.to(device), self.scheme))
