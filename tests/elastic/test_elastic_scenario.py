@@ -25,7 +25,7 @@ from moekit.elastic.model import EXPERT_KEYS, layer_prefix
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 5.0  # gloo and heartbeat timeouts of the run
+TIMEOUT_S = 3.0  # gloo and heartbeat timeouts of the run
 
 
 def _load_example():

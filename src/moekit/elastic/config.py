@@ -27,8 +27,11 @@ class ElasticConfig:
         num_redundant: replicas beyond the E experts (R rounds E + this up to a multiple of P).
         num_groups: expert groups of the EPLB policy (must divide E).
         collective_timeout_s: gloo timeout of every generation group: the longest a member
-            waits on a dead or hung peer, or on a rendezvous.
-        command_timeout_s: the longest the controller waits for a worker's reply.
+            waits in a collective on a dead or hung peer, or for a member that never comes
+            to a rendezvous. A member that vanishes in the middle of a rendezvous costs the
+            others up to 5x this (measured on torch 2.13: gloo retries the connection).
+        command_timeout_s: the longest the controller waits for a worker's reply; commands
+            that build a group (redistribute, switch) get `rendezvous_bound_s` more.
         join_timeout_s: how long new workers have to announce themselves alive.
         heartbeat_interval_s / heartbeat_timeout_s: a worker whose heartbeat counter stays
             still for heartbeat_timeout_s is declared failed.
@@ -70,6 +73,11 @@ class ElasticConfig:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         if not Path(self.checkpoint).is_file():
             raise ValueError(f"checkpoint must be an existing safetensors file, got {self.checkpoint!r}")
+
+    @property
+    def rendezvous_bound_s(self) -> float:
+        """The longest building a generation group can take: 6 x collective_timeout_s (see that field)."""
+        return 6 * self.collective_timeout_s
 
 
 @dataclass(frozen=True)

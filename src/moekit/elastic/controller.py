@@ -78,6 +78,7 @@ class ElasticController:
         if not isinstance(config, ElasticConfig):
             raise TypeError(f"config must be an ElasticConfig, got {type(config).__name__}")
         self.config = config
+        self._group_timeout_s = config.command_timeout_s + config.rendezvous_bound_s
         self._store = host_store(config.host)
         self.pool = WorkerPool(config, self._store)
         self.batches = BatchQueue(config.spec.hidden_size)
@@ -251,8 +252,7 @@ class ElasticController:
         self.generation = None
         t0, gen, seq = time.monotonic(), self._new_generation(), self.pool.next_seq
         replies, failed = self.pool.exchange(
-            {w: Redistribute(seq(), gen, len(plan.union), plan.workers[w]) for w in plan.union},
-            self.config.command_timeout_s)
+            {w: Redistribute(seq(), gen, len(plan.union), plan.workers[w]) for w in plan.union}, self._group_timeout_s)
         why = failures(failed, replies)
         self._event(tid, kind, "redistribute", t0, not why, why or f"{plan.counts()} over {len(plan.union)} workers")
         if why:
@@ -260,7 +260,7 @@ class ElasticController:
         t0, gen, P = time.monotonic(), self._new_generation(), len(plan.members)
         replies, failed = self.pool.exchange(
             {w: Switch(seq(), gen, u if u < P else None, P, plan.phy2log, True) for u, w in enumerate(plan.union)},
-            self.config.command_timeout_s)
+            self._group_timeout_s)
         why = failures(failed, replies)
         self._event(tid, kind, "switch", t0, not why, why or f"generation {gen}: {list(plan.members)}")
         if why:
@@ -273,7 +273,7 @@ class ElasticController:
         t0, gen, P = time.monotonic(), self._new_generation(), len(members)
         replies, failed = self.pool.exchange(
             {w: Switch(self.pool.next_seq(), gen, r, P, phy2log, False) for r, w in enumerate(members)},
-            self.config.command_timeout_s)
+            self._group_timeout_s)
         why = failures(failed, replies)
         self._event(tid, "rollback", "switch", t0, not why, why or f"generation {gen}: {list(members)}")
         if not why:
