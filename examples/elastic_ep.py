@@ -97,27 +97,27 @@ def run(args, observe: Optional[Callable[[str, ElasticController], None]] = None
             os.kill(pid, signal.SIGKILL)
             killed.set()
 
-        def done(fraction: float):
-            return lambda: len(ctl.results) >= int(n * fraction)
+        def serve_until(fraction: float):  # until that fraction of the stream has completed
+            ctl.serve(until=lambda: len(ctl.results) >= int(n * fraction), timeout_s=120)
 
         try:
             ctl.start(4)
             _observe(observe, "start", ctl)
             feeder = threading.Thread(target=feed, name="feeder", daemon=True)
             feeder.start()
-            ctl.serve(until=done(0.2))
+            serve_until(0.2)
             ctl.scale_down(leave=ctl.members[2:])
             _observe(observe, "scale_down", ctl)
-            ctl.serve(until=done(0.35))
+            serve_until(0.35)
             failed = ctl.scale_up(1, join_timeout_s=0.01)  # no process can start that fast: prepare fails
             _observe(observe, "failed_join", ctl)
-            ctl.serve(until=done(0.45))
+            serve_until(0.45)
             ctl.scale_up(1)
             _observe(observe, "scale_up", ctl)
             killer = threading.Thread(target=kill_one, name="killer", daemon=True)
             killer.start()
             scaled_up.set()
-            ctl.serve(until=lambda: fed.is_set() and killed.is_set() and ctl.pending == 0)
+            ctl.serve(until=lambda: fed.is_set() and killed.is_set() and ctl.pending == 0, timeout_s=120)
             _observe(observe, "end", ctl)
         finally:
             ctl.shutdown()

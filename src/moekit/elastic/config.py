@@ -8,9 +8,7 @@ from typing import Dict, Optional, Tuple
 
 from .model import ModelSpec
 
-__all__ = ["ElasticConfig", "ElasticError", "StageEvent", "TransitionReport", "KINDS"]
-
-KINDS = ("start", "scale_down", "scale_up", "replace", "recover", "rollback")
+__all__ = ["ElasticConfig", "ElasticError", "StageEvent", "TransitionReport"]
 
 
 class ElasticError(RuntimeError):
@@ -84,7 +82,8 @@ class ElasticConfig:
 class StageEvent:
     """One stage of one transition.
 
-    transition: the transition's id.  kind: one of KINDS.  stage: "prepare", "redistribute",
+    transition: the transition's id.  kind: "start", "scale_down", "scale_up", "replace" (as
+    many members, some swapped), "recover" or "rollback".  stage: "prepare", "redistribute",
     "switch", "cleanup", or "detect" (a fault noticed).  start, end: time.monotonic().
     ok: whether the stage succeeded.  detail: what it did, or why it failed.
     """

@@ -25,7 +25,9 @@ as a StageEvent in `events` (and logged on the "moekit.elastic" logger):
      when the transition group starts. On failure, if every old member is alive they
      rebuild a generation over their untouched live weights and the old placement (a
      "rollback": the old world serves again, in a new group); otherwise the survivors
-     rebuild without the dead, as on the fault path.
+     rebuild without the dead, as on the fault path. A member that vanishes in the middle
+     of the rendezvous holds the others up to ElasticConfig.rendezvous_bound_s (gloo
+     retries the connection), so group-building commands are waited for that much longer.
   3. switch: every worker leaves the transition group; the members join the new generation
      and swap in the staged slots, the new placement and a new EPLB state.
   4. cleanup: leaving workers are stopped and their processes joined.
@@ -341,8 +343,8 @@ class ElasticController:
         self._cleanup(tid, "start", ())
         return self._report(tid, "start", True, (), None, "")
 
-    def transition(self, keep: Sequence[str], add: int = 0, *, join_timeout_s: Optional[float] = None,
-                   kind: Optional[str] = None) -> TransitionReport:
+    def transition(self, keep: Sequence[str], add: int = 0, *,
+                   join_timeout_s: Optional[float] = None) -> TransitionReport:
         """Change the serving world to `keep` (members that stay, in their new rank order) plus `add` new workers.
 
         Invalid requests raise ValueError or TypeError before anything changes. A failed
@@ -354,7 +356,7 @@ class ElasticController:
         keep = validate_request(self.members, keep, add, num_experts=c.spec.num_experts,
                                 num_redundant=c.num_redundant, max_slots_per_rank=c.max_slots_per_rank)
         P = len(keep) + add
-        kind = kind or ("scale_up" if P > len(self.members) else "scale_down" if P < len(self.members) else "replace")
+        kind = "scale_up" if P > len(self.members) else "scale_down" if P < len(self.members) else "replace"
         tid, t0, before = self._new_transition(), time.monotonic(), self.members
         self._store.set(target_key(tid), ",".join(keep) + f"+{add}")
         joiners = [self.pool.spawn() for _ in range(add)]
@@ -394,11 +396,11 @@ class ElasticController:
         unknown = [w for w in leave if w not in self.members]
         if unknown:
             raise ValueError(f"leave names unknown worker ids {unknown}; the serving members are {list(self.members)}")
-        return self.transition([w for w in self.members if w not in leave], 0, kind="scale_down")
+        return self.transition([w for w in self.members if w not in leave], 0)
 
     def scale_up(self, add: int, *, join_timeout_s: Optional[float] = None) -> TransitionReport:
         """Start `add` new workers and make them members; they receive their experts from the others."""
-        return self.transition(self.members, add, join_timeout_s=join_timeout_s, kind="scale_up")
+        return self.transition(self.members, add, join_timeout_s=join_timeout_s)
 
     # -- inspection, shutdown ------------------------------------------------------------
     def inspect(self) -> Dict[str, dict]:

@@ -16,8 +16,9 @@ holds exactly one group at a time, its default group: `join_generation` runs
 runs `destroy_process_group()`. Also measured there: a gloo collective whose peer was
 SIGKILLed fails at once ("Connection closed by peer"); one whose peer hangs fails after the
 group's timeout; destroy_process_group() after such a failure returns at once; a rendezvous
-that a member never joins fails after the same timeout; a process can build and destroy
-any number of generations one after the other.
+that a member never joins fails after the same timeout, one whose member vanishes half
+way through after up to 5 times that (gloo retries the connection); a process can build
+and destroy any number of generations one after the other.
 
 Generations are gloo groups and workers compute on the CPU. A GPU deployment would build
 NCCL generations instead (and meet NCCL's rule that the first batch_isend_irecv of a group
@@ -49,7 +50,6 @@ __all__ = [
     "connect_store",
     "join_generation",
     "leave_generation",
-    "in_generation",
     "Heartbeat",
     "LivenessMonitor",
 ]
@@ -77,11 +77,6 @@ def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPSto
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
     """Connect to the rendezvous store as a client."""
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def in_generation() -> bool:
-    """Whether this process is a member of a generation (has a default process group)."""
-    return dist.is_initialized()
 
 
 def leave_generation() -> None:
