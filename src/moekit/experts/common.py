@@ -6,7 +6,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["local_ids", "sort_by_expert", "combine_k", "SortedRows", "sort_rows", "unsort_rows"]
+__all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -34,17 +34,31 @@ def sort_by_expert(ids_flat: torch.Tensor, num_experts: int):
     return order, counts
 
 
-def combine_k(y_sorted: torch.Tensor, order: torch.Tensor, T: int, k: int) -> torch.Tensor:
-    """Bring sorted per-assignment rows [T*k, H] home and sum over k in a fixed order.
+def weighted_combine(
+    y_sorted: torch.Tensor, w_sorted: Optional[torch.Tensor], order: torch.Tensor, T: int, k: int
+) -> torch.Tensor:
+    """Bring sorted per-assignment rows home and take the weighted sum over k, in fp32.
 
-    Deterministic (no atomics): rows are scattered to their assignment slot t*k + j, then
-    summed over j. Returns [T, H] in y_sorted's dtype.
+    Deterministic (no atomics): rows and weights are scattered to their assignment slot
+    t*k + j in their own dtype (half the bytes for bf16), then one batched [1, k] x [k, H]
+    product per token sums them in fp32 in a fixed order.
+
+    Args:
+        y_sorted: [T*k, H] expert outputs in sorted order (rows of non-local experts zero).
+        w_sorted: [T*k, 1] fp32 routing weights in sorted order, or None for an unweighted sum.
+        order: [T*k] assignment index of each sorted row.
+    Returns:
+        [T, H] fp32.
     """
     H = y_sorted.shape[-1]
     y_flat = torch.empty_like(y_sorted)
     y_flat[order] = y_sorted
-    return y_flat.view(T, k, H).sum(dim=1)
-
+    y_TkH = y_flat.view(T, k, H).float()
+    if w_sorted is None:
+        return y_TkH.sum(dim=1)
+    w_flat = torch.empty_like(w_sorted, dtype=torch.float32)
+    w_flat[order] = w_sorted.float()
+    return torch.bmm(w_flat.view(T, 1, k), y_TkH).view(T, H)
 
 
 class SortedRows(NamedTuple):
@@ -95,6 +109,4 @@ def unsort_rows(y: torch.Tensor, sr: SortedRows, T: int, k: int, apply_router_we
     """Expert outputs y [n, H] fp32 (in sort_rows' order) -> weighted, summed over k: [T, H] fp32."""
     y_sorted = y.new_zeros((T * k, y.shape[1]))  # rows >= n stay zero (non-local experts)
     y_sorted[:y.shape[0]] = y
-    if not apply_router_weight_on_input:
-        y_sorted = y_sorted * sr.w_sorted
-    return combine_k(y_sorted, sr.order, T, k)
+    return weighted_combine(y_sorted, None if apply_router_weight_on_input else sr.w_sorted, sr.order, T, k)

@@ -29,7 +29,7 @@ import torch
 
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import combine_k, local_ids, sort_by_expert
+from .common import sort_rows, unsort_rows
 from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
@@ -74,7 +74,7 @@ def native_dtypes() -> frozenset:
 
 class CPUBackend(ExpertsBackend):
     name = "cpu"
-    description = "fp32 GEMMs from any-precision weights in cache-sized blocks (CPU)"
+    description = "native bf16/fp16/fp32 GEMMs, or fp32 GEMMs from weights converted in cache-sized blocks (CPU)"
 
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.device != "cpu":
@@ -97,28 +97,13 @@ class CPUBackend(ExpertsBackend):
                                   activation_params=activation_params,
                                   apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map)
         ib = I if native else _block_size(H, I, gated)
-        ids_flat = local_ids(topk_ids, expert_map).reshape(-1)  # [T*k]
-        order, counts = sort_by_expert(ids_flat, E)
-        counts_list = counts.tolist()
-        n_valid = sum(counts_list)
         cdt = weights.w13.dtype if native else torch.float32  # compute dtype
-        x32 = x.to(cdt)  # [T, H]
-        w_sorted = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
-        x_sorted = x32[order[:n_valid] // k]  # [n_valid, H]
-        if apply_router_weight_on_input:
-            x_sorted = (x_sorted.float() * w_sorted[:n_valid]).to(cdt)
-        y_sorted = x32.new_zeros((T * k, H), dtype=torch.float32)  # rows >= n_valid stay zero (non-local)
-        start = 0
-        for e, n in enumerate(counts_list):
-            if n == 0:
-                continue
-            end = start + n
-            y_sorted[start:end] = self._expert(
-                x_sorted[start:end], weights, e, I, ib, gated, activation, activation_params, native)
-            start = end
-        if not apply_router_weight_on_input:
-            y_sorted = y_sorted * w_sorted
-        return combine_k(y_sorted, order, T, k)
+        sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, cdt)
+        y = sr.rows.new_empty((sr.rows.shape[0], H), dtype=torch.float32)  # [n_local, H]
+        for e, start, end in sr.spans:
+            y[start:end] = self._expert(
+                sr.rows[start:end], weights, e, I, ib, gated, activation, activation_params, native)
+        return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
     @staticmethod
     def _problem(x, weights, k, activation) -> ExpertsProblem:

@@ -17,7 +17,7 @@ import torch
 
 from ..activations import apply_activation
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import combine_k, local_ids, sort_by_expert
+from .common import local_ids, sort_by_expert, weighted_combine
 
 __all__ = ["GroupedMMBackend"]
 
@@ -87,12 +87,10 @@ class GroupedMMBackend(ExpertsBackend):
         if weights.b13 is not None:
             h = h + _local_rows(weights.b13[e_sorted], valid)
         a = apply_activation(h, activation, activation_params)  # [T*k, I]
-        y = _local_rows(_grouped_mm(a, weights.w2.transpose(1, 2), offs=offs).float(), valid)  # [T*k, H]
+        y = _local_rows(_grouped_mm(a, weights.w2.transpose(1, 2), offs=offs), valid)  # [T*k, H]
         if weights.b2 is not None:
-            y = y + _local_rows(weights.b2[e_sorted].float(), valid)
-        if not apply_router_weight_on_input:
-            y = y * w_sorted
-        return combine_k(y, order, T, k)
+            y = y.float() + _local_rows(weights.b2[e_sorted].float(), valid)
+        return weighted_combine(y, None if apply_router_weight_on_input else w_sorted, order, T, k)
 
 
 register_backend(GroupedMMBackend())
