@@ -161,3 +161,17 @@ def test_cpu_blocked_fp32_path(monkeypatch, dtype, aligned, gen):
     for activation in ("silu", "relu2_no_mul"):
         x, weights, w, ids = make_problem(29, 5, H, I, 2, dtype, gen, activation=activation, bias=True)
         check("cpu", x, weights, w, ids, dtype, activation=activation)
+
+
+@pytest.mark.parametrize("env", ["ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"])
+def test_isa_cap_disables_native_bf16(monkeypatch, env):
+    # A user capping the ISA at AVX2 gets the blocked fp32 path (bf16 GEMMs are emulated there).
+    from moekit.experts import cpu
+
+    monkeypatch.setenv(env, "AVX2")
+    cpu.native_dtypes.cache_clear()
+    try:
+        assert cpu.native_dtypes() == frozenset({torch.float32})
+    finally:
+        monkeypatch.delenv(env)
+        cpu.native_dtypes.cache_clear()

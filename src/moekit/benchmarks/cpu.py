@@ -4,6 +4,7 @@ GEMM layer, same bf16 weights, same inputs, same process; fresh routing per repe
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -99,6 +100,8 @@ def run_cpu_bench(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ},
         "moekit": moekit.__version__,
         "ceilings_perf_md": {"flops": CPU_CEILINGS.flops, "bandwidth": CPU_CEILINGS.bandwidth},
         "ceilings_measured": {"bf16_gemm_flops": measured.flops, "read_bandwidth": measured.bandwidth},

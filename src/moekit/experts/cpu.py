@@ -23,6 +23,8 @@ activation, weights on input, autograd.
 from __future__ import annotations
 
 import functools
+import os
+import threading
 from typing import Optional
 
 import torch
@@ -52,9 +54,51 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+class _BlockBuffers:
+    """Reused fp32 buffers for converted weight blocks.
+
+    A fresh multi-MB allocation per block is returned to the OS and faulted in again on the
+    next one, which made the conversion several times slower than the copy itself. Under
+    autograd the blocks are saved for backward, so every block then gets its own tensor.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # one set of buffers per calling thread
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(name)
+        numel = shape[0] * shape[1]
+        if buf is None or buf.numel() < numel:
+            buf = bufs[name] = torch.empty(numel, dtype=torch.float32)
+        return buf[:numel].view(shape)
+
+    def convert(self, name: str, *parts: torch.Tensor) -> torch.Tensor:
+        """The row-wise concatenation of `parts` in fp32, in a reused buffer when allowed."""
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+            return torch.cat([_f32(p) for p in parts]) if len(parts) > 1 else _f32(parts[0])
+        if len(parts) == 1 and parts[0].dtype == torch.float32:
+            return parts[0]
+        rows = sum(p.shape[0] for p in parts)
+        out = self.get(name, (rows, parts[0].shape[1]))
+        r = 0
+        for p in parts:
+            out[r:r + p.shape[0]].copy_(p)
+            r += p.shape[0]
+        return out
+
+
+# ISA caps a user can set for torch / oneDNN; at AVX2 or below bf16/fp16 GEMMs are emulated.
+_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_LOW_ISA = ("default", "sse41", "sse42", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
+
+
 @functools.lru_cache(maxsize=1)
 def native_dtypes() -> frozenset:
-    """Weight dtypes this CPU multiplies at full speed (read once from /proc/cpuinfo)."""
+    """Weight dtypes this CPU multiplies at full speed (read once from /proc/cpuinfo and the
+    ISA caps ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA)."""
+    if any(os.environ.get(v, "").lower() in _LOW_ISA for v in _ISA_ENV):
+        return frozenset({torch.float32})
     flags = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -124,23 +168,21 @@ class CPUBackend(ExpertsBackend):
         y = None
         for i0 in range(0, I, ib):
             i1 = min(I, i0 + ib)
-            if gated:
-                if i0 == 0 and i1 == I:
-                    w_blk = _f32(w13_e)  # [2I, H]
-                    b_blk = b13_e
-                else:
-                    w_blk = torch.cat((_f32(w13_e[i0:i1]), _f32(w13_e[I + i0:I + i1])))  # [2ib, H]
-                    b_blk = None if b13_e is None else torch.cat((b13_e[i0:i1], b13_e[I + i0:I + i1]))
+            if gated:  # gate rows i0..i1 and the matching up rows, as one [2ib, H] block
+                w_blk = _BUFFERS.convert("w13", w13_e[i0:i1], w13_e[I + i0:I + i1])
+                b_blk = None if b13_e is None else torch.cat((b13_e[i0:i1], b13_e[I + i0:I + i1]))
             else:
-                w_blk = _f32(w13_e[i0:i1])  # [ib, H]
+                w_blk = _BUFFERS.convert("w13", w13_e[i0:i1])  # [ib, H]
                 b_blk = None if b13_e is None else b13_e[i0:i1]
             h = x_e @ w_blk.t() if b_blk is None else torch.addmm(b_blk, x_e, w_blk.t())  # [n, 2ib]
             a = apply_activation(h, activation, activation_params)  # [n, ib]
-            part = a @ _f32(w2_e[:, i0:i1]).t()  # [n, H]
+            w2_blk = _BUFFERS.convert("w2", w2_e[:, i0:i1])  # [H, ib]
+            part = a @ w2_blk.t()  # [n, H]
             y = part if y is None else y.add_(part)
         if weights.b2 is not None:
             y = y + _f32(weights.b2[e])
         return y
 
 
+_BUFFERS = _BlockBuffers()
 register_backend(CPUBackend())
