@@ -18,7 +18,7 @@ from moekit import RoutingConfig, fused_experts, route
 from .floors import CPU_CEILINGS, Ceilings, floor_seconds
 from .peers import make_peers
 
-__all__ = ["CPU_SHAPES", "run_cpu_bench", "time_fn"]
+__all__ = ["CPU_SHAPES", "run_cpu_bench", "time_fn", "time_interleaved"]
 
 # (name, E, k, H, I): the two CPU shapes of the core issue.
 CPU_SHAPES = [("E64-k8-H1024-I512", 64, 8, 1024, 512), ("E8-k2-H1024-I3584", 8, 2, 1024, 3584)]
@@ -35,6 +35,30 @@ def time_fn(fn: Callable, make_args: Callable, reps: int, budget_s: float) -> Li
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_interleaved(fns: Dict[str, Callable], make_args: Callable, reps: int, budget_s: float) -> Dict[str, List[float]]:
+    """Wall times (s) per implementation, measured round-robin on the same fresh arguments.
+
+    Interleaving gives every implementation the same machine state (caches, oneDNN's
+    primitive cache, other load); an implementation drops out once it has used `budget_s`.
+    """
+    args = make_args()
+    for fn in fns.values():  # warm-up
+        fn(*args)
+    times: Dict[str, List[float]] = {n: [] for n in fns}
+    spent = {n: 0.0 for n in fns}
+    for _ in range(reps):
+        args = make_args()
+        for name, fn in fns.items():
+            if times[name] and spent[name] >= budget_s:
+                continue
+            t0 = time.perf_counter()
+            fn(*args)
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            spent[name] += dt
     return times
 
 
@@ -79,13 +103,12 @@ def run_cpu_bench(
             floor_m = floor_seconds(M, E, k, H, I, 2, measured)
             row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "M": M, "floor_ms": floor * 1e3,
                    "floor_ms_measured": floor_m * 1e3, "impls": {}}
-            for impl, fn in runners.items():
-                if impls is not None and impl not in impls:
-                    continue
-                with torch.inference_mode():
-                    times = time_fn(fn, make_args, reps, budget_s)
-                med = statistics.median(times)
-                row["impls"][impl] = {"ms": med * 1e3, "runs": len(times), "pct_of_floor": 100.0 * floor / med,
+            chosen = {n: f for n, f in runners.items() if impls is None or n in impls}
+            with torch.inference_mode():
+                times = time_interleaved(chosen, make_args, reps, budget_s)
+            for impl, ts in times.items():
+                med = statistics.median(ts)
+                row["impls"][impl] = {"ms": med * 1e3, "runs": len(ts), "pct_of_floor": 100.0 * floor / med,
                                       "pct_of_measured_floor": 100.0 * floor_m / med}
                 if progress:
                     progress(f"{name} M={M} {impl}: {med * 1e3:.2f} ms ({100 * floor / med:.0f}% of floor)")
@@ -105,6 +128,6 @@ def run_cpu_bench(
         "moekit": moekit.__version__,
         "ceilings_perf_md": {"flops": CPU_CEILINGS.flops, "bandwidth": CPU_CEILINGS.bandwidth},
         "ceilings_measured": {"bf16_gemm_flops": measured.flops, "read_bandwidth": measured.bandwidth},
-        "weights": "bf16, uniform random routing drawn fresh per repetition",
+        "weights": "bf16, uniform random routing drawn fresh per repetition, implementations interleaved",
         "records": records,
     }
