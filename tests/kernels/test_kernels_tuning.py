@@ -110,8 +110,8 @@ def test_backend_says_why_not_on_cpu_without_interpreter():
         assert reason is None
     else:
         assert "TRITON_INTERPRET=1" in reason
-    q = dataclasses.replace(p, device="cuda", quant="fp8")
-    assert "unquantized" in TritonBackend().unsupported(q)
+    q = dataclasses.replace(p, device="cuda", quant="fp8")  # a precision, not a scheme name
+    assert "not registered" in TritonBackend().unsupported(q)
     assert "differs" in TritonBackend().unsupported(dataclasses.replace(p, device="cuda", weight_dtype=torch.float16))
 
 

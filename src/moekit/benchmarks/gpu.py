@@ -27,6 +27,7 @@ from .peers import plain_grouped_gemm, transformers_experts
 __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench",
+    "QUANT_CASES", "quantized_weights", "quant_jobs", "precompile_quant", "run_quant_bench", "quant_main",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -266,3 +267,191 @@ def run_gpu_bench(
         with open(out_json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
     return result
+
+
+# The quantized benchmark (issue 5): (shape, scheme, static per-expert fp8 activation scales, Ms).
+QUANT_CASES: Tuple[Tuple[str, str, bool, Tuple[int, ...]], ...] = (
+    ("deepseek-v3", "fp8_w8a8_block128", False, (1, 16, 64, 256, 16384)),
+    ("mixtral-8x7b", "int4_w4a16", False, (16,)),
+    ("mixtral-8x7b", "fp8_w8a8", True, (1, 16, 64, 256, 16384)),
+    ("qwen3-30b-a3b", "int4_w4a16", False, (16,)),
+    ("qwen3-30b-a3b", "fp8_w8a8", True, (1, 16, 64, 256, 16384)),
+    ("qwen3-30b-a3b", "fp8_w8a8", False, (16, 16384)),
+)
+# Static per-tensor scales: about amax / 448 of N(0, 1) inputs and of their SwiGLU activations.
+_STATIC_A13, _STATIC_A2 = 5.0 / 448, 8.0 / 448
+
+
+def quantized_weights(scheme: str, E: int, H: int, I: int, static: bool, device, chunk: int = 16):
+    """Random experts (std H^-1/2, I^-1/2) quantized `chunk` experts at a time (bounded fp32 memory)."""
+    from moekit.experts.base import ExpertWeights  # noqa: PLC0415
+    from moekit.quant import quantize_experts  # noqa: PLC0415
+
+    parts = []
+    for e0 in range(0, E, chunk):
+        n = min(chunk, E - e0)
+        w13 = torch.randn(n, 2 * I, H, device=device) * H ** -0.5
+        w2 = torch.randn(n, H, I, device=device) * I ** -0.5
+        extra = {}
+        if static:
+            extra = dict(a13_scale=torch.full((n,), _STATIC_A13, device=device),
+                         a2_scale=torch.full((n,), _STATIC_A2, device=device))
+        parts.append(quantize_experts(w13, w2, scheme, **extra))
+        del w13, w2
+    cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]  # noqa: E731
+    return ExpertWeights(cat([p.w13 for p in parts]), cat([p.w2 for p in parts]),
+                         scales={k: cat([p.scales[k] for p in parts]) for k in parts[0].scales}, quant=scheme)
+
+
+def _quant_call(wts, x, w, ids, config=None):
+    from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
+    from moekit.quant import scheme_of  # noqa: PLC0415
+
+    s = wts.scales
+    return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
+                           s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, None, scheme_of(wts),
+                           "silu", config=config, out_dtype=x.dtype)
+
+
+def _compile_quant_job(job: Sequence) -> Optional[str]:
+    """Run one quantized config once on two experts of the real H, I (fills Triton's disk cache)."""
+    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415 (in a spawned worker)
+
+    scheme, static, H, I, M, k, entry = job
+    try:
+        wts = quantized_weights(scheme, 2, H, I, static, "cuda")
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 2, (M, k), device="cuda", dtype=torch.int32)
+        _quant_call(wts, x, torch.rand(M, k, device="cuda"), ids, MoEConfig.from_json(entry))
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
+        return f"{scheme} M={M} {entry}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def quant_jobs(cases=QUANT_CASES) -> Tuple[list, list]:
+    """(quantized jobs for _compile_quant_job, bf16 jobs for precompile) of the benchmark's points."""
+    from moekit.kernels.tuning import device_name, get_config, use_direct  # noqa: PLC0415
+
+    qjobs, bjobs = [], []
+    for name, scheme, static, Ms in cases:
+        _, E, k, H, I = shape_by_name(name)
+        for M in Ms:
+            entry = get_config(M, E, k, H, I, torch.bfloat16, device_name()).to_json()
+            qjobs.append([scheme, static, H, I, M, k, entry])
+            if M == 16384 or scheme.startswith("int4"):
+                bjobs.append([H, I, "bfloat16", "silu", use_direct(M, k, E), entry])
+    return qjobs, bjobs
+
+
+def precompile_quant(workers: int, cases=QUANT_CASES) -> List[str]:
+    """Compile every kernel of the quantized benchmark in parallel processes; returns the failures."""
+    qjobs, bjobs = quant_jobs(cases)
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        failures = [r for r in pool.imap_unordered(_compile_quant_job, qjobs) if r]
+    return failures + precompile(bjobs, workers)
+
+
+def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
+                    command: str = "", progress: Optional[Callable[[str], None]] = None,
+                    dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> Dict:
+    """Time the quantized Triton experts (and the unquantized Triton kernel where a target compares them).
+
+    Floors: weight bytes at 1 byte (fp8) or 0.5 + 4/128 (int4, group 128 scales) per weight,
+    fp8 compute at twice PERF.md's bf16 ceiling. The JSON is rewritten after every point.
+    Points left when deadline_s has passed are recorded as skipped. dtype: of the activations
+    and the unquantized weights; device: "cuda" ("cpu" only as a dry run under the interpreter).
+    """
+    import time  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+
+    from moekit.quant import emulated_experts  # noqa: PLC0415
+
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t_end = time.monotonic() + deadline_s
+    result = {
+        "benchmark": "experts-gpu-quant",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else device, "torch": torch.__version__, "triton": triton.__version__,
+        "moekit": moekit.__version__, "command": command or " ".join(sys.argv),
+        "floors": "max(FLOPs / (790e12 bf16, 1580e12 fp8), weight bytes / 4.3e12) as PERF.md's table",
+        "weights": "random, silu, no bias; tiles: the bf16 tuned table with BLOCK_SIZE_K fitted to the scale groups",
+        "timing": "CUDA graph of several calls with distinct softmax top-k routing, replayed; median us per call",
+        "records": [],
+    }
+    dev = torch.device(device)
+    bf16_us: Dict[Tuple[str, int], float] = {}
+    for name, scheme, static, Ms in cases:
+        _, E, k, H, I = shape_by_name(name)
+        bf16 = None
+        wts = quantized_weights(scheme, E, H, I, static, dev)
+        bpw, fscale = (1.0, 2.0) if scheme.startswith("fp8") else (0.5 + 4 / 128, 1.0)
+        for M in Ms:
+            row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "scheme": scheme, "static_act_scales": static,
+                   "M": M, "floor_us": floor_seconds(M, E, k, H, I, bpw, PERF_TABLE_CEILINGS, fscale) * 1e6}
+            if time.monotonic() > t_end:
+                row["skipped"] = "out of time"
+                result["records"].append(row)
+                continue
+            sets = routing_sets(M, E, k, H, _sets_for(M), dtype, dev)
+            try:
+                with torch.inference_mode():
+                    if M == 16:
+                        x, w, ids = sets[0]
+                        ref = emulated_experts(x, wts, w, ids)
+                        out = _quant_call(wts, x, w, ids).float()
+                        row["rel_err_vs_reference"] = rel = float((out - ref).norm() / ref.norm())
+                    row["us"] = graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays)
+                    row["pct_of_floor"] = 100.0 * row["floor_us"] / row["us"]
+                    if (M == 16384 or scheme.startswith("int4")) and (name, M) not in bf16_us:
+                        if bf16 is None:
+                            bf16 = (torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5,
+                                    torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5)
+                        bf16_us[(name, M)] = graph_time_us(
+                            lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton"), sets, replays)
+                    if (name, M) in bf16_us:
+                        row["bf16_triton_us"] = bf16_us[(name, M)]
+                        row["speedup_vs_bf16_triton"] = bf16_us[(name, M)] / row["us"]
+            except Exception as err:  # noqa: BLE001 - a point that fails is recorded, not fatal
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                say(f"{name} {scheme} M={M}: failed: {row['error']}")
+                result["records"].append(row)
+                continue
+            say(f"{name:14s} {scheme:18s}{' static' if static else '       '} M={M:6d} {row['us']:9.1f} us "
+                f"{row['pct_of_floor']:5.1f}% of floor  x{row.get('speedup_vs_bf16_triton', float('nan')):.2f} vs bf16"
+                + (f"  rel_err {rel:.1e}" if M == 16 else ""))
+            result["records"].append(row)
+            with open(out_json, "w", encoding="utf-8") as fh:
+                json.dump(result, fh, indent=1)
+            del sets
+        del wts, bf16
+        torch.cuda.empty_cache()
+    with open(out_json, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    return result
+
+
+def quant_main(argv: Optional[Sequence[str]] = None) -> None:
+    """`python -m moekit.benchmarks.gpu quant-compile --workers N` | `quant --out FILE [--deadline S] [--command C]`."""
+    import argparse  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description="the quantized Triton experts benchmark")
+    p.add_argument("what", choices=["quant-compile", "quant"])
+    p.add_argument("--out", default="h200-triton-quant.json")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--deadline", type=float, default=1e9)
+    p.add_argument("--command", default="")
+    args = p.parse_args(argv)
+    if args.what == "quant-compile":
+        failures = precompile_quant(args.workers)
+        print(f"{len(failures)} compile failures", *failures[:10], sep="\n", flush=True)
+    else:
+        run_quant_bench(args.out, deadline_s=args.deadline, command=args.command,
+                        progress=lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    from moekit.benchmarks.gpu import quant_main as _main  # the importable module, so spawned workers unpickle its jobs
+
+    _main()

@@ -1,0 +1,131 @@
+"""The quantized Triton experts on a CUDA GPU against the emulated reference (PERF.md tolerances),
+CUDA-graph capture, determinism and the oracle's choice. Run with `pytest -m gpu tests/kernels`."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+pytest.importorskip("triton")
+
+from moekit import FusedMoE, RoutingConfig, fused_experts  # noqa: E402
+from moekit.config import settings  # noqa: E402
+from moekit.experts.api import problem_of  # noqa: E402
+from moekit.oracle import choose_backend  # noqa: E402
+from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_experts  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, reason="TRITON_INTERPRET=1 is set")]
+
+SCHEMES = [
+    ("fp8_w8a8", {}),
+    ("fp8_w8a8", {"static": True}),
+    ("fp8_w8a8_channel", {}),
+    ("fp8_w8a8_block128", {}),
+    ("int8_w8a8", {}),
+    ("int8_w8a16", {}),
+    ("int8_w8a16", {"group_size": 64, "symmetric": False}),
+    ("int4_w4a16", {}),
+    ("int4_w4a16", {"group_size": 32}),
+    ("int4_w4a16", {"group_size": 64, "symmetric": False}),
+]
+IDS = [f"{s}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for s, o in SCHEMES]
+
+
+@pytest.fixture
+def cuda_gen():
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _poison_allocator():
+    """Leave NaN in the caching allocator's free memory so an unwritten output element shows."""
+    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
+
+
+def _weights(scheme, opts, E, H, I, gen, bias=False, dtype=torch.bfloat16):
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5
+    opts = dict(opts)
+    if opts.pop("static", False):  # about amax / 448 of the inputs each GEMM sees
+        opts.update(a13_scale=torch.full((E,), 4.5 / 448, device="cuda"),
+                    a2_scale=torch.full((E,), 4.0 / 448, device="cuda"))
+    b13 = torch.randn(E, 2 * I, device="cuda", generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(dtype) if bias else None
+    return quantize_experts(w13, w2, scheme, b13=b13, b2=b2, **opts)
+
+
+def _routing(T, E_global, k, gen):
+    scores = torch.rand(T, E_global, device="cuda", generator=gen)
+    return torch.rand(T, k, device="cuda", generator=gen) + 0.05, scores.topk(k, dim=1).indices.to(torch.int32)
+
+
+def _check(x, wts, w, ids, emap=None, on_input=False):
+    _poison_allocator()
+    out = fused_experts(x, wts, None, w, ids, expert_map=emap, apply_router_weight_on_input=on_input, backend="triton")
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input)
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[get_scheme(wts.quant).precision], err
+    return out
+
+
+@pytest.mark.parametrize("T,n_remote", [(1, 0), (37, 3), (700, 0)], ids=["T1", "T37-expert-map", "T700"])
+@pytest.mark.parametrize("scheme,opts", SCHEMES, ids=IDS)
+def test_schemes_match_emulated_reference(scheme, opts, T, n_remote, cuda_gen):
+    E, k, H, I = 16, 4, 384, 256
+    wts = _weights(scheme, opts, E, H, I, cuda_gen)
+    emap = None
+    if n_remote:
+        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
+        emap[torch.randperm(E + n_remote, device="cuda", generator=cuda_gen)[:E]] = torch.arange(
+            E, dtype=torch.int32, device="cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen)
+    _check(torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids, emap)
+
+
+@pytest.mark.parametrize("scheme,opts", [SCHEMES[i] for i in (1, 2, 9)], ids=[IDS[i] for i in (1, 2, 9)])
+def test_fp16_bias_and_weight_on_input(scheme, opts, cuda_gen):
+    wts = _weights(scheme, opts, 8, 256, 128, cuda_gen, bias=True, dtype=torch.float16)
+    w, ids = _routing(50, 8, 1, cuda_gen)
+    x = torch.randn(50, 256, device="cuda", generator=cuda_gen).half()
+    _check(x, wts, w, ids, on_input=True)
+
+
+def test_deepseek_v3_sized_experts_fp8_block(cuda_gen):
+    # The real H and I (long K loops, 56 x 16 weight blocks per expert), 8 of the 256 experts.
+    wts = _weights("fp8_w8a8_block128", {}, 8, 7168, 2048, cuda_gen)
+    w, ids = _routing(16, 8, 8, cuda_gen)
+    _check(torch.randn(16, 7168, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids)
+
+
+def test_run_to_run_bit_identical(cuda_gen):
+    wts = _weights("fp8_w8a8_block128", {}, 16, 256, 256, cuda_gen)
+    w, ids = _routing(3000, 16, 4, cuda_gen)  # the chunked alignment path
+    x = torch.randn(3000, 256, device="cuda", generator=cuda_gen).bfloat16()
+    assert torch.equal(fused_experts(x, wts, None, w, ids, backend="triton"),
+                       fused_experts(x, wts, None, w, ids, backend="triton"))
+
+
+@pytest.mark.parametrize("quant", ["fp8_w8a8", "int4_w4a16"])  # dynamic per-tensor scale; weight-only
+def test_quantized_layer_on_the_oracle_and_in_a_cuda_graph(quant, cuda_gen):
+    layer = FusedMoE(16, 256, 128, RoutingConfig(top_k=4), dtype=torch.bfloat16, device="cuda", quant=quant).eval()
+    T = 24
+    static_x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    static_logits = torch.randn(T, 16, device="cuda")
+    with torch.inference_mode():
+        problem = problem_of(static_x, layer.experts.expert_weights(), 4, "silu", False, False)
+        assert choose_backend(problem).backend.name == "triton"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(static_x, static_logits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x, static_logits)
+        for _ in range(3):  # fresh inputs each replay
+            static_x.copy_(torch.randn(T, 256, device="cuda", generator=cuda_gen))
+            static_logits.copy_(torch.randn(T, 16, device="cuda", generator=cuda_gen))
+            graph.replay()
+            assert torch.equal(static_out, layer(static_x, static_logits))

@@ -1,0 +1,183 @@
+"""The quantized Triton experts on CPU under Triton's interpreter, against the emulated reference.
+
+Every scheme runs here with fp16 activations (fp8 included: the kernels round onto the e4m3
+grid themselves, so the interpreter's own fp8 casts, which round wrongly, only see exact
+values). TRITON_INTERPRET is read at import, so the cases run in a child process.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+IN_INTERPRETER = os.environ.get("MOEKIT_TEST_IN_INTERPRETER") == "1"
+
+if not IN_INTERPRETER:
+
+    def test_quant_kernels_under_the_triton_interpreter():
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1", MOEKIT_TEST_IN_INTERPRETER="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+else:
+    from moekit import fused_experts
+    from moekit.activations import is_gated
+    from moekit.experts.base import ExpertsProblem
+    from moekit.experts.triton_experts import TritonBackend, triton_quant_experts
+    from moekit.kernels.launch_quant import modes_of, quant_config, quant_unsupported, quantize_rows
+    from moekit.kernels.tuning import MoEConfig, TileConfig
+    from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_activation, quantize_experts
+
+    # (scheme, quantize_experts options, H, I): every scheme, group sizes and zero points.
+    SCHEMES = [
+        ("fp8_w8a8", {}, 48, 40),                                      # odd-ish sizes: per-tensor takes any
+        ("fp8_w8a8", {"static": True}, 48, 40),                        # static per-expert activation scales
+        ("fp8_w8a8_channel", {}, 40, 24),
+        ("fp8_w8a8_block128", {}, 128, 128),
+        ("int8_w8a8", {}, 40, 24),
+        ("int8_w8a16", {}, 128, 128),                                  # group 128, symmetric
+        ("int8_w8a16", {"group_size": 32, "symmetric": False}, 64, 32),  # zero points
+        ("int4_w4a16", {}, 128, 128),
+        ("int4_w4a16", {"group_size": 64}, 64, 64),
+        ("int4_w4a16", {"group_size": 32, "symmetric": False}, 64, 32),
+    ]
+    IDS = [f"{s}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for s, o, _, _ in SCHEMES]
+
+    def _weights(scheme, opts, E, H, I, gen, activation="silu", bias=False):
+        rows = 2 * I if is_gated(activation) else I
+        w13 = torch.randn(E, rows, H, generator=gen) * H ** -0.5
+        w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
+        opts = dict(opts)
+        if opts.pop("static", False):  # roughly amax / 448 of the inputs each GEMM sees
+            opts.update(a13_scale=torch.rand(E, generator=gen) * 0.004 + 0.008,
+                        a2_scale=torch.rand(E, generator=gen) * 0.002 + 0.004)
+        b13 = torch.randn(E, rows, generator=gen).half() if bias else None
+        b2 = torch.randn(E, H, generator=gen).half() if bias else None
+        return quantize_experts(w13, w2, scheme, b13=b13, b2=b2, **opts)
+
+    def _routing(T, E_global, k, gen):
+        ids = torch.stack([torch.randperm(E_global, generator=gen)[:k] for _ in range(T)]) if T else \
+            torch.zeros(0, k, dtype=torch.long)
+        return torch.rand(T, k, generator=gen) + 0.05, ids.to(torch.int32)
+
+    def _expert_map(E, n_remote, gen):
+        emap = torch.full((E + n_remote,), -1, dtype=torch.int32)
+        emap[torch.randperm(E + n_remote, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        return emap
+
+    def _check(x, wts, w, ids, emap=None, activation="silu", on_input=False):
+        out = fused_experts(x, wts, None, w, ids, activation=activation, apply_router_weight_on_input=on_input,
+                            expert_map=emap, backend="triton")
+        ref = emulated_experts(x, wts, w, ids, activation=activation, apply_router_weight_on_input=on_input,
+                               expert_map=emap)
+        assert out.dtype == x.dtype and out.shape == ref.shape
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        assert err <= TOLERANCE[get_scheme(wts.quant).precision], err
+        return out
+
+    @pytest.mark.parametrize("case", [
+        dict(T=1, E=4, k=2),               # one token
+        dict(T=7, E=3, k=3),               # odd T, k = E
+        dict(T=5, E=12, k=2),              # most experts get no token
+        dict(T=9, E=5, k=2, n_remote=4),   # expert map with -1 entries
+    ], ids=["T1", "T7-k=E", "empty-experts", "expert-map"])
+    @pytest.mark.parametrize("scheme,opts,H,I", SCHEMES, ids=IDS)
+    def test_matches_emulated_reference(scheme, opts, H, I, case, gen):
+        wts = _weights(scheme, opts, case["E"], H, I, gen)
+        emap = _expert_map(case["E"], case["n_remote"], gen) if case.get("n_remote") else None
+        w, ids = _routing(case["T"], case["E"] + case.get("n_remote", 0), case["k"], gen)
+        _check(torch.randn(case["T"], H, generator=gen).half(), wts, w, ids, emap)
+
+    @pytest.mark.parametrize("scheme,opts,H,I", [SCHEMES[i] for i in (1, 3, 4, 9)], ids=[IDS[i] for i in (1, 3, 4, 9)])
+    def test_bias_non_gated_activation_and_weight_on_input(scheme, opts, H, I, gen):
+        wts = _weights(scheme, opts, 4, H, I, gen, activation="gelu_no_mul", bias=True)
+        w, ids = _routing(6, 4, 1, gen)
+        x = torch.randn(6, H, generator=gen).half()
+        _check(x, wts, w, ids, activation="gelu_no_mul", on_input=True)
+        _check(x, wts, w, ids, activation="gelu_no_mul")
+
+    def test_every_local_slot_counts_in_the_per_tensor_scale(gen):
+        # Token 0 reaches no local expert and is 100x larger: a dynamic per-tensor scale that
+        # included it would flatten every other token to a few fp8 steps.
+        wts = _weights("fp8_w8a8", {}, 4, 32, 32, gen)
+        emap = torch.tensor([0, 1, 2, 3, -1, -1], dtype=torch.int32)
+        w, ids = _routing(5, 4, 2, gen)
+        ids[0] = torch.tensor([4, 5], dtype=torch.int32)
+        x = torch.randn(5, 32, generator=gen).half()
+        x[0] *= 100
+        _check(x, wts, w, ids, emap)
+
+    def test_large_alignment_path_and_small_tiles(gen, monkeypatch):
+        import moekit.kernels.launch as launch
+
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
+        wts = _weights("int4_w4a16", {"group_size": 32, "symmetric": False}, 6, 64, 32, gen)
+        w, ids = _routing(70, 6, 3, gen)
+        _check(torch.randn(70, 64, generator=gen).half(), wts, w, ids)
+
+    @pytest.mark.parametrize("name,opts,bm,tiles", [
+        ("fp8_w8a8_block128", {}, 16, (64, 128, 32, 32)),                 # K within a 128 block; 8-bit K >= 32
+        ("int4_w4a16", {"group_size": 32}, 16, (64, 32, 32, 32)),        # int4 halves need K >= 32
+        ("int8_w8a8", {}, 16, (64, 256, 32, 32)),
+        ("int8_w8a16", {"group_size": 64}, 16, (64, 64, 32, 16)),
+        ("int8_w8a16", {}, 16, (32, 128, 32, 16)),                        # 64 x 128 converted weights: narrower
+        ("fp8_w8a8", {}, 64, (64, 128, 32, 128)),                          # compute tiles: 8-bit K of 128
+        ("fp8_w8a8_block128", {}, 128, (64, 128, 32, 128)),                # K-group scales: GEMM1 N <= 64
+    ])
+    def test_tiles_fit_the_scales(name, opts, bm, tiles):
+        cfg = MoEConfig(TileConfig(bm, 64, 256), TileConfig(bm, 32, 16))
+        q = quant_config(cfg, modes_of(get_scheme(name, **opts)))
+        got = (q.gemm1.BLOCK_SIZE_N, q.gemm1.BLOCK_SIZE_K, q.gemm2.BLOCK_SIZE_N, q.gemm2.BLOCK_SIZE_K)
+        assert got == tiles
+
+    @pytest.mark.parametrize("name", ["fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a8"])
+    def test_activation_quantization_is_bit_identical_to_torch(name, gen):
+        scheme = get_scheme(name)
+        for scale in (1.0, 1e-3, 300.0):  # fp8 subnormals, normals, saturation-free large values
+            x = (torch.randn(9, 256, generator=gen) * scale).half()
+            x[1] = 0  # an all-zero row gets scale 1
+            x[2, :128] = 0  # and an all-zero group
+            q, s = quantize_rows(x, scheme)
+            q_ref, s_ref = quantize_activation(x, scheme)
+            assert torch.equal(s, s_ref)
+            assert torch.equal(q.float(), q_ref.float())
+
+    def test_empty_batch(gen):
+        wts = _weights("int8_w8a8", {}, 4, 40, 24, gen)
+        x = torch.randn(0, 40).half()
+        out = fused_experts(x, wts, None, torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.int32), backend="triton")
+        assert out.shape == (0, 40) and out.dtype == torch.float16
+
+    def test_refusals_name_the_reason():
+        fp8, int4 = get_scheme("fp8_w8a8_block128"), get_scheme("int4_w4a16")
+        assert "8.9" in quant_unsupported(fp8, torch.bfloat16, (8, 0), 256, 256)
+        assert quant_unsupported(fp8, torch.bfloat16, (8, 9), 256, 256) is None
+        assert "8.0" in quant_unsupported(int4, torch.float16, (7, 5), 256, 256)
+        assert quant_unsupported(int4, torch.float16, (8, 0), 256, 256) is None
+        assert "float32" in quant_unsupported(int4, torch.float32, (9, 0), 256, 256)
+        assert "exact" in quant_unsupported(get_scheme("int8_w8a8"), torch.bfloat16, (9, 0), 256, 200_000)
+        backend = TritonBackend()
+        p = ExpertsProblem("cpu", torch.bfloat16, torch.uint8, "silu", False, False, False, 8, 128, 128, 2,
+                           quant="int4_w4a16")
+        assert "float16" in backend.unsupported(p)
+        p16 = ExpertsProblem("cpu", torch.float16, torch.float8_e4m3fn, "silu", False, False, False, 8, 128, 128, 2,
+                             quant="fp8_w8a8")
+        assert backend.unsupported(p16) is None
+        assert backend.differentiable is False
+
+    def test_custom_op_fake_and_schema(gen):
+        wts = _weights("int4_w4a16", {"group_size": 32, "symmetric": False}, 4, 64, 32, gen)
+        w, ids = _routing(3, 4, 2, gen)
+        x = torch.randn(3, 64, generator=gen).half()
+        s = wts.scales
+        torch.library.opcheck(triton_quant_experts, (
+            x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s["w13_zero"], s["w2_zero"], None, None,
+            w, ids, None, "int4_w4a16", 32, "silu", 1.702, 7.0, False, torch.float16))
