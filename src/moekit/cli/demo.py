@@ -169,6 +169,9 @@ def run(args) -> int:
     with torch.no_grad():
         err = _rel_err(ours(prompt).logits, eager(prompt).logits)
     tol = TOLERANCE[dtype]
+    for model in (eager, ours):  # warm-up: first-call costs (kernel selection, caches) stay out of tokens/s
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     ids_eager, t_eager = _generate(eager, prompt, args.tokens, "transformers eager")
     counts, handles = _count_routing(ours)
     ids_ours, t_ours = _generate(ours, prompt, args.tokens, "moekit")

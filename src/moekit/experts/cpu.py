@@ -28,15 +28,19 @@ import threading
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import sort_rows, unsort_rows
+from .common import local_ids, sort_rows, unsort_rows
 from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
 
 __all__ = ["CPUBackend", "BLOCK_BYTES", "native_dtypes"]
+
+# At most this many (token, slot) assignments take the direct decode path (no sort).
+DIRECT_ASSIGNMENTS = 16
 
 # fp32 bytes of one converted weight block (w13 rows + w2 columns of one I-slice).
 BLOCK_BYTES = 3 * 1024 * 1024
@@ -135,6 +139,9 @@ class CPUBackend(ExpertsBackend):
         gated = is_gated(activation)
         I = weights.w2.shape[2]
         native = weights.w13.dtype in native_dtypes() and weights.w2.dtype == weights.w13.dtype
+        if native and T * k <= DIRECT_ASSIGNMENTS:
+            return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
+                                apply_router_weight_on_input, expert_map)
         if native and x.dtype == weights.w13.dtype and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None:
             # Native dtype and aligned rows: one grouped GEMM per projection beats a per-expert loop.
             return _GROUPED.apply(x, weights, topk_weights, topk_ids, activation=activation,
@@ -148,6 +155,31 @@ class CPUBackend(ExpertsBackend):
             y[start:end] = self._expert(
                 sr.rows[start:end], weights, e, I, ib, gated, activation, activation_params, native)
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    @staticmethod
+    def _direct(x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
+        """Decode path: one GEMV pair per (token, slot), no sort. Returns [T, H] fp32.
+
+        For a handful of assignments the sort/gather/scatter machinery costs more than the
+        GEMVs; slots are summed in order j = 0..k-1 (deterministic).
+        """
+        T, k = topk_ids.shape
+        ids = local_ids(topk_ids, expert_map).tolist()
+        cdt = weights.w13.dtype
+        out = x.new_zeros((T, x.shape[1]), dtype=torch.float32)  # [T, H]
+        for t in range(T):
+            x_t = x[t:t + 1]  # [1, H]
+            for j, e in enumerate(ids[t]):
+                if e < 0:
+                    continue  # expert held by another rank
+                w_tj = topk_weights[t, j]
+                x_in = (x_t.float() * w_tj).to(cdt) if on_input else x_t.to(cdt)
+                b13 = None if weights.b13 is None else weights.b13[e]
+                b2 = None if weights.b2 is None else weights.b2[e]
+                a = apply_activation(F.linear(x_in, weights.w13[e], b13), activation, activation_params)
+                y = F.linear(a, weights.w2[e], b2).float()  # [1, H]
+                out[t:t + 1] += y if on_input else y * w_tj
+        return out
 
     @staticmethod
     def _problem(x, weights, k, activation) -> ExpertsProblem:
