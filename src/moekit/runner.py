@@ -81,6 +81,8 @@ class MoERunner:
                 stream.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(stream):
                     shared_out = shared(x)
+                # Used on the main stream below: keep the allocator from recycling it early.
+                shared_out.record_stream(torch.cuda.current_stream(x.device))
             else:
                 shared_out = shared(x)
         expert_weights = layer.experts.expert_weights()
