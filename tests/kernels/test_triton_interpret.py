@@ -5,26 +5,16 @@ fresh process with it set (the parent's one test starts that process). Interpret
 use fp16/fp32 only: tl.dot on bf16 operands returns wrong values there.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from conftest import TOL, rel_err
-
-IN_INTERPRETER = os.environ.get("MOEKIT_TEST_IN_INTERPRETER") == "1"
+from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
 
     def test_kernels_under_the_triton_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", MOEKIT_TEST_IN_INTERPRETER="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        run_in_interpreter(__file__)
 
 else:
     from moekit import fused_experts

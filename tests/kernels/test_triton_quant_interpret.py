@@ -5,26 +5,16 @@ grid themselves, so the interpreter's own fp8 casts, which round wrongly, only s
 values). TRITON_INTERPRET is read at import, so the cases run in a child process.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from conftest import rel_err
-
-IN_INTERPRETER = os.environ.get("MOEKIT_TEST_IN_INTERPRETER") == "1"
+from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
 
     def test_quant_kernels_under_the_triton_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", MOEKIT_TEST_IN_INTERPRETER="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        run_in_interpreter(__file__)
 
 else:
     from moekit import fused_experts
