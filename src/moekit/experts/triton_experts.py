@@ -114,6 +114,11 @@ class TritonBackend(ExpertsBackend):
     # spares the caller a cast kernel (see experts.api.experts_forward).
     native_out_dtype = True
 
+    def available(self) -> Optional[str]:
+        if not torch.cuda.is_available() and not settings.triton_interpret:
+            return "no CUDA GPU here (on CPU tensors it runs only under TRITON_INTERPRET=1, for tests)"
+        return None
+
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.quant is not None:
             return self._quant_unsupported(problem)
