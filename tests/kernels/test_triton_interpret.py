@@ -7,6 +7,7 @@ use fp16/fp32 only: tl.dot on bf16 operands returns wrong values there.
 
 import pytest
 import torch
+from torch import library
 
 from conftest import TOL, rel_err
 from triton_child import IN_INTERPRETER, run_in_interpreter
@@ -186,5 +187,5 @@ else:
     def test_custom_op_fake_and_schema(gen):
         x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float16, gen)
         for out_dtype in (torch.float32, torch.float16):
-            torch.library.opcheck(triton_fused_experts,
+            library.opcheck(triton_fused_experts,
                                   (x, wts.w13, wts.w2, None, None, w, ids, None, "silu", 1.702, 7.0, False, out_dtype))

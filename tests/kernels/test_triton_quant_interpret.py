@@ -7,6 +7,7 @@ values). TRITON_INTERPRET is read at import, so the cases run in a child process
 
 import pytest
 import torch
+from torch import library
 
 from conftest import rel_err
 from triton_child import IN_INTERPRETER, run_in_interpreter
@@ -168,6 +169,6 @@ else:
         w, ids = _routing(3, 4, 2, gen)
         x = torch.randn(3, 64, generator=gen).half()
         s = wts.scales
-        torch.library.opcheck(triton_quant_experts, (
+        library.opcheck(triton_quant_experts, (
             x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s["w13_zero"], s["w2_zero"], None, None,
             w, ids, None, "int4_w4a16", 32, "silu", 1.702, 7.0, False, torch.float16))

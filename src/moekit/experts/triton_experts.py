@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from torch import library
+
 from ..config import settings
 from ..kernels.launch import fused_moe
 from ..kernels.launch_quant import fused_moe_quant, quant_unsupported
@@ -37,7 +39,7 @@ __all__ = ["TritonBackend", "triton_fused_experts", "triton_quant_experts", "TOL
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@torch.library.custom_op("moekit::triton_fused_experts", mutates_args=())
+@library.custom_op("moekit::triton_fused_experts", mutates_args=())
 def triton_fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -64,7 +66,7 @@ def _triton_fused_experts_fake(x, w13, w2, b13, b2, topk_weights, topk_ids, expe
     return x.new_empty((x.shape[0], x.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("moekit::triton_quant_experts", mutates_args=())
+@library.custom_op("moekit::triton_quant_experts", mutates_args=())
 def triton_quant_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
