@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from torch import library
 
 from ..config import settings
