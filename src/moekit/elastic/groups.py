@@ -92,8 +92,27 @@ def join_generation(store: dist.Store, generation: int, rank: int, world_size: i
     that never joins, dies or hangs makes the others fail after at most that long.
     """
     leave_generation()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    _reset_group_counter()
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        leave_generation()
+        _reset_group_counter()
+        raise
+
+
+def _reset_group_counter() -> None:
+    """Make this process's next default group take the name every other member uses.
+
+    torch names a default group after a per-process counter (its rendezvous keys contain
+    the name) and resets the counter only in destroy_process_group(). An init that fails
+    half-way (a peer died during the rendezvous) advances the counter with no group to
+    destroy, so this process would wait forever on keys no other member writes. With no
+    group alive, the counter must be 0, as it is in a process that never failed.
+    """
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 class Heartbeat:
