@@ -61,3 +61,13 @@ def test_available_backends_reports_reasons():
     assert avail["reference"] is None and avail["cpu"] is None
     if "triton" in avail:
         assert avail["triton"]  # a sentence: no GPU and no interpreter here
+
+
+def test_capture_needs_a_graph_safe_backend():
+    # During CUDA-graph capture only backends without host reads may run; the oracle says why.
+    p = problem(device="cuda", dtype=torch.bfloat16, weight_dtype=torch.bfloat16, capturing=True)
+    with pytest.raises(ValueError, match="backend='reference' cannot run .* cannot be captured in a CUDA graph"):
+        choose_backend(p, "reference")
+    reasons = dict(explain(p))
+    assert "cannot be captured" in reasons["reference"]
+    assert "cannot be captured" not in (reasons.get("grouped_mm") or "")

@@ -50,6 +50,8 @@ def _why_not(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
     reason = backend.available()
     if reason is None:
         reason = backend.unsupported(problem)
+    if reason is None and problem.capturing and not backend.graph_safe:
+        reason = "cannot be captured in a CUDA graph (it reads values back to the host)"
     if reason is None and problem.requires_grad and not getattr(backend, "differentiable", True):
         reason = "does not support autograd (inputs require grad)"
     return reason

@@ -135,6 +135,7 @@ def problem_of(
         intermediate_size=_intermediate_size(weights),
         top_k=top_k,
         quant=weights.quant,
+        capturing=x.device.type == "cuda" and torch.cuda.is_current_stream_capturing(),
         requires_grad=torch.is_grad_enabled() and (
             x.requires_grad or any(t.requires_grad for _, t in weights.per_expert_tensors())
             or (topk_weights is not None and topk_weights.requires_grad)),

@@ -78,6 +78,7 @@ class ExpertsProblem:
     top_k: int
     quant: Optional[str] = None
     requires_grad: bool = False
+    capturing: bool = False  # the call is being captured in a CUDA graph
 
     def describe(self) -> str:
         q = self.quant or "unquantized"
