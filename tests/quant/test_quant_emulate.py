@@ -98,7 +98,11 @@ def test_emulation_matches_the_per_token_definition(case, gen):
     ids = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(torch.int32)
     tw = torch.rand(T, k, generator=gen)
     out = emulated_experts(x, w, tw, ids, activation=act)
-    assert rel_err(out, dumb_forward(x, w, tw, ids, act)) <= 1e-5
+    # With activation quantization, the batched and the per-row fp32 GEMM1 can differ in the
+    # last bit, and a value on a rounding boundary then lands one quantization step apart
+    # (seen: 2.4e-4 for fp8 1x128 groups). Weight-only schemes stay within fp32 rounding.
+    tol = 1e-5 if get_scheme(name).activation_dtype is None else 2e-3
+    assert rel_err(out, dumb_forward(x, w, tw, ids, act)) <= tol
 
 
 def test_emulation_with_expert_map_and_weight_on_input(gen):
