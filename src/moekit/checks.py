@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_float_tensor"]
+__all__ = ["check_float_tensor", "copy_biases"]
 
 
 def check_float_tensor(name: str, t, shape) -> None:
@@ -15,3 +15,16 @@ def check_float_tensor(name: str, t, shape) -> None:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+@torch.no_grad()
+def copy_biases(module, b13=None, b2=None) -> None:
+    """Copy given biases into module.b13 / module.b2 (shapes checked); None leaves one as it is."""
+    for name, given in (("b13", b13), ("b2", b2)):
+        if given is None:
+            continue
+        param = getattr(module, name)
+        if param is None:
+            raise ValueError(f"{name} was given but the layer was built with bias=False")
+        check_float_tensor(name, given, param.shape)
+        param.copy_(given)

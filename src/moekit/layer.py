@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .activations import check_activation, is_gated
-from .checks import check_float_tensor
+from .checks import check_float_tensor, copy_biases
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
 from .experts.base import ExpertWeights
 from .parallel.config import ParallelConfig
@@ -48,14 +48,7 @@ class RoutedExperts(nn.Module):
         """Copy canonical-layout tensors in (shapes checked, dtype converted)."""
         check_float_tensor("w13", w13, self.w13.shape)
         check_float_tensor("w2", w2, self.w2.shape)
-        for name, given in (("b13", b13), ("b2", b2)):
-            param = getattr(self, name)
-            if given is None:
-                continue
-            if param is None:
-                raise ValueError(f"{name} was given but the layer was built with bias=False")
-            check_float_tensor(name, given, param.shape)
-            param.copy_(given)
+        copy_biases(self, b13, b2)
         self.w13.copy_(w13)
         self.w2.copy_(w2)
 

@@ -6,7 +6,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows"]
+__all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -110,3 +110,11 @@ def unsort_rows(y: torch.Tensor, sr: SortedRows, T: int, k: int, apply_router_we
     y_sorted = y.new_zeros((T * k, y.shape[1]))  # rows >= n stay zero (non-local experts)
     y_sorted[:y.shape[0]] = y
     return weighted_combine(y_sorted, None if apply_router_weight_on_input else sr.w_sorted, sr.order, T, k)
+
+
+def add_bias_by_span(h: torch.Tensor, bias: Optional[torch.Tensor], spans) -> torch.Tensor:
+    """Add bias[e] (fp32) in place to the rows h[a:b] of each (e, a, b) in `spans`; returns h."""
+    if bias is not None:
+        for e, a, b in spans:
+            h[a:b].add_(bias[e].float())
+    return h

@@ -28,7 +28,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import sort_rows, unsort_rows
+from .common import add_bias_by_span, sort_rows, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K"]
 
@@ -54,12 +54,6 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
         out[a:b].mul_(s_w[e])
     return out
 
-
-def _add_bias(h: torch.Tensor, bias, sr_spans) -> torch.Tensor:
-    if bias is not None:
-        for e, a, b in sr_spans:
-            h[a:b].add_(bias[e].float())
-    return h
 
 
 class CPUInt8Backend(ExpertsBackend):
@@ -88,9 +82,9 @@ class CPUInt8Backend(ExpertsBackend):
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.float32)
         s = weights.scales
-        h = _add_bias(_int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans), weights.b13, sr.spans)  # [n, 2I]
+        h = add_bias_by_span(_int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans), weights.b13, sr.spans)  # [n, 2I]
         a = apply_activation(h, activation, activation_params)  # [n, I]
-        y = _add_bias(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans), weights.b2, sr.spans)  # [n, H]
+        y = add_bias_by_span(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
 

@@ -33,7 +33,7 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import sort_rows, unsort_rows
+from .common import add_bias_by_span, sort_rows, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -149,9 +149,9 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
         linear = self._int4_kernel_linear(weights, scheme) if kernel else self._blocked_linear(weights, scheme)
-        h = _add_bias(linear(sr.rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
+        h = add_bias_by_span(linear(sr.rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
         a = apply_activation(h, activation, activation_params)  # [n, I]
-        y = _add_bias(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
+        y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
     def _int4_kernel_linear(self, weights, scheme):
@@ -191,12 +191,6 @@ class CPUWeightOnlyBackend(ExpertsBackend):
 
         return linear
 
-
-def _add_bias(h: torch.Tensor, bias, spans) -> torch.Tensor:
-    if bias is not None:
-        for e, a, b in spans:
-            h[a:b].add_(bias[e].float())
-    return h
 
 
 register_backend(CPUWeightOnlyBackend())

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..activations import is_gated
-from ..checks import check_float_tensor
+from ..checks import check_float_tensor, copy_biases
 from ..experts.base import ExpertWeights
 from .layout import check_quantized_weights, scheme_of
 from .quantize import check_fits, quantize_experts
@@ -78,22 +78,11 @@ class QuantizedRoutedExperts(nn.Module):
                              scales={n: getattr(self, n) for n in self._scale_names}, quant=self.scheme.name)
 
     @torch.no_grad()
-    def _load_biases(self, b13, b2) -> None:
-        for name, given in (("b13", b13), ("b2", b2)):
-            param = getattr(self, name)
-            if given is None:
-                continue
-            if param is None:
-                raise ValueError(f"{name} was given but the layer was built with bias=False")
-            check_float_tensor(name, given, param.shape)
-            param.copy_(given)
-
-    @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
         """Quantize float canonical-layout weights on load: w13 [E, 2I, H], w2 [E, H, I], biases float."""
         check_float_tensor("w13", w13, self.shape13)
         check_float_tensor("w2", w2, self.shape2)
-        self._load_biases(b13, b2)
+        copy_biases(self, b13, b2)
         device = self.w13.device
         self._store(quantize_experts(w13.to(device), w2.to(device), self.scheme))
 
@@ -116,7 +105,7 @@ class QuantizedRoutedExperts(nn.Module):
         I = check_quantized_weights(moved, self.shape2[1], self.activation)
         if I != self.shape2[2]:
             raise ValueError(f"weights have intermediate size {I}, this layer {self.shape2[2]}")
-        self._load_biases(weights.b13, weights.b2)
+        copy_biases(self, weights.b13, weights.b2)
         self._store(moved)
 
     def extra_repr(self) -> str:
