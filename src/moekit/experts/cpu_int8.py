@@ -55,7 +55,6 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
     return out
 
 
-
 class CPUInt8Backend(ExpertsBackend):
     name = "cpu_int8"
     description = "int8 W8A8 on CPU: dynamic per-token int8 activations, exact int8 GEMM (torch._int_mm)"

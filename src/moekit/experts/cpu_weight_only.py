@@ -192,5 +192,4 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         return linear
 
 
-
 register_backend(CPUWeightOnlyBackend())
