@@ -7,20 +7,15 @@ dyadic rationals (k/4), so every product and partial sum is exact in fp32 and th
 does not depend on which rank computes which assignment or in what order sums run.
 """
 
-import os
-import queue as queue_mod
-import socket
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import moekit
 from conftest import TOL, rel_err
+from dist_harness import run_world
 from moekit.eplb import EplbConfig, EplbState, enable_eplb
 from moekit.eplb.maps import initial_placement, local_slots, map_to_physical
 from moekit.experts.base import ExpertWeights
@@ -28,50 +23,16 @@ from moekit.experts.base import ExpertWeights
 pytestmark = pytest.mark.slow
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, size, port, fn, results):
-    failures = []
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=timedelta(seconds=60))
-        with torch.inference_mode():  # parallel layers are inference-only
-            fn(rank, size)
-    except BaseException:  # noqa: BLE001 (sent to the parent, which fails the test)
-        failures.append(traceback.format_exc())
-    results.put((rank, failures))
-    results.close()
-    results.join_thread()
-    os._exit(0)  # a rank that failed must not wait at exit for collectives it abandoned
+def _in_inference_mode(rank, size, fn):
+    """Run one rank's checks; a raised exception is a failure (dist_harness reports it)."""
+    with torch.inference_mode():  # parallel layers are inference-only
+        fn(rank, size)
+    return []
 
 
 def _run_world(size, fn, timeout_s=150.0):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, fn, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < size:
-            rank, failures = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            got[rank] = failures
-    except queue_mod.Empty:
-        pass
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    problems = [f"rank {r}:\n" + "\n".join(got[r]) if r in got else f"rank {r}: no result in {timeout_s} s"
-                for r in range(size) if got.get(r) != []]
+    results = run_world(size, _in_inference_mode, fn, timeout_s=timeout_s)
+    problems = [f"rank {r}:\n" + "\n".join(f) for r, f in sorted(results.items()) if f]
     assert not problems, "\n".join(problems)
 
 

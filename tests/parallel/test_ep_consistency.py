@@ -11,7 +11,7 @@ import torch
 from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig
 from moekit.parallel import ParallelConfig
 
-from ep_harness import run_world
+from dist_harness import run_world
 
 
 def _layer(rank, *, E=8, H=16, I=8, k=2, activation="silu", shared=None, **parallel):

@@ -17,7 +17,7 @@ from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig
 from moekit.parallel import ParallelConfig
 
 from conftest import TOL, rel_err
-from ep_harness import run_world
+from dist_harness import run_world
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness import run_world
+from dist_harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
 
