@@ -1,8 +1,9 @@
 """Run a function on every rank of a small gloo world (spawned processes, bounded waits).
 
-Not a test module: the multi-process tests (tests/parallel, tests/eplb) import it. Each rank runs fn(rank, size,
-*args) and returns a list of failure messages; run_world returns {rank: messages} and
-turns a crash, a hang past the timeout or a raised exception into messages too.
+Not a test module: the multi-process tests (tests/parallel, tests/eplb) import it. Each rank
+runs fn(rank, size, *args) and returns a list of failure messages; run_world returns
+{rank: messages} and turns a crash, a hang past the timeout or a raised exception into
+messages too.
 """
 
 from __future__ import annotations
