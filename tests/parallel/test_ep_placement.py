@@ -178,7 +178,22 @@ def test_sum_partials_in_destination_order():
     assert sum_partials(back, rows[:, :0]).shape == (0, 1)  # T = 0
 
 
+def test_sum_partials_adds_in_rank_order_from_zero():
+    # fp32: ((0 + 1e8) + 1) + -1e8 + 1 = 1 exactly (1e8 + 1 rounds to 1e8); a pairwise sum would give 0
+    back = torch.tensor([[1e8], [1.0], [-1e8], [1.0], [0.0]])
+    rows = torch.tensor([[0], [1], [2], [3]])  # one token, C = 4 destinations
+    assert sum_partials(back, rows).tolist() == [[1.0]]
+    assert sum_partials(back, torch.tensor([[2], [0], [4], [4]])).tolist() == [[0.0]]  # trash rows add zero
+
+
 # -- packed rows -------------------------------------------------------------------------
+
+def test_row_layout_pads_x_to_16_bytes():
+    layout = RowLayout(33, torch.bfloat16, 3)  # x: 66 bytes -> weights at 80, ids at 92, row 112
+    assert (layout.x_bytes, layout.w_offset, layout.ids_offset, layout.row_bytes) == (66, 80, 92, 112)
+    dsv3 = RowLayout(7168, torch.bfloat16, 8)  # 14336 + 32 + 32: no padding needed
+    assert (dsv3.w_offset, dsv3.row_bytes) == (14336, 14400)
+
 
 @pytest.mark.parametrize("dtype, H", [
     (torch.bfloat16, 33),  # odd H: x ends at byte 66, weights aligned up to 68
@@ -200,6 +215,11 @@ def test_pack_unpack_roundtrip(dtype, H, gen):
     # padding rows: zero token, zero weights, every id the given foreign expert
     assert not xr[T:].any() and not wr[T:].any()
     assert idr[T:].tolist() == [[7] * k, [9] * k]
+    # x as a view that starts one element past the storage and skips columns: the same rows
+    wide = torch.randn(T, H + 3, generator=gen).to(dtype)
+    wide[:, 1:H + 1] = x
+    xv, wv, iv = unpack_rows(pack_rows(wide[:, 1:H + 1], w, ids, layout), layout)
+    assert torch.equal(xv, x) and torch.equal(wv, w) and torch.equal(iv, ids)
 
 
 # -- tensor parallelism of I: the partial outputs add up to the full layer ------------------

@@ -20,7 +20,8 @@ def _bench(rank, size, out):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     code = bench.main(["--device", "cpu", "--shapes", "tiny", "--tokens", "1", "6", "--layer-tokens", "3",
-                       "--iters", "2", "--warmup", "1", "--reps", "1", "--out", out])
+                       "--iters", "2", "--warmup", "1", "--reps", "1", "--out", out,
+                       "--profile", "--profile-shape", "tiny", "--profile-tokens", "0", "5"])
     return [] if code == 0 else [f"rank {rank}: exit code {code}"]
 
 
@@ -40,8 +41,18 @@ def test_bench_logic_on_gloo(tmp_path):
     for r in comm:
         assert r["us"] > 0 and r["raw_us"] > 0 and r["bytes_per_rank"] > 0
         assert r["check_rel_err"] < 1e-5, r  # combine(dispatch(x)) under the stand-in experts
+        assert r["kernels"] == "torch" and r["config"] == "default"  # no Triton kernels on CPU
+        assert "error" not in r and r.get("bitwise_equal_torch", True), r
+        # the dynamic path is also compared with the raw pair after a count exchange
+        assert (r["dispatcher"] == "all_to_all") == ("raw_sync_us" in r) and r.get("raw_sync_us", 1) > 0
     layer = [r for r in rows if r["mode"].startswith("layer")]
     assert len(layer) == 1 and layer[0]["finite"] and layer[0]["us"] > 0
+    # --profile: top ops of 10 dispatch + combine calls (CPU only here) at each profiled T
+    profiles = data["profiles"]
+    assert [p["tokens_per_rank"] for p in profiles] == [0, 5]
+    for p in profiles:
+        assert p["kernels"] == "torch" and p["by_device"] == [] and p["by_cpu"] and "c10d::" in p["table"]
+        assert set(p["cpu_us_per_call"]) == {"ep.dispatch", "ep.combine"}
 
 
 def _torchrun(*args):

@@ -3,7 +3,10 @@ write them as `E={E},N={I},device_name={gpu}.json` (the format of kernels/tuning
 
 Search, per batch size M: compile every candidate of kernels.tuning.search_space in
 parallel processes; time each GEMM1 candidate with the default GEMM2 tiles of its row
-block; then time the GEMM2 candidates with the winning GEMM1. Each timing is a CUDA graph
+block, and the complete configs on the prefill kernels (kernels.tuning.prefill_space: every
+knob over a few tile pairs); then, unless a prefill config won, time the GEMM2 candidates
+with the winning GEMM1; last, the winner's late variants (kernels.tuning.late_variants:
+GEMM2 launched with PDL on the direct path). Each timing is a CUDA graph
 of calls with fresh routing (benchmarks/gpu.py), so it includes the alignment and the
 sum over k at that row block.
 """
@@ -63,7 +66,14 @@ def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[
 
     Returns ({M: (default MoEConfig, stage-1 candidates, {BLOCK_SIZE_M: gemm2 tiles})}, jobs).
     """
-    from moekit.kernels.tuning import MoEConfig, default_config, search_space, use_direct  # noqa: PLC0415
+    from moekit.kernels.tuning import (  # noqa: PLC0415
+        MoEConfig, compile_variant, default_config, late_variants, prefill_space, search_space, use_direct,
+    )
+
+    def compiled(cfgs, M):
+        """cfgs and their late variants, one config per set of kernels."""
+        out = list(cfgs) + [v for c in cfgs for v in late_variants(c, M, E, k)]
+        return list({json.dumps(c.to_json(), sort_keys=True): c for c in map(compile_variant, out)}.values())
 
     elem = torch.finfo(dtype).bits // 8
     dname = str(dtype).replace("torch.", "")
@@ -72,12 +82,14 @@ def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[
         default = default_config(M, E, k, H, I, elem)
         g1s, g2s = search_space(M, E, k, elem)
         stage1 = [default] + [MoEConfig(g1, replace(default.gemm2, BLOCK_SIZE_M=g1.BLOCK_SIZE_M)) for g1 in g1s]
+        stage1 += prefill_space(M, E, k, elem)  # complete configs on the prefill kernels
         plans[M] = (default, stage1, g2s)
         direct = use_direct(M, k, E)
-        jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in stage1]
+        jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in compiled(stage1, M)]
         for bm, cands in g2s.items():
             g1 = replace(default.gemm1, BLOCK_SIZE_M=bm)  # any gemm1 of these rows compiles the gemm2s
-            jobs += [(H, I, dname, "silu", direct, MoEConfig(g1, g2).to_json()) for g2 in cands]
+            pairs = [MoEConfig(g1, g2) for g2 in cands]
+            jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in compiled(pairs, M)]
     return plans, jobs
 
 
@@ -92,11 +104,12 @@ def search_shape(
         budget_s: timing seconds per M (None: every candidate).  step: told each timing as a line.
         device: where to time ("cuda"; "cpu" only as a dry run under the Triton interpreter).
     Returns:
-        ({M: best MoEConfig}, {M: {"us": best, "default_us": the heuristic's time, "tried": n}}).
+        ({M: best MoEConfig}, {M: {"us": best, "default_us": the heuristic's time, "tried": n,
+        "timings": {config JSON: us (inf: failed or out of budget)}}}).
     """
     from moekit.benchmarks.gpu import graph_time_us, routing_sets  # noqa: PLC0415
     from moekit.kernels.launch import fused_moe  # noqa: PLC0415
-    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
+    from moekit.kernels.tuning import MoEConfig, late_variants  # noqa: PLC0415
 
     w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * H ** -0.5
     w2 = torch.randn(E, H, I, device=device, dtype=dtype) * I ** -0.5
@@ -126,10 +139,12 @@ def search_shape(
             return seen[key]
 
         winner = min(stage1, key=timed)
-        winner = min([winner] + [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])], key=timed)
+        if winner.prefill is None:  # prefill candidates come as tuned pairs of GEMM1 and GEMM2 tiles
+            winner = min([winner] + [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])], key=timed)
+        winner = min([winner] + late_variants(winner, M, E, k), key=timed)
         best[M] = winner
         info[M] = {"us": timed(winner), "default_us": timed(default),
-                   "tried": sum(1 for v in seen.values() if v != float("inf"))}
+                   "tried": sum(1 for v in seen.values() if v != float("inf")), "timings": dict(seen)}
         del sets
     return best, info
 

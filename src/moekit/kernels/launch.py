@@ -4,11 +4,16 @@ Every size here is known from tensor shapes, never read from the device, so a ca
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
 (4 launches; 6 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
 GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
+A config with prefill knobs (MoEConfig.prefill) runs the sorted path's GEMMs on
+kernels/triton_prefill.py instead (rows padded to its row granule).
+Decode knobs (TileConfig): GEMV runs the direct path's GEMMs on kernels/triton_decode.py;
+SPLIT_K splits GEMM2's reduction over programs (fp32 partials and tile counters allocated
+here per call, the counters cleared by GEMM1); PDL launches GEMM2 as GEMM1's dependent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -16,13 +21,17 @@ import triton
 
 from ..activations import check_activation, is_gated
 from . import triton_align as align
+from . import triton_decode as dec
 from . import triton_moe as moe
+from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
 __all__ = ["Alignment", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
 ALIGN_SMALL_MAX = align.SMALL
+# Up to this many tokens the sum over k runs one token row per program, its slot loads pipelined.
+SUM_K_ROW_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,18 @@ def _launch_kwargs(cfg: TileConfig):
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _gemv_kwargs(cfg: TileConfig):
+    return dict(BN=cfg.BLOCK_SIZE_N, BK=cfg.BLOCK_SIZE_K, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def _check_pdl(device: torch.device) -> None:
+    """Programmatic dependent launch needs an SM90+ GPU (not the interpreter)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        got = device.type if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
+        raise ValueError(f"config.gemm2.PDL=1 needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -145,15 +166,22 @@ def fused_moe(
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
         config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
+    if config.prefill is not None and not direct:
+        al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX)
+        return prefill.fused_moe_prefill(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,
+                                         al.expert_end, al.max_blocks * al.block_m, activation, alpha, limit,
+                                         on_input, config, out_dtype)
     TK = T * k
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
     flags = dict(HAS_BIAS=b13 is not None, HAS_MAP=has_map, ON_INPUT=on_input, IEEE=x.dtype == torch.float32)
     g1, g2 = config.gemm1, config.gemm2
+    if g2.PDL:
+        _check_pdl(dev)
     if direct:
         # One live row per program: the smallest tile tl.dot takes, no L2 grouping needed.
-        g1 = TileConfig(16, g1.BLOCK_SIZE_N, g1.BLOCK_SIZE_K, 1, g1.num_warps, g1.num_stages)
-        g2 = TileConfig(16, g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, 1, g2.num_warps, g2.num_stages)
+        g1 = replace(g1, BLOCK_SIZE_M=16, GROUP_SIZE_M=1)
+        g2 = replace(g2, BLOCK_SIZE_M=16, GROUP_SIZE_M=1)
         sorted_ids = expert_end = topk_ids  # unused by the direct kernels
         rows1, rows2 = TK, T
         act = torch.empty(TK, I, dtype=x.dtype, device=dev)
@@ -166,24 +194,57 @@ def fused_moe(
         out2 = torch.empty(TK, H, dtype=x.dtype, device=dev)
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
-    moe.gemm1_kernel[(rows1 * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
-        x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, expert_end,
-        I, H, TK, k, rows1, E,
-        x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
-        float(alpha), float(limit),
-        DIRECT=direct, GATED=gated, ACT=activation, **flags, **_launch_kwargs(g1))
+    # GEMM2's split reduction: an fp32 partial per split and GEMM2 row, one counter per output
+    # tile (cleared by GEMM1, which runs first, so nothing persists between calls).
+    split, tiles2 = g2.SPLIT_K, rows2 * triton.cdiv(H, g2.BLOCK_SIZE_N)
+    if split > 1:
+        counters = torch.empty(tiles2, dtype=torch.int32, device=dev)
+        partials = torch.empty(split, rows2 if direct else rows2 * g2.BLOCK_SIZE_M, H, dtype=torch.float32, device=dev)
+    else:
+        counters, partials = topk_ids, x  # unused
+    stride_b13 = bias13.stride(0) if b13 is not None else 0
+    n_cnt = tiles2 if split > 1 else 0
+    chain = dict(PDL=bool(g2.PDL))
+    if direct and g1.GEMV:
+        dec.gemv1_kernel[(TK * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
+            x, w13, bias13, act, topk_weights, topk_ids, emap, counters, I, H, k, n_cnt,
+            x.stride(0), w13.stride(0), w13.stride(1), stride_b13, act.stride(0), float(alpha), float(limit),
+            GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, HAS_MAP=has_map, ON_INPUT=on_input,
+            **chain, **_gemv_kwargs(g1))
+    else:
+        moe.gemm1_kernel[(rows1 * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
+            x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, expert_end, counters,
+            I, H, TK, k, rows1, E, n_cnt,
+            x.stride(0), w13.stride(0), w13.stride(1), stride_b13, act.stride(0),
+            float(alpha), float(limit),
+            DIRECT=direct, GATED=gated, ACT=activation, **flags, **chain, **_launch_kwargs(g1))
     flags.pop("HAS_BIAS")
-    moe.gemm2_kernel[(rows2 * triton.cdiv(H, g2.BLOCK_SIZE_N),)](
-        act, w2, bias2, out2, topk_weights, topk_ids, emap, sorted_ids, expert_end,
-        H, I, TK, k, rows2, E,
-        act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, out2.stride(0),
-        DIRECT=direct, HAS_BIAS=b2 is not None, **flags, **_launch_kwargs(g2))
+    stride_b2 = bias2.stride(0) if b2 is not None else 0
+    stride_ps = partials.stride(0) if split > 1 else 0
+    chain = dict(SPLIT=split > 1, PDL=bool(g2.PDL))
+    pdl = {"launch_pdl": True} if g2.PDL else {}
+    if direct and g2.GEMV:
+        dec.gemv2_kernel[(tiles2, split)](
+            act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, H, I, k, split,
+            act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
+            HAS_BIAS=b2 is not None, HAS_MAP=has_map, ON_INPUT=on_input, **chain, **_gemv_kwargs(g2), **pdl)
+    else:
+        moe.gemm2_kernel[(tiles2, split)](
+            act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, sorted_ids, expert_end,
+            H, I, TK, k, rows2, E, split,
+            act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
+            DIRECT=direct, HAS_BIAS=b2 is not None, **flags, **chain, **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(1024, _pow2(H))
     bt = max(1, 4096 // bn)
+    stages = None
+    if T <= SUM_K_ROW_MAX:
+        # Few tokens: a program per token row keeps enough programs, and pipelined slot loads
+        # keep enough bytes in flight (one [4, 1024] tile per program left most SMs waiting).
+        bt, stages = 1, 4
     moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
         out2, out, topk_ids, emap, T, H, k, out2.stride(0), out.stride(0),
-        BT=bt, BN=bn, HAS_MAP=has_map, num_warps=4)
+        BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, num_warps=4)
     return out

@@ -10,7 +10,17 @@ Two row layouts, chosen by the launcher from the shapes alone:
         program column per assignment; GEMM2 runs one per token and walks its k experts
         inside the K loop, so the sum over k is fused, deterministic and needs no third
         launch. Both use a BM-row tile with one live row: tl.dot needs 16 rows, and the
-        weights, not the arithmetic, are what costs at this size.
+        weights, not the arithmetic, are what costs at this size (triton_decode has the
+        same two GEMMs on CUDA cores, without the padding).
+
+Split reduction (SPLIT, GEMM2 on either layout): n_split programs share one output tile,
+each over its own range of the reduction (slots x K blocks on the direct path, K blocks on
+the sorted one). Each writes its fp32 partial to a scratch buffer, then counts itself in on
+the tile's counter; the last to arrive adds the partials in split order (so the result does
+not depend on who finishes first) and writes the tile. The counters are cleared by GEMM1,
+which always runs first, so they need no state across calls or graph replays.
+PDL: GEMM1 lets GEMM2 launch early (programmatic dependent launch, SM90+); GEMM2 waits for
+GEMM1's output before it reads it.
 
 Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
 TK = T * k assignments, R rows of the activation buffer.
@@ -23,7 +33,7 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
 MAX_EXPERTS = 1024
@@ -74,6 +84,38 @@ def _block_expert(expert_end_ptr, pid_m, E, BM: tl.constexpr):
 
 
 @triton.jit
+def zero_counters(cnt_ptr, n_cnt):
+    """Clear this program's share of n_cnt int32 counters (every program of a 1-D grid calls it)."""
+    offs = tl.arange(0, 128)
+    for c0 in range(tl.program_id(0) * 128, n_cnt, tl.num_programs(0) * 128):
+        tl.store(cnt_ptr + c0 + offs, 0, mask=c0 + offs < n_cnt)
+
+
+@triton.jit
+def split_sum(acc, part_ptr, cnt_ptr, tile, n_split, offs, mask, stride_split):
+    """Deterministic sum of one output tile over the n_split programs sharing it (program_id(1)).
+
+    Stores acc (fp32) at part_ptr + split * stride_split + offs, counts in on cnt_ptr[tile]
+    and returns (whether this program arrived last, the sum over splits 0..n_split-1 in
+    order: valid in the last program only).
+    """
+    split = tl.program_id(1).to(tl.int64)
+    tl.store(part_ptr + split * stride_split + offs, acc, mask=mask)
+    # Every thread's partial is stored before one thread counts the program in (release);
+    # the last program's acquire makes all partials of the tile visible to it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_split - 1
+    total = tl.zeros_like(acc)
+    if last:
+        ptrs = part_ptr + offs
+        for _ in range(0, n_split):
+            total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            ptrs += stride_split
+    return last, total
+
+
+@triton.jit
 def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks side by side so the
     weight tiles they share stay in L2."""
@@ -87,21 +129,25 @@ def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])
 def gemm1_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
-    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
-    N, K, TK, top_k, NUM_M, E,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, cnt_ptr,
+    N, K, TK, top_k, NUM_M, E, n_cnt,
     stride_xm, stride_we, stride_wn, stride_be, stride_om,
     alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I).
 
     x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
+    Clears GEMM2's n_cnt split counters at cnt_ptr (none: n_cnt = 0).  PDL: let GEMM2 launch early.
     """
+    zero_counters(cnt_ptr, n_cnt)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     rows = tl.arange(0, BM)
     if DIRECT:
@@ -167,21 +213,23 @@ def gemm1_kernel(
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_split"])
 def gemm2_kernel(
-    a_ptr, w_ptr, b_ptr, out_ptr,
+    a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
-    N, K, TK, top_k, NUM_M, E,
-    stride_am, stride_we, stride_wn, stride_be, stride_om,
+    N, K, TK, top_k, NUM_M, E, n_split,
+    stride_am, stride_we, stride_wn, stride_be, stride_om, stride_ps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection with the routed weight (unless it went on the input).
 
     sorted: y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n], y [TK, N=H] in x's dtype.
     direct: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], out [T, H] (fp32 or x's dtype).
     act [R, K=I]; w2 [E, N, K]; b2 [E, N].
+    SPLIT: program_id(1) is this program's share of n_split (see split_sum); partials
+    [n_split, rows, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
     """
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     rows = tl.arange(0, BM)
@@ -200,8 +248,16 @@ def gemm2_kernel(
             slot_w = tl.where(slots < top_k, 1.0, 0.0)
         else:
             slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         num_k = tl.cdiv(K, BK)
-        for it in range(0, top_k * num_k):
+        it_lo = 0
+        it_hi = top_k * num_k
+        if SPLIT:
+            per = tl.cdiv(it_hi, n_split)
+            it_lo = tl.program_id(1) * per
+            it_hi = tl.minimum(it_lo + per, it_hi)
+        for it in range(it_lo, it_hi):
             j = it // num_k
             k0 = (it - j * num_k) * BK
             e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
@@ -216,6 +272,12 @@ def gemm2_kernel(
                 acc = tl.dot(a, wt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, wt, acc)
+        o_mask = live[:, None] & col_ok[None, :]
+        if SPLIT:
+            tile = pid_m * tl.cdiv(N, BN) + pid_n
+            last, acc = split_sum(acc, part_ptr, cnt_ptr, tile, n_split,
+                                  pid_m.to(tl.int64) * N + rows[:, None] * 0 + cols[None, :], o_mask, stride_ps)
+            o_mask = tl.where(last, o_mask, False)
         if HAS_BIAS:
             for j in range(0, top_k):
                 e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
@@ -223,17 +285,25 @@ def gemm2_kernel(
                                mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
                 acc += (bias * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0))[None, :]
         o_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + rows[:, None] * 0 + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         e = _block_expert(expert_end_ptr, pid_m, E, BM)
         if e >= E:  # past the last expert's rows
             return
         assign = tl.load(sorted_ptr + pid_m * BM + rows)
         live = assign < TK
-        a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-        for k0 in range(0, K, BK):
-            k_ok = ks + k0 < K
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        k_lo = 0
+        k_hi = K
+        if SPLIT:
+            per = tl.cdiv(tl.cdiv(K, BK), n_split) * BK
+            k_lo = tl.program_id(1) * per
+            k_hi = tl.minimum(k_lo + per, K)
+        a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + k_lo + ks[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + k_lo + ks[:, None]
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = ks + k0 < k_hi
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if IEEE:
@@ -242,29 +312,36 @@ def gemm2_kernel(
                 acc = tl.dot(a, wt, acc)
             a_ptrs += BK
             w_ptrs += BK
+        o_mask = live[:, None] & col_ok[None, :]
+        if SPLIT:
+            tile = pid_m * tl.cdiv(N, BN) + pid_n
+            last, acc = split_sum(acc, part_ptr, cnt_ptr, tile, n_split,
+                                  (pid_m * BM + rows).to(tl.int64)[:, None] * N + cols[None, :], o_mask, stride_ps)
+            o_mask = tl.where(last, o_mask, False)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if not ON_INPUT:
             acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
         o_ptrs = out_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit(do_not_specialize=["T", "top_k"])
 def sum_k_kernel(
     y_ptr, out_ptr, ids_ptr, map_ptr, T, N, top_k, stride_y, stride_o,
-    BT: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """out[t, n] = sum over j = 0..k-1 (in order) of y[t*k+j, n], skipping non-local slots.
 
     y [TK, N] (x's dtype); out [T, N] (fp32 or x's dtype; the sum is fp32).
+    STAGES: loads of the slot loop kept in flight (None: Triton's default, no pipelining).
     """
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     t_ok = t < T
     n_ok = n < N
     acc = tl.zeros([BT, BN], dtype=tl.float32)
-    for j in range(0, top_k):
+    for j in tl.range(0, top_k, num_stages=STAGES):
         assign = t * top_k + j
         e = local_expert(ids_ptr, map_ptr, assign, t_ok, HAS_MAP)
         v = tl.load(y_ptr + assign.to(tl.int64)[:, None] * stride_y + n[None, :],

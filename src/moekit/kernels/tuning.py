@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -29,6 +29,7 @@ from ..config import settings
 __all__ = [
     "TileConfig",
     "MoEConfig",
+    "PrefillConfig",
     "config_file_name",
     "config_dtype",
     "device_name",
@@ -38,6 +39,10 @@ __all__ = [
     "get_config",
     "use_direct",
     "search_space",
+    "late_variants",
+    "compile_variant",
+    "DECODE_MAX",
+    "prefill_space",
     "SHIPPED_DIR",
 ]
 
@@ -50,7 +55,16 @@ _SMEM_LIMIT = 220 * 1024
 @dataclass(frozen=True)
 class TileConfig:
     """Tiles of one GEMM: rows BLOCK_SIZE_M, columns BLOCK_SIZE_N, reduction BLOCK_SIZE_K,
-    GROUP_SIZE_M row blocks per L2 group, and Triton's num_warps / num_stages."""
+    GROUP_SIZE_M row blocks per L2 group, and Triton's num_warps / num_stages.
+
+    Decode knobs (written to JSON only when not at their defaults, so files without them stay valid):
+        SPLIT_K: programs sharing one output tile's reduction (GEMM2 only): the slots and K of a
+            token on the direct path, K on the sorted path. Each writes an fp32 partial; the
+            last to arrive adds them in split order, so results are deterministic.
+        GEMV: 1 runs the direct path's GEMM on CUDA cores (its one live row, no 16-row tl.dot tile).
+        PDL: 1 (GEMM2 only, SM90+) launches GEMM2 as a programmatic dependent of GEMM1: its
+            programs start while GEMM1's last ones run and wait for GEMM1's output.
+    """
 
     BLOCK_SIZE_M: int
     BLOCK_SIZE_N: int
@@ -58,12 +72,18 @@ class TileConfig:
     GROUP_SIZE_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    SPLIT_K: int = 1
+    GEMV: int = 0
+    PDL: int = 0
 
     def __post_init__(self) -> None:
-        for name in _KEYS:
+        for name in _KEYS + ("SPLIT_K",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("GEMV", "PDL"):
+            if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -75,31 +95,101 @@ class TileConfig:
         return per_stage * self.num_stages
 
     def to_json(self) -> Dict[str, int]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key in _KEYS or value != _OPTIONAL[key]}
+
+
+# The knobs with defaults that JSON entries may leave out, and those defaults.
+_OPTIONAL = {f.name: f.default for f in fields(TileConfig) if f.name not in _KEYS}
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Knobs of the prefill kernels (kernels/triton_prefill.py). A MoEConfig that carries one
+    runs them on the sorted path; its JSON entry holds "prefill": {the knobs not at their defaults}.
+
+    Fields:
+        tma: 1 reads the weight tiles through TMA tensor descriptors built on the host, 2 built
+            in the kernel (SM90+; rows of H and I 16-byte aligned, blocks at most 256 wide),
+            0 through pointers.
+        programs_per_sm: n >= 1 launches a persistent grid of n programs per multiprocessor,
+            0 one program per work item.
+        tail: 1, 2 or 4: rows are padded per expert to BLOCK_SIZE_M / tail (>= 16), and an
+            expert's last tile runs a loop of BLOCK_SIZE_M / 2 or / 4 rows when those hold its rows.
+        flatten: 1 has Triton flatten a persistent grid's tile and K loops into one pipelined
+            loop (tail 1 and programs_per_sm >= 1 only: one loop per tile).
+    """
+
+    tma: int = 1
+    programs_per_sm: int = 1
+    tail: int = 2
+    flatten: int = 0
+
+    def __post_init__(self) -> None:
+        for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
+                raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
+        value = self.programs_per_sm
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"prefill programs_per_sm must be an int >= 0, got {value!r}")
+        if self.flatten and (self.tail != 1 or self.programs_per_sm == 0):
+            raise ValueError(f"prefill flatten=1 needs tail=1 and programs_per_sm >= 1, got tail={self.tail}, "
+                             f"programs_per_sm={self.programs_per_sm}")
+
+    def to_json(self) -> Dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    @classmethod
+    def from_json(cls, entry: Dict, where: str = "prefill") -> "PrefillConfig":
+        names = [f.name for f in fields(cls)]
+        if not isinstance(entry, dict) or set(entry) - set(names):
+            raise ValueError(f"{where} must be an object holding some of {names}, got {entry!r}")
+        return cls(**entry)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tiles of both GEMMs; they share BLOCK_SIZE_M (the row blocks of the alignment)."""
+    """Tiles of both GEMMs; they share BLOCK_SIZE_M (the row blocks of the alignment).
+    prefill: run the sorted path on the prefill kernels with these knobs (None: triton_moe's)."""
 
     gemm1: TileConfig
     gemm2: TileConfig
+    prefill: Optional[PrefillConfig] = None
 
     def __post_init__(self) -> None:
         if self.gemm1.BLOCK_SIZE_M != self.gemm2.BLOCK_SIZE_M:
             raise ValueError(
                 f"gemm2.BLOCK_SIZE_M must equal gemm1.BLOCK_SIZE_M={self.gemm1.BLOCK_SIZE_M}, "
                 f"got {self.gemm2.BLOCK_SIZE_M}")
+        for name in ("SPLIT_K", "PDL"):  # GEMM1's activation needs the whole sum; PDL is GEMM2's launch
+            if getattr(self.gemm1, name) != _OPTIONAL[name]:
+                raise ValueError(f"gemm1.{name} must be {_OPTIONAL[name]} (a GEMM2 knob), "
+                                 f"got {getattr(self.gemm1, name)}")
+        if self.prefill is not None:
+            if self.row_granule < 16:
+                raise ValueError(f"prefill tail={self.prefill.tail} needs BLOCK_SIZE_M >= {16 * self.prefill.tail} "
+                                 f"(rows padded to BLOCK_SIZE_M / tail >= 16), got {self.block_m}")
+            knobs = [f"{g}.{name}" for g, tile in (("gemm1", self.gemm1), ("gemm2", self.gemm2))
+                     for name, default in _OPTIONAL.items() if getattr(tile, name) != default]
+            if knobs:
+                raise ValueError(f"the prefill kernels take none of the decode knobs, got {knobs} set")
 
     @property
     def block_m(self) -> int:
         return self.gemm1.BLOCK_SIZE_M
+
+    @property
+    def row_granule(self) -> int:
+        """Rows each expert's rows are padded to by the alignment (BLOCK_SIZE_M / prefill tail)."""
+        return self.block_m // (self.prefill.tail if self.prefill is not None else 1)
 
     def to_json(self) -> Dict:
         entry = dict(self.gemm1.to_json())
         g2 = self.gemm2.to_json()
         del g2["BLOCK_SIZE_M"]
         entry["gemm2"] = g2
+        if self.prefill is not None:
+            entry["prefill"] = self.prefill.to_json()
         return entry
 
     @classmethod
@@ -110,11 +200,16 @@ class MoEConfig:
         missing = [key for key in _KEYS if key not in entry]
         if missing:
             raise ValueError(f"{where} lacks {missing}")
-        g1 = TileConfig(**{key: entry[key] for key in _KEYS})
-        down = entry.get("gemm2", {})
-        if not isinstance(down, dict) or "BLOCK_SIZE_M" in down or set(down) - set(_KEYS):
-            raise ValueError(f"{where}.gemm2 must hold some of {list(_KEYS[1:])}, got {down!r}")
-        return cls(g1, replace(g1, **down))
+        g1 = TileConfig(**{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
+        prefill = PrefillConfig.from_json(entry["prefill"], f"{where}.prefill") if "prefill" in entry else None
+        if "gemm2" not in entry:
+            return cls(g1, g1, prefill)
+        down = entry["gemm2"]
+        allowed = _KEYS[1:] + tuple(_OPTIONAL)
+        if not isinstance(down, dict) or set(down) - set(allowed):
+            raise ValueError(f"{where}.gemm2 must hold some of {list(allowed)}, got {down!r}")
+        # The knobs of GEMM2 are its own: left out means the default, not GEMM1's value.
+        return cls(g1, replace(g1, **dict(_OPTIONAL, **down)), prefill)
 
 
 def device_name(device: Optional[torch.device] = None) -> str:
@@ -219,6 +314,12 @@ def get_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devic
     return default_config(T, E, k, H, I, torch.finfo(dtype).bits // 8)
 
 
+# Up to this many tokens search_space adds the decode knobs; the split counts it tries.
+DECODE_MAX = 256
+_SPLITS_DIRECT = (8, 4, 16, 2)
+_SPLITS_SORTED = (2, 4)
+
+
 def _fits(cfg: TileConfig, elem_bytes: int, b_tiles: int) -> bool:
     """Shared memory within the SM90 limit, and fp32 accumulators of at most ~128 registers
     a thread (b_tiles accumulators of BM x BN over 32 * num_warps threads)."""
@@ -238,6 +339,8 @@ def search_space(T: int, E: int, k: int, elem_bytes: int = 2) -> Tuple[list, Dic
         bms, bns1, bns2, bks, warps, stages, group = (16,), (32, 64, 16, 128), (16, 32, 64), (128, 256, 64, 512), (4,), (4, 5, 3), 1
     elif T * k / E <= 32:
         bms, bns1, bns2, bks, warps, stages, group = (16, 32), (64, 32, 128), (64, 32, 128), (128, 256, 64), (4,), (4, 5, 3), 8
+        if T <= DECODE_MAX and T * k / E > 16:  # one 64-row block holds an expert's rows: its weights read once
+            bms += (64,)
     elif T * k / E <= 192:
         bms, bns1, bns2, bks, warps, stages, group = (64, 32, 128), (64, 128), (128, 64), (64, 128), (4, 8), (4, 3), 8
     else:
@@ -255,4 +358,78 @@ def search_space(T: int, E: int, k: int, elem_bytes: int = 2) -> Tuple[list, Dic
                         cfg = TileConfig(bm, bn, bk, group, w, st)
                         if _fits(cfg, elem_bytes, 1):
                             g2.setdefault(bm, []).append(cfg)
+    if T <= DECODE_MAX:
+        g1, g2 = _with_decode_knobs(T, E, k, elem_bytes, g1, g2)
     return g1, g2
+
+
+def _with_decode_knobs(T: int, E: int, k: int, elem_bytes: int, g1: list, g2: Dict[int, list]):
+    """search_space's tiles plus the decode knobs: GEMM2 split over SPLIT_K programs (both
+    paths) and, on the direct path, the CUDA-core GEMMs first (GEMV tiles of at most 32
+    (GEMM1: gate and up) or 64 (GEMM2) weights a thread, so they stay in registers)."""
+    if not use_direct(T, k, E):
+        return g1, {bm: tiles + [replace(c, SPLIT_K=s) for s in _SPLITS_SORTED for c in tiles]
+                    for bm, tiles in g2.items()}
+    gemv1, gemv2 = [], []
+    for bn in (16, 32, 64):
+        for bk in (256, 128, 512):
+            for w in (4, 8):
+                for st in (3, 4):
+                    cfg = TileConfig(16, bn, bk, 1, w, st, GEMV=1)
+                    per_thread = bn * bk // (32 * w)
+                    if per_thread <= 32 and _fits(cfg, elem_bytes, 2):
+                        gemv1.append(cfg)
+                    if per_thread <= 64 and _fits(cfg, elem_bytes, 1):
+                        gemv2.append(cfg)
+    tiles = gemv2 + g2[16]
+    return gemv1 + g1, {16: [replace(c, SPLIT_K=s) for s in _SPLITS_DIRECT for c in tiles] + tiles}
+
+
+def late_variants(cfg: MoEConfig, T: int, E: int, k: int) -> list:
+    """Variants of the tuner's winner at T tokens that it times last: on the direct path (two
+    launches, where a launch's gap weighs most) GEMM2 launched as a programmatic dependent of
+    GEMM1 (PDL)."""
+    if not use_direct(T, k, E) or cfg.gemm2.PDL:
+        return []
+    return [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1))]
+
+
+def compile_variant(cfg: MoEConfig) -> MoEConfig:
+    """A config that compiles the same kernels as cfg (every SPLIT_K above 1 runs one GEMM2
+    kernel, and GEMM1's does not depend on it), so compile jobs can be deduplicated."""
+    return replace(cfg, gemm2=replace(cfg.gemm2, SPLIT_K=min(cfg.gemm2.SPLIT_K, 2)))
+
+
+# Tiles of the prefill kernels: (least rows per expert T*k/E, GEMM1, GEMM2, programs per SM
+# of a persistent grid: what fits the registers and shared memory of one SM).
+_PREFILL_TILES = (
+    (64, TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 3), 1),
+    (64, TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 8, 4), 1),
+    (64, TileConfig(128, 64, 64, 8, 4, 3), TileConfig(128, 128, 64, 8, 4, 3), 2),
+    (32, TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 256, 64, 8, 4, 4), 1),
+)
+
+
+def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
+    """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
+    T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
+    loops on persistent grids only); none below 32 rows per expert (T*k/E), where the weights,
+    not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512 rows per
+    expert."""
+    per_expert = T * k / E
+    if use_direct(T, k, E) or per_expert < 32:
+        return []
+    out = []
+    for least, g1, g2, per_sm in _PREFILL_TILES:
+        if per_expert < least or (g1.BLOCK_SIZE_M < 128 and per_expert > 512):
+            continue
+        if not (_fits(g1, elem_bytes, 2) and _fits(g2, elem_bytes, 1)):
+            continue
+        for tail in (1, 2, 4):
+            if g1.BLOCK_SIZE_M // tail < 16:
+                continue
+            for tma, grid in ((1, per_sm), (1, 0), (0, per_sm), (0, 0), (2, per_sm)):
+                out.append(MoEConfig(g1, g2, PrefillConfig(tma, grid, tail)))
+            if tail == 1:
+                out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail, flatten=1)))
+    return out

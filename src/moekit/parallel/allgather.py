@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import Dispatched
-from .ep_common import (ExpertParallelDispatcher, RowLayout, all_gather_single, check_no_grad, pack_rows,
-                        reduce_scatter_single, unpack_rows)
+from .config import ParallelConfig
+from .ep_common import (ExpertParallelDispatcher, all_gather_single, check_no_grad, pack_rows, reduce_scatter_single,
+                        unpack_rows)
 
 __all__ = ["AllGatherReduceScatterDispatcher"]
 
@@ -38,6 +39,14 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
 
     name = "allgather_reducescatter"
 
+    def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int, kernels: str = "auto",
+                 kernel_config=None) -> None:
+        if kernels == "triton" or kernel_config is not None:
+            raise ValueError(
+                "allgather_reducescatter has no Triton kernels (its packing is a few whole-tensor copies), got "
+                f"kernels={kernels!r}, kernel_config={kernel_config!r}; leave them at 'auto' and None")
+        super().__init__(parallel, num_experts, top_k, kernels)
+
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] global ids -> all ranks' tokens [P*T_max, ..]."""
         check_no_grad(x, "x")
@@ -47,7 +56,7 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
         counts = torch.empty(P, dtype=torch.int64, device=x.device)
         all_gather_single(counts, torch.full((1,), T, dtype=torch.int64, device=x.device), group=self.group)
         T_max = max(counts.tolist())  # the one host sync
-        layout = RowLayout(H, x.dtype, k)
+        layout = self.layout(H, x.dtype, k)
         zeros = torch.zeros((T_max - T, layout.row_bytes), dtype=torch.uint8, device=x.device)
         block = pack_rows(x, topk_weights, topk_ids, layout, tail=zeros)  # [T_max, B]
         rows = torch.empty((P * T_max, layout.row_bytes), dtype=torch.uint8, device=x.device)

@@ -1,32 +1,45 @@
 """What the expert-parallel dispatchers share: placement state, row packing, destination math.
 
-Packing: a token travels as one row of bytes [x (H values) | pad to 4 | weights (k fp32)
+Packing: a token travels as one row of bytes [x (H values) | pad to 16 | weights (k fp32)
 | ids (k int32) | pad to 16], so dispatch moves hidden states, routing weights and ids in
 one collective instead of three. Receivers read them as views of the received bytes.
+Copies run on the widest integer view the bytes allow (4-byte words for even H in 16-bit
+dtypes), never byte by byte.
 
 Destinations: a token goes once to each rank holding any of its k experts. Pairs
 (rank r, token t) are indexed as [P, T]; rows_PT[r, t] is the send-buffer row of the pair
 (a "trash" row past the used ones when t does not go to r). Combine keeps, per token,
 C = min(P, k) rows [C, T] in increasing rank order and sums the partials in that order,
-so the result does not depend on timing (no atomics).
+from zero, so the result does not depend on timing (no atomics).
 
-Every helper is a few whole-tensor ops: eager GPU calls are bound by per-op launch cost.
+Two implementations of the per-token passes, picked by the dispatchers' `kernels` argument:
+"torch" (the functions below: the readable reference, and the path on CPU/gloo) and
+"triton" (ep_kernels.py: plan, pack and combine in one launch each, CUDA). "auto" takes
+Triton for CUDA tensors when it is installed, torch otherwise. Both give bit-identical
+rows and sums.
+
+Count exchange (dynamic dispatchers): each rank sends every rank a pair (rows for you,
+ids outside [0, E) here), so the one host read that sizes the buffers also tells every
+rank whether any rank got bad ids: all of them raise, none is left waiting.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..config import settings
 from .base import Dispatcher
 from .config import ParallelConfig
 from .placement import expert_map, expert_owner, non_local_expert
 
 __all__ = [
+    "EP_KERNELS",
     "ExpertParallelDispatcher",
     "RowLayout",
+    "word_dtype",
     "pack_rows",
     "padding_rows",
     "unpack_rows",
@@ -35,10 +48,13 @@ __all__ = [
     "row_sources",
     "combine_rows",
     "sum_partials",
+    "read_exchange",
     "all_gather_single",
     "reduce_scatter_single",
     "check_no_grad",
 ]
+
+EP_KERNELS = ("auto", "torch", "triton")
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
 # (Both are None on torch builds without distributed support.)
@@ -59,23 +75,31 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def word_dtype(*nbytes: int) -> torch.dtype:
+    """Widest integer dtype (4, 2 or 1 bytes) dividing every byte count given (sizes, strides, addresses)."""
+    for dtype in (torch.int32, torch.int16):
+        if all(n % dtype.itemsize == 0 for n in nbytes):
+            return dtype
+    return torch.uint8
+
+
 class RowLayout:
-    """Byte layout of one packed row: x [H] of `dtype`, then k fp32 weights and k int32 ids."""
+    """Byte layout of one packed row: x [H] of `dtype`, padded to 16 bytes, then k fp32 weights and k int32 ids."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> None:
         self.hidden_size, self.dtype, self.top_k = hidden_size, dtype, top_k
         self.x_bytes = hidden_size * dtype.itemsize
-        self.w_offset = _round_up(self.x_bytes, 4)
+        self.w_offset = _round_up(self.x_bytes, 16)
         self.ids_offset = self.w_offset + 4 * top_k
         self.row_bytes = _round_up(self.ids_offset + 4 * top_k, 16)
 
 
 def pack_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layout: RowLayout,
               tail: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Pack tokens into rows of bytes.
+    """Pack tokens into rows of bytes (padding bytes left uninitialised).
 
     Args:
-        x: [T, H].  topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.
+        x: [T, H].  topk_weights: [T, k] float.  topk_ids: [T, k] integer.
         tail: [n, row_bytes] uint8 rows appended as they are (padding rows), or None.
     Returns:
         [T (+ n), row_bytes] uint8.
@@ -83,10 +107,13 @@ def pack_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     T = x.shape[0]
     n = 0 if tail is None else tail.shape[0]
     out = torch.empty((T + n, layout.row_bytes), dtype=torch.uint8, device=x.device)
-    k = layout.top_k
-    out[:T, :layout.x_bytes] = x.contiguous().view(torch.uint8)
-    out[:T, layout.w_offset:layout.w_offset + 4 * k] = topk_weights.float().contiguous().view(torch.uint8)
-    out[:T, layout.ids_offset:layout.ids_offset + 4 * k] = topk_ids.to(torch.int32).contiguous().view(torch.uint8)
+    word = word_dtype(layout.x_bytes)
+    if x.stride(-1) != 1 or word_dtype(layout.x_bytes, x.stride(0) * x.element_size(), x.data_ptr()) != word:
+        x = x.contiguous()
+    w0, i0, k = layout.w_offset // 4, layout.ids_offset // 4, layout.top_k
+    out[:T].view(word)[:, :layout.x_bytes // word.itemsize] = x.view(word)
+    out[:T].view(torch.float32)[:, w0:w0 + k] = topk_weights  # copy_ converts to fp32
+    out[:T].view(torch.int32)[:, i0:i0 + k] = topk_ids  # and to int32
     if n:
         out[T:] = tail
     return out
@@ -113,7 +140,7 @@ def destination_mask(topk_ids: torch.Tensor, owner: torch.Tensor, num_ranks: int
     """Which ranks each token goes to (once per rank, however many of its experts live there).
 
     Args:
-        topk_ids: [T, k] global expert ids.  owner: [E] int64 rank of each expert.
+        topk_ids: [T, k] global expert ids in [0, E).  owner: [E] int64 rank of each expert.
     Returns:
         [P, T] bool: token t goes to rank r.
     """
@@ -171,7 +198,7 @@ def combine_rows(rows_PT: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def sum_partials(back: torch.Tensor, rows_CT: torch.Tensor) -> torch.Tensor:
-    """Sum each token's partial outputs in destination order (a gather, then a fixed-order sum).
+    """Sum each token's partial outputs in destination order: 0 + back[rows[0]] + back[rows[1]] + ...
 
     Args:
         back: [N + 1, H] fp32 rows as returned, the last row zero (the trash row).
@@ -179,7 +206,28 @@ def sum_partials(back: torch.Tensor, rows_CT: torch.Tensor) -> torch.Tensor:
     Returns:
         [T, H] fp32.
     """
-    return back[rows_CT].sum(dim=0)
+    out = back.new_zeros((rows_CT.shape[1], back.shape[1]))
+    for rows_T in rows_CT:  # one add per destination, in order (torch.sum may reassociate)
+        out += back[rows_T]
+    return out
+
+
+def read_exchange(info: List[int], num_ranks: int, num_experts: int) -> Tuple[List[int], List[int]]:
+    """Split the host copy of a count exchange into (send counts, receive counts) per rank.
+
+    Args:
+        info: [4P] ints: per destination (rows, bad ids here), then per source (rows, bad ids there).
+    Raises:
+        ValueError on every rank when any rank got topk_ids outside [0, E).
+    """
+    P = num_ranks
+    bad = [r for r in range(P) if info[2 * P + 2 * r + 1]]
+    if bad:
+        raise ValueError(
+            f"topk_ids must lie in [0, {num_experts}), got ids outside on rank(s) {bad} "
+            f"({sum(info[2 * P + 2 * r + 1] for r in bad)} ids)"
+        )
+    return info[0:2 * P:2], info[2 * P::2]
 
 
 class ExpertParallelDispatcher(Dispatcher):
@@ -189,23 +237,35 @@ class ExpertParallelDispatcher(Dispatcher):
         parallel: ParallelConfig with ep_size >= 2.
         num_experts: E global experts (physical slots when EPLB adds replicas).
         top_k: k.
+        kernels: "auto" | "torch" | "triton": who runs the per-token passes (module docstring).
+        kernel_config: ep_kernels.EpKernelConfig of the Triton kernels, or None for the defaults.
     """
 
-    def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int) -> None:
+    def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int, kernels: str = "auto",
+                 kernel_config=None) -> None:
         if parallel.ep_size < 2:
             raise ValueError(f"{type(self).__name__} needs ep_size >= 2, got ep_size={parallel.ep_size}")
+        if kernels not in EP_KERNELS:
+            raise ValueError(f"kernels must be one of {list(EP_KERNELS)}, got {kernels!r}")
+        if kernels == "torch" and kernel_config is not None:
+            raise ValueError(f"kernel_config tunes the Triton kernels, but kernels='torch', got {kernel_config!r}")
         self.parallel = parallel
         self.group = parallel.group
         self.rank, self.size = parallel.ep_rank, parallel.ep_size
         self.num_experts, self.top_k = num_experts, top_k
         self.max_tokens_per_rank = parallel.max_tokens_per_rank
+        self.kernels = kernels
+        self._triton = None  # the ep_kernels module, imported on first use
+        self._kernel_config = kernel_config
+        if kernels == "triton" or kernel_config is not None:
+            self._triton_kernels()  # import errors at construction, not in forward
         self._owner_cpu = expert_owner(num_experts, self.size, parallel.placement)  # [E] int64
         self._map_cpu = expert_map(num_experts, self.size, self.rank, parallel.placement)  # [E] int32
         self.pad_id = non_local_expert(num_experts, self.size, self.rank, parallel.placement)
-        self._cache: Dict[tuple, torch.Tensor] = {}
+        self._cache: Dict[tuple, object] = {}
 
-    def cached(self, key: tuple, make) -> torch.Tensor:
-        """A constant tensor made once per key (device, dtype, ...).
+    def cached(self, key: tuple, make):
+        """A constant (tensor, layout) made once per key (device, dtype, ...).
 
         The first call on a device copies tables from the host: make it before a CUDA graph capture.
         """
@@ -217,6 +277,36 @@ class ExpertParallelDispatcher(Dispatcher):
         """(owner [E] int64, expert_map [E] int32) on `device`."""
         return (self.cached(("owner", device), lambda: self._owner_cpu.to(device)),
                 self.cached(("map", device), lambda: self._map_cpu.to(device)))
+
+    def layout(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> RowLayout:
+        """The RowLayout of rows for tokens of `hidden_size` values of `dtype` and `top_k` experts."""
+        return self.cached(("layout", hidden_size, dtype, top_k), lambda: RowLayout(hidden_size, dtype, top_k))
+
+    def _triton_kernels(self):
+        if self._triton is None:
+            from . import ep_kernels  # noqa: PLC0415 (optional dependency)
+
+            self._triton = ep_kernels
+            if self._kernel_config is None:
+                self._kernel_config = ep_kernels.EpKernelConfig()
+        return self._triton
+
+    def triton_for(self, x: torch.Tensor):
+        """The ep_kernels module when the Triton kernels serve x's device, else None (torch path)."""
+        if self.kernels == "torch":
+            return None
+        if self.kernels == "triton":
+            if x.device.type != "cuda" and not settings.triton_interpret:
+                raise ValueError("kernels='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU, for tests), "
+                                 f"got x on {x.device}")
+            return self._triton_kernels()
+        if x.device.type != "cuda" or settings.triton_interpret:
+            return None
+        try:
+            return self._triton_kernels()
+        except ImportError:
+            self.kernels = "torch"  # "auto" without Triton installed: the torch path, decided once
+            return None
 
     def num_chunks(self, x: torch.Tensor, chunk_size: int) -> int:
         """Rounds every rank runs: fixed by max_tokens_per_rank, else agreed on with a MAX all-reduce."""

@@ -28,18 +28,25 @@ Trade-off against `all_to_all` (the dynamic path):
     private pool when captured).
 The tables it reads (owner, expert_map) are copied to the device on the first call:
 run one step before capturing.
+
+On CUDA the per-token passes are ep_kernels.py's Triton kernels (plan, pack with the
+padding rows, combine: three launches, graph-capturable); the torch path is the reference
+they match bit for bit. With no host read, this path cannot report topk_ids outside
+[0, E) as the dynamic one does: the torch path's indexing fails on them, the Triton plan
+sends such an id nowhere. They come from a broken router or custom routing function.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .base import Dispatched
 from .config import ParallelConfig
-from .ep_common import (ExpertParallelDispatcher, RowLayout, check_no_grad, combine_rows, destination_mask, pack_rows,
+from .ep_common import (ExpertParallelDispatcher, check_no_grad, combine_rows, destination_mask, pack_rows,
                         padding_rows, row_sources, send_rows, sum_partials, unpack_rows)
 from .placement import non_local_expert
 
@@ -48,9 +55,12 @@ __all__ = ["StaticAllToAllDispatcher"]
 
 @dataclass(frozen=True)
 class StaticHandle:
-    """What combine needs: rows [C, T] of each token's partial per destination (trash row P*cap for padding)."""
+    """What combine needs: this rank's T and where each token's partials come back: rows [C, T]
+    (trash row P*cap) on the torch path, the plan's meta buffer (ep_kernels) on the Triton path."""
 
-    rows: torch.Tensor
+    num_tokens: int
+    rows: Optional[torch.Tensor] = None
+    meta: Optional[torch.Tensor] = None
 
 
 class StaticAllToAllDispatcher(ExpertParallelDispatcher):
@@ -58,8 +68,9 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
 
     name = "static_all_to_all"
 
-    def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int) -> None:
-        super().__init__(parallel, num_experts, top_k)
+    def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int, kernels: str = "auto",
+                 kernel_config=None) -> None:
+        super().__init__(parallel, num_experts, top_k, kernels, kernel_config)
         if parallel.max_tokens_per_rank is None:
             raise ValueError("static_all_to_all needs ParallelConfig.max_tokens_per_rank, got None")
         self.capacity = parallel.max_tokens_per_rank
@@ -80,27 +91,44 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
             )
         device = x.device
         owner, emap = self.tables(device)
-        layout = RowLayout(H, x.dtype, k)
-        pad = self.cached(("pad", device, x.dtype, H, k),
-                          lambda: padding_rows(layout, self._pad_ids_cpu.to(device)))  # [P, B]
-        # slot i of block r keeps padding row T + r unless a token is written there; the trash slot too
-        block = self.cached(("block", device),
-                            lambda: torch.arange(P * C + 1, device=device).floor_divide(C).clamp(max=P - 1))
-        mask_PT = destination_mask(topk_ids, owner, P)  # [P, T]
-        rows_PT = send_rows(mask_PT, C, trash=P * C)  # [P, T]
-        src = row_sources(rows_PT, block + T)  # [P*C]
-        packed = pack_rows(x, topk_weights, topk_ids, layout, tail=pad)  # [T + P, B]
-        send = packed[src]  # [P*C, B]
+        layout = self.layout(H, x.dtype, k)
+        kern = self.triton_for(x)
+        if kern is not None:
+            pad_ids = self.cached(("pad_ids", device), lambda: self._pad_ids_cpu.to(device))  # [P]
+            meta = torch.empty(kern.meta_size(P, T), dtype=torch.int32, device=device)
+            kern.plan(topk_ids, owner, P, meta, self._kernel_config)
+            send = torch.empty((P * C, layout.row_bytes), dtype=torch.uint8, device=device)
+            kern.pack(x, topk_weights, topk_ids, meta, layout, send, P, C, pad_ids, self._kernel_config)
+            handle = StaticHandle(T, meta=meta)
+        else:
+            pad = self.cached(("pad", device, x.dtype, H, k),
+                              lambda: padding_rows(layout, self._pad_ids_cpu.to(device)))  # [P, B]
+            # slot i of block r keeps padding row T + r unless a token is written there; the trash slot too
+            block = self.cached(("block", device),
+                                lambda: torch.arange(P * C + 1, device=device).floor_divide(C).clamp(max=P - 1))
+            mask_PT = destination_mask(topk_ids, owner, P)  # [P, T]
+            rows_PT = send_rows(mask_PT, C, trash=P * C)  # [P, T]
+            src = row_sources(rows_PT, block + T)  # [P*C]
+            send = pack_rows(x, topk_weights, topk_ids, layout, tail=pad)[src]  # [P*C, B]
+            handle = StaticHandle(T, rows=combine_rows(rows_PT, k))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         x_r, w_r, ids_r = unpack_rows(recv, layout)  # [P*C, H], [P*C, k], [P*C, k]
-        return Dispatched(x_r, w_r, ids_r, emap, StaticHandle(combine_rows(rows_PT, k)))
+        return Dispatched(x_r, w_r, ids_r, emap, handle)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [P*cap, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""
         check_no_grad(y, "the experts' output")
-        n = self.size * self.capacity
-        back = torch.empty((n + 1, y.shape[1]), dtype=torch.float32, device=y.device)
+        h: StaticHandle = dispatched.handle
+        n, H = self.size * self.capacity, y.shape[1]
+        y = y.float().contiguous()
+        if h.meta is not None:
+            back = torch.empty((n, H), dtype=torch.float32, device=y.device)
+            dist.all_to_all_single(back, y, group=self.group)
+            out = torch.empty((h.num_tokens, H), dtype=torch.float32, device=y.device)
+            self._triton.combine(back, h.meta, self.size, self.capacity, out, self._kernel_config)
+            return out
+        back = torch.empty((n + 1, H), dtype=torch.float32, device=y.device)
         back[n].zero_()  # the trash row padding entries read
-        dist.all_to_all_single(back[:n], y.float().contiguous(), group=self.group)
-        return sum_partials(back, dispatched.handle.rows)
+        dist.all_to_all_single(back[:n], y, group=self.group)
+        return sum_partials(back, h.rows)

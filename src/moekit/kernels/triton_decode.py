@@ -1,0 +1,149 @@
+"""Triton kernels of the direct path (a handful of tokens) on CUDA cores: GEMM1 and GEMM2 of
+triton_moe's direct layout without tl.dot.
+
+With one live row per program, tl.dot pads it to 16 rows and stages both operands in shared
+memory; here each program loads [BN, BK] weight tiles (K contiguous, so 16-byte loads along a
+row), multiplies them by the row's K block broadcast over BN and reduces along K in fp32.
+Nothing but the weights passes through shared memory (when tl.range pipelines the loads).
+
+    gemv1_kernel: act[a, n] = act(x[a // k] W13[e_a]^T + b13[e_a])[n], one program per
+        (assignment a, BN columns); non-local assignments (expert -1) write nothing.
+    gemv2_kernel: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], one program
+        per (token t, BN columns) and split; with SPLIT the slots x K blocks of a token are
+        shared by n_split programs and reduced in split order (triton_moe.split_sum).
+
+Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_align import local_expert
+from .triton_moe import MAX_TOP_K, _apply_act, _expert_of, split_sum, zero_counters
+
+__all__ = ["gemv1_kernel", "gemv2_kernel"]
+
+_MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
+
+
+@triton.jit(do_not_specialize=["top_k", "n_cnt"])
+def gemv1_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, ids_ptr, map_ptr, cnt_ptr,
+    N, K, top_k, n_cnt,
+    stride_xm, stride_we, stride_wn, stride_be, stride_om,
+    alpha, limit,
+    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
+    ON_INPUT: tl.constexpr, PDL: tl.constexpr,
+):
+    """act[a, n] for n < N (= I) of assignment a = pid // cdiv(N, BN).
+
+    x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [T*k, N] in x's dtype.
+    Clears GEMM2's n_cnt split counters (none: n_cnt = 0).  PDL: let GEMM2 launch early.
+    """
+    zero_counters(cnt_ptr, n_cnt)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    assign = pid // num_n
+    e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+    if e < 0:  # not a local expert: no activation row
+        return
+    cols = (pid - assign * num_n) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    x_row = x_ptr + (assign // top_k).to(tl.int64) * stride_xm
+    w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k_ok = ks + k0 < K
+        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_rows + k0 + ks[None, :], mask=w_mask, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
+        if GATED:
+            wu = tl.load(w_rows + N * stride_wn + k0 + ks[None, :], mask=w_mask, other=0.0)
+            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias.
+        w_a = tl.load(topk_w_ptr + assign)
+        acc_g = acc_g * w_a
+        acc_u = acc_u * w_a
+    if HAS_BIAS:
+        b_row = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GATED:
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
+    else:
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    tl.store(out_ptr + assign.to(tl.int64) * stride_om + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["top_k", "n_split"])
+def gemv2_kernel(
+    a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, topk_w_ptr, ids_ptr, map_ptr,
+    N, K, top_k, n_split,
+    stride_am, stride_we, stride_wn, stride_be, stride_om, stride_ps,
+    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[t, n] for n < N (= H) of token t = pid // cdiv(N, BN), summed over its k slots in order.
+
+    act [T*k, K=I] (x's dtype); w2 [E, N, K]; b2 [E, N]; out [T, N] (fp32 or x's dtype).
+    SPLIT: program_id(1) takes its share of the token's slots x K blocks; partials
+    [n_split, T, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    t = pid // num_n
+    pid_n = pid - t * num_n
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    # The slots' experts and weights sit in registers: every weight address of the loop is
+    # known without a dependent load, so the loads stream on across expert boundaries.
+    slots = tl.arange(0, _MAX_TOP_K)
+    slot_e = local_expert(ids_ptr, map_ptr, t * top_k + slots, slots < top_k, HAS_MAP)
+    if ON_INPUT:
+        slot_w = tl.where(slots < top_k, 1.0, 0.0)
+    else:
+        slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    num_k = tl.cdiv(K, BK)
+    it_lo = 0
+    it_hi = top_k * num_k
+    if SPLIT:
+        per = tl.cdiv(it_hi, n_split)
+        it_lo = tl.program_id(1) * per
+        it_hi = tl.minimum(it_lo + per, it_hi)
+    w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for it in tl.range(it_lo, it_hi, num_stages=STAGES):
+        j = it // num_k
+        k0 = (it - j * num_k) * BK
+        e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+        k_ok = (ks + k0 < K) & (ks * 0 + e >= 0)
+        av = tl.load(a_ptr + (t * top_k + j).to(tl.int64) * stride_am + k0 + ks, mask=k_ok, other=0.0)
+        av = av.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)
+        wt = tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[None, :],
+                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * av[None, :], axis=1)
+    o_mask = col_ok
+    if SPLIT:
+        last, acc = split_sum(acc, part_ptr, cnt_ptr, pid, n_split, t.to(tl.int64) * N + cols, col_ok, stride_ps)
+        o_mask = tl.where(last, o_mask, False)
+    if HAS_BIAS:
+        for j in range(0, top_k):
+            e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+            bias = tl.load(b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be + cols,
+                           mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
+            acc += bias * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -1,0 +1,392 @@
+"""Triton kernels of the experts for prefill (many tokens per expert) and their launcher:
+GEMM1 (w13, activation fused) and GEMM2 (w2, routed weight applied) over a tile schedule
+computed on the device, weight tiles through TMA tensor descriptors, short tail tiles.
+
+Rows: triton_align pads each expert's assignments to a multiple of the row granule
+G = BM / TAIL (not of BM), so an expert with P padded rows has cdiv(P, BM) row tiles and
+its last tile holds P mod BM rows (or BM). With TAIL > 1 a last tile of at most BM / 2
+(BM / 4) rows runs the BM / 2 (BM / 4) row variant of the loop, so the tensor cores do
+not multiply up to BM - G rows of padding per expert (DeepSeek-V3 at M = 4096 has about
+128 rows per expert: BM = 128 tiles alone multiply about 1.5 times the rows it has).
+Schedule: row tiles are numbered expert by expert; each program reads the experts'
+padded extents once and finds a tile's expert by a comparison over the experts (no host
+sync, no extra launch). Work items (row tile, column tile) go in groups of GROUP_M row
+tiles so the weight tiles they share stay in L2; PROGRAMS programs walk them with stride
+PROGRAMS (a persistent grid when PROGRAMS is the multiprocessor count, one item each when
+it is the item bound). FLATTEN (TAIL = 1, persistent) asks Triton to flatten the two loops
+into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue.
+Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I] through
+TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
+A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
+are computed and never stored, and TMA fills rows and K columns past the tensor with zeros.
+GEMM2 writes each assignment's weighted row y[a] in x's dtype and triton_moe.sum_k_kernel
+adds a token's k rows in slot order (deterministic, as on the other sorted path).
+
+Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
+TK = T * k assignments, R rows of the activation buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activations import is_gated
+from .triton_moe import _apply_act, sum_k_kernel
+from .tuning import MoEConfig, TileConfig
+
+__all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
+           "INTERPRETER_SMS"]
+
+# Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
+# E up to it shares one compiled kernel.
+E_LANES = 256
+# Multiprocessors assumed under the Triton interpreter (CPU tensors), so a persistent grid
+# of a few programs walks several tiles each in tests.
+INTERPRETER_SMS = 2
+
+
+@triton.jit
+def _schedule(expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """Per expert lane: tiles ending there (cumulative), the row base of its tiles (row of
+    its tile m is base + m * BM), its padded end row; and the number of row tiles."""
+    lanes = tl.arange(0, E_PAD)
+    ends = tl.load(expert_end_ptr + lanes, mask=lanes < E, other=0)
+    starts = tl.load(expert_end_ptr + lanes - 1, mask=(lanes >= 1) & (lanes < E), other=0)
+    tiles = (ends - starts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, axis=0)
+    row_base = starts - (tile_end - tiles) * BM
+    return tile_end, row_base, ends, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def _tile_rows(m, tile_end, row_base, ends, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, first row, rows) of row tile m (rows <= BM, a multiple of the row granule)."""
+    e = tl.sum((tile_end <= m).to(tl.int32), axis=0)
+    sel = tl.arange(0, E_PAD) == e
+    row0 = tl.sum(tl.where(sel, row_base, 0), axis=0) + m * BM
+    rows = tl.minimum(tl.sum(tl.where(sel, ends, 0), axis=0) - row0, BM)
+    return e, row0, rows
+
+
+@triton.jit
+def _grouped(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """Work item t -> (row tile, column tile), GROUP_M row tiles side by side."""
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m = first_m + (t % per_group) % group_rows
+    n = (t % per_group) // group_rows
+    return m, n
+
+
+@triton.jit
+def _variant(rows, BM: tl.constexpr, TAIL: tl.constexpr):
+    """Which loop serves a tile of `rows` rows (TAIL 2 or 4): 0 (BM rows), 1 (BM / 2) or 2
+    (BM / 4, TAIL 4 only), the shortest that holds them."""
+    v = (rows <= BM // 2).to(tl.int32)
+    if TAIL == 4:
+        v += (rows <= BM // 4).to(tl.int32)
+    return v
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; exact fp32 products for fp32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn,
+                 TMA: tl.constexpr):
+    """[BK, BN] tile of expert e's weight rows n0 + cols (K-contiguous), columns k0 + ks."""
+    if TMA > 0:
+        return w_desc.load([e * w_rows + n0, k0]).T
+    ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
+    return tl.load(ptrs, mask=((k0 + ks) < K)[:, None] & (cols < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemm1_tile(
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
+    e, row0, rows, n0, N, K, TK, top_k, w_rows,
+    stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e."""
+    r = tl.arange(0, BMT)
+    in_tile = r < rows
+    assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
+    live = assign < TK
+    token = tl.where(live, assign // top_k, 0).to(tl.int64)
+    ks = tl.arange(0, BK)
+    cols = n0 + tl.arange(0, BN)
+    col_ok = cols < N
+    a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    acc_g = tl.zeros([BMT, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BMT, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        acc_g = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
+                     acc_g, IEEE)
+        if GATED:  # the up rows follow the N gate rows of each expert
+            acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
+                                         stride_wn, TMA), acc_u, IEEE)
+        a_ptrs += BK
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias.
+        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+        acc_g = acc_g * w_row[:, None]
+        acc_u = acc_u * w_row[:, None]
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
+    else:
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemm2_tile(
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+    e, row0, rows, n0, N, K, TK, w_rows,
+    stride_am, stride_we, stride_wn, stride_be, stride_ym,
+    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows)."""
+    r = tl.arange(0, BMT)
+    in_tile = r < rows
+    assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
+    live = assign < TK
+    ks = tl.arange(0, BK)
+    cols = n0 + tl.arange(0, BN)
+    col_ok = cols < N
+    a_ptrs = a_ptr + (row0 + r).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    acc = tl.zeros([BMT, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=in_tile[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        acc = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
+                   acc, IEEE)
+        a_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if not ON_INPUT:
+        acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
+    y_ptrs = y_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS"])
+def prefill_gemm1_kernel(
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
+    N, K, TK, top_k, E, PROGRAMS, w_rows,
+    stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
+    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
+
+    x [T, K=H]; w13 [E, w_rows = 2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks
+    [BN, BK]); b13 [E, w_rows]; out [R, N] in x's dtype; expert_end [E] padded row ends.
+    """
+    if TMA == 2:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
+    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
+    num_n = tl.cdiv(N, BN)
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
+        m, nt = _grouped(t, num_m, num_n, GROUP_M)
+        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if TAIL == 1:
+            _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                        N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+                        BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+        else:
+            v = _variant(rows, BM, TAIL)
+            if v == 0:
+                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                            N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
+                            limit, BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+            if v == 1:
+                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                            N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
+                            limit, BM // 2, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+            if TAIL == 4:
+                if v == 2:
+                    _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                                nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
+                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+
+
+@triton.jit(do_not_specialize=["TK", "E", "PROGRAMS"])
+def prefill_gemm2_kernel(
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
+    N, K, TK, E, PROGRAMS, w_rows,
+    stride_am, stride_we, stride_wn, stride_be, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
+    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
+
+    act [R, K=I]; w2 [E, N=H, K] (w_desc: its [E * N, K] descriptor, blocks [BN, BK]);
+    b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends.
+    """
+    if TMA == 2:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
+    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
+    num_n = tl.cdiv(N, BN)
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
+        m, nt = _grouped(t, num_m, num_n, GROUP_M)
+        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if TAIL == 1:
+            _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N, K, TK,
+                        w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                        BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+        else:
+            v = _variant(rows, BM, TAIL)
+            if v == 0:
+                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
+                            K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+            if v == 1:
+                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
+                            K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM // 2, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+            if TAIL == 4:
+                if v == 2:
+                    _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                                N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                                BM // 4, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+
+def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
+    """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
+    and each expert adds at most one partly filled tile."""
+    return max(1, min(TK, triton.cdiv(TK, block_m) + E))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(items: int, per_sm: int, device: torch.device) -> int:
+    """Grid size: one program per work item (per_sm = 0) or a persistent grid."""
+    if per_sm == 0:
+        return items
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else INTERPRETER_SMS
+    return max(1, min(items, sms * per_sm))
+
+
+def _weight_desc(w: torch.Tensor, cfg: TileConfig, tma: int, name: str):
+    """What the kernels take as w_desc for w [E, rows, K]: its 2-D [E * rows, K] host TMA
+    descriptor with [BN, BK] blocks (tma = 1), or w itself (tma = 0: pointer loads; tma = 2:
+    the kernel builds the descriptor in a scratch buffer from Triton's allocator, which this
+    sets to torch allocations on w's device)."""
+    if tma == 0:
+        return w
+    E, rows, K = w.shape
+    if (K * w.element_size()) % 16 or w.data_ptr() % 16:
+        raise ValueError(f"TMA needs {name}'s rows 16-byte aligned (K * {w.element_size()} bytes a multiple of 16), "
+                         f"got K = {K}; use a config with prefill tma=0")
+    if cfg.BLOCK_SIZE_N > 256 or cfg.BLOCK_SIZE_K > 256:
+        raise ValueError(f"TMA blocks are at most 256 wide, got BLOCK_SIZE_N={cfg.BLOCK_SIZE_N}, "
+                         f"BLOCK_SIZE_K={cfg.BLOCK_SIZE_K}")
+    if tma == 2:
+        triton.set_allocator(functools.partial(_scratch, w.device))
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (triton >= 3.4)
+
+    return TensorDescriptor(w.view(E * rows, K), [E * rows, K], [K, 1], [cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K])
+
+
+def _scratch(device: torch.device, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Global memory Triton asks for at launch (device-built descriptors), from torch's allocator."""
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def fused_moe_prefill(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor],
+    sorted_ids: torch.Tensor,
+    expert_end: torch.Tensor,
+    rows: int,
+    activation: str,
+    alpha: float,
+    limit: float,
+    on_input: bool,
+    config: MoEConfig,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Routed experts through the prefill kernels, on inputs kernels.launch.fused_moe checked.
+
+    Args:
+        x: [T, H].  w13: [E, 2I or I, H].  w2: [E, H, I].  b13: [E, 2I or I] or None.  b2: [E, H] or None.
+        topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
+        sorted_ids, expert_end: launch.moe_align's rows at granule config.block_m // config.prefill.tail.
+        rows: R, rows of that alignment (max_blocks * granule).
+        activation, alpha, limit, on_input: as fused_moe.  config: tiles with a PrefillConfig.
+        out_dtype: float32 or x's dtype.
+    Returns:
+        [T, H] in out_dtype.
+    """
+    pre = config.prefill
+    g1, g2 = config.gemm1, config.gemm2
+    BM = config.block_m
+    T, H = x.shape
+    E, _, I = w2.shape
+    k = topk_ids.shape[1]
+    TK = T * k
+    R13 = w13.shape[1]
+    dev = x.device
+    act = torch.empty(rows, I, dtype=x.dtype, device=dev)
+    y = torch.empty(TK, H, dtype=x.dtype, device=dev)
+    bound_m = row_tiles_bound(TK, E, BM)
+    e_pad = max(E_LANES, triton.next_power_of_2(E))
+    common = dict(TAIL=pre.tail, FLATTEN=bool(pre.flatten), E_PAD=e_pad, TMA=pre.tma, ON_INPUT=on_input,
+                  IEEE=x.dtype == torch.float32)
+    bias13 = b13 if b13 is not None else x
+    bias2 = b2 if b2 is not None else x
+    p1 = _programs(bound_m * triton.cdiv(I, g1.BLOCK_SIZE_N), pre.programs_per_sm, dev)
+    prefill_gemm1_kernel[(p1,)](
+        x, w13, _weight_desc(w13, g1, pre.tma, "w13"), bias13, act, topk_weights, sorted_ids, expert_end,
+        I, H, TK, k, E, p1, R13,
+        x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
+        float(alpha), float(limit),
+        BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, GATED=is_gated(activation),
+        ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
+    p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
+    prefill_gemm2_kernel[(p2,)](
+        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end,
+        H, I, TK, E, p2, H,
+        act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
+        BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, HAS_BIAS=b2 is not None,
+        num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
+    bn = min(1024, max(16, triton.next_power_of_2(H)))
+    bt = max(1, 4096 // bn)
+    has_map = expert_map is not None
+    sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
+        y, out, topk_ids, expert_map if has_map else topk_ids, T, H, k, y.stride(0), out.stride(0),
+        BT=bt, BN=bn, HAS_MAP=has_map, num_warps=4)
+    return out

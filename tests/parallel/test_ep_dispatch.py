@@ -1,0 +1,179 @@
+"""The all_to_all dispatchers on 3 gloo ranks, step by step, against rows and sums worked out here.
+
+Every rank draws all ranks' tokens from one seed, dispatches its own, and checks bit for bit:
+the rows it receives (from each source rank in rank order, that rank's tokens in order; the
+static path adds padding rows to fill each block) and the combined output (per token, from
+zero, the partials of its destination ranks added in increasing rank order). The partials
+are y = x * (1 + rank) + w[:, :1], elementwise, so the expected sums are exact. Out-of-range
+ids make every rank of the dynamic path raise. test_ep_kernels.py runs the same world with
+the Triton kernels under Triton's interpreter.
+"""
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import pytest
+import torch
+
+from moekit.parallel import AllToAllDispatcher, ParallelConfig, StaticAllToAllDispatcher
+from moekit.parallel.placement import expert_owner, non_local_expert
+
+from dist_harness import run_world
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: Tuple[int, ...]  # T per rank
+    static: bool = False
+    capacity: Optional[int] = None
+    E: int = 7
+    k: int = 3
+    H: int = 33
+    dtype: torch.dtype = torch.bfloat16
+    placement: str = "linear"
+    only_rank0: bool = False  # every id is an expert of rank 0: the other ranks receive nothing
+    int64_strided: bool = False  # ids int64 and weights not contiguous
+    bad_rank: Optional[int] = None  # this rank passes an id == E
+
+
+CASES = [
+    Case("dynamic, bf16 odd H, rank 1 empty", (5, 0, 3)),
+    Case("dynamic, k=1, fp32, round robin", (1, 4, 2), E=6, k=1, H=16, dtype=torch.float32, placement="round_robin"),
+    Case("dynamic, fp16, k=4, int64 ids, strided weights", (9, 9, 9), E=12, k=4, H=8, dtype=torch.float16,
+         int64_strided=True),
+    Case("dynamic, every id on rank 0", (4, 4, 4), only_rank0=True),
+    Case("dynamic, every rank empty", (0, 0, 0)),
+    Case("static, bf16 odd H, T = capacity on rank 0", (5, 0, 3), static=True, capacity=5),
+    Case("static, capacity 1, round robin", (1, 0, 1), static=True, capacity=1, E=9, k=2, H=4, dtype=torch.float32,
+         placement="round_robin"),
+    Case("dynamic, ids outside [0, E) on rank 1", (3, 2, 2), bad_rank=1),
+]
+
+
+def _inputs(case: Case, size: int, seed: int):
+    """Every rank's (x [T, H], weights [T, k], ids [T, k]) from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    owner = expert_owner(case.E, size, case.placement)
+    mine = (owner == 0).nonzero().flatten()
+    out = []
+    for r in range(size):
+        T = case.tokens[r % len(case.tokens)]
+        x = torch.randn(T, case.H, generator=g).to(case.dtype)
+        w = torch.rand(T, case.k, generator=g)
+        if case.only_rank0:
+            ids = mine[torch.randint(0, mine.numel(), (T, case.k), generator=g)]
+        else:
+            ids = torch.stack([torch.randperm(case.E, generator=g)[:case.k] for _ in range(T)]) if T else \
+                torch.zeros(0, case.k, dtype=torch.long)
+        if case.bad_rank == r and T:
+            ids[T - 1, 0] = case.E
+        if case.int64_strided:
+            w = torch.rand(case.k, T, generator=g).t()  # [T, k], column-major
+        else:
+            ids = ids.to(torch.int32)
+        out.append((x, w, ids))
+    return out, owner
+
+
+def _partial(x: torch.Tensor, w: torch.Tensor, rank: int) -> torch.Tensor:
+    """The stand-in experts' output of `rank` for rows (x, w): elementwise, so bitwise reproducible."""
+    return x.float() * (1 + rank) + w[:, :1].float()
+
+
+def _run_case(case: Case, rank: int, size: int, seed: int, kernels: str):
+    """Failure messages of one case on this rank."""
+    inputs, owner = _inputs(case, size, seed)
+    x, w, ids = inputs[rank]
+    fields = dict(ep_size=size, ep_rank=rank, placement=case.placement, timeout_s=20)
+    if case.static:
+        parallel = ParallelConfig(dispatcher="static_all_to_all", max_tokens_per_rank=case.capacity, **fields)
+        disp = StaticAllToAllDispatcher(parallel, case.E, case.k, kernels=kernels)
+    else:
+        disp = AllToAllDispatcher(ParallelConfig(**fields), case.E, case.k, kernels=kernels)
+    if case.bad_rank is not None:
+        try:
+            disp.dispatch(x, w, ids)
+        except ValueError as exc:
+            want = rf"topk_ids must lie in \[0, {case.E}\), got ids outside on rank\(s\) \[{case.bad_rank}\]"
+            return [] if re.search(want, str(exc)) else [f"unexpected message: {exc}"]
+        return ["no error for ids outside [0, E)"]
+    d = disp.dispatch(x, w, ids)
+    # expected rows: per source rank, its tokens with an expert here, in order (+ padding blocks when static)
+    exp_x, exp_w, exp_ids = [], [], []
+    for xs, ws, idss in inputs:
+        hit = (owner[idss.long()] == rank).any(dim=1) if idss.numel() else torch.zeros(0, dtype=torch.bool)
+        exp_x.append(xs[hit])
+        exp_w.append(ws[hit])
+        exp_ids.append(idss[hit].to(torch.int32))
+        if case.static:
+            n_pad = case.capacity - int(hit.sum())
+            exp_x.append(torch.zeros(n_pad, case.H, dtype=case.dtype))
+            exp_w.append(torch.zeros(n_pad, case.k))
+            exp_ids.append(torch.full((n_pad, case.k), non_local_expert(case.E, size, rank, case.placement),
+                                      dtype=torch.int32))
+    failures = []
+    for what, got, want in (("x", d.x, torch.cat(exp_x)), ("weights", d.topk_weights, torch.cat(exp_w)),
+                            ("ids", d.topk_ids, torch.cat(exp_ids))):
+        if got.shape != want.shape or not torch.equal(got, want):
+            failures.append(f"received {what} differ: got {tuple(got.shape)}, expected {tuple(want.shape)}")
+    if failures:
+        return failures
+    out = disp.combine(_partial(d.x, d.topk_weights, rank), d)
+    # expected: from zero, the partials of the destinations in increasing rank order
+    want = torch.zeros(x.shape[0], case.H)
+    dests = torch.zeros(size, x.shape[0], dtype=torch.bool)
+    if x.shape[0]:
+        dests.scatter_(0, owner[ids.long()].t(), True)
+    for r in range(size):
+        want[dests[r]] += _partial(x[dests[r]], w[dests[r]], r)
+    if out.dtype != torch.float32 or not torch.equal(out, want):
+        failures.append(f"combine differs: max abs diff {(out - want).abs().max() if out.numel() else 0}")
+    return failures
+
+
+def check_dispatch_cases(rank, size, kernels, base_seed):
+    """Every case on this rank; a failure stops the world (the ranks may disagree on collectives after it)."""
+    failures = []
+    for i, case in enumerate(CASES):
+        seed = base_seed + 1000 * i
+        try:
+            errs = _run_case(case, rank, size, seed, kernels)
+        except Exception as exc:  # noqa: BLE001 (reported; a raise on one rank would hang the others)
+            errs = [f"{type(exc).__name__}: {exc}"]
+        failures += [f"[{case.name}] seed {seed} rank {rank} kernels={kernels}: {e}" for e in errs]
+        if errs:
+            break
+    return failures
+
+
+@pytest.mark.slow
+def test_dispatch_rows_and_sums_on_three_ranks():
+    base_seed = random.randrange(2 ** 31)
+    results = run_world(3, check_dispatch_cases, "torch", base_seed, timeout_s=120, gloo_timeout_s=30)
+    failures = [f for r in sorted(results) for f in results[r]]
+    assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+
+
+def test_kernels_argument_is_checked():
+    parallel = ParallelConfig(ep_size=2, ep_rank=0)
+    with pytest.raises(ValueError, match=r"kernels must be one of \['auto', 'torch', 'triton'\], got 'cuda'"):
+        AllToAllDispatcher(parallel, 4, 2, kernels="cuda")
+    from moekit.parallel import AllGatherReduceScatterDispatcher
+
+    with pytest.raises(ValueError, match="allgather_reducescatter has no Triton kernels"):
+        AllGatherReduceScatterDispatcher(parallel, 4, 2, kernels="triton")
+    pytest.importorskip("triton")
+    from moekit.parallel.ep_kernels import EpKernelConfig
+
+    with pytest.raises(ValueError, match="kernel_config tunes the Triton kernels, but kernels='torch'"):
+        AllToAllDispatcher(parallel, 4, 2, kernels="torch", kernel_config=EpKernelConfig())
+    disp = AllToAllDispatcher(parallel, 4, 2, kernels="triton")
+    from moekit.config import settings
+
+    if not settings.triton_interpret:
+        with pytest.raises(ValueError, match=r"kernels='triton' needs CUDA tensors .* got x on cpu"):
+            disp.dispatch(torch.zeros(1, 4), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32))
+    assert AllToAllDispatcher(parallel, 4, 2).triton_for(torch.zeros(1)) is None  # auto: torch on CPU
