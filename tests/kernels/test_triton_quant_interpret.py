@@ -22,7 +22,8 @@ else:
     from moekit.activations import is_gated
     from moekit.experts.base import ExpertsProblem
     from moekit.experts.triton_experts import TritonBackend, triton_quant_experts
-    from moekit.kernels.launch_quant import modes_of, quant_config, quant_unsupported, quantize_rows
+    from moekit.kernels.launch_quant import quant_config, quant_unsupported
+    from moekit.kernels.quant_rows import modes_of, quantize_rows
     from moekit.kernels.tuning import MoEConfig, TileConfig
     from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_activation, quantize_experts
 

@@ -27,7 +27,8 @@ from .peers import plain_grouped_gemm, transformers_experts
 __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench",
-    "QUANT_CASES", "quantized_weights", "quant_jobs", "precompile_quant", "run_quant_bench", "quant_main",
+    "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
+    "quant_floor_terms", "run_quant_bench", "quant_main",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -271,11 +272,13 @@ def run_gpu_bench(
 
 # The quantized benchmark (issue 5): (shape, scheme, static per-expert fp8 activation scales, Ms).
 QUANT_CASES: Tuple[Tuple[str, str, bool, Tuple[int, ...]], ...] = (
-    ("deepseek-v3", "fp8_w8a8_block128", False, (1, 16, 64, 256, 16384)),
-    ("mixtral-8x7b", "int4_w4a16", False, (16,)),
-    ("mixtral-8x7b", "fp8_w8a8", True, (1, 16, 64, 256, 16384)),
-    ("qwen3-30b-a3b", "int4_w4a16", False, (16,)),
-    ("qwen3-30b-a3b", "fp8_w8a8", True, (1, 16, 64, 256, 16384)),
+    ("deepseek-v3", "fp8_w8a8_block128", False, (1, 16, 64, 256, 4096, 16384)),
+    ("mixtral-8x7b", "int4_w4a16", False, (1, 16, 64)),
+    ("mixtral-8x7b", "int8_w8a16", False, (1, 16, 64)),
+    ("mixtral-8x7b", "fp8_w8a8", True, (1, 16, 64, 256, 4096, 16384)),
+    ("qwen3-30b-a3b", "int4_w4a16", False, (1, 16, 64)),
+    ("qwen3-30b-a3b", "int8_w8a16", False, (1, 16, 64)),
+    ("qwen3-30b-a3b", "fp8_w8a8", True, (1, 16, 64, 256, 4096, 16384)),
     ("qwen3-30b-a3b", "fp8_w8a8", False, (16, 16384)),
 )
 # Static per-tensor scales: about amax / 448 of N(0, 1) inputs and of their SwiGLU activations.
@@ -303,26 +306,47 @@ def quantized_weights(scheme: str, E: int, H: int, I: int, static: bool, device,
                          scales={k: cat([p.scales[k] for p in parts]) for k in parts[0].scales}, quant=scheme)
 
 
-def _quant_call(wts, x, w, ids, config=None):
+def _quant_call(wts, x, w, ids, config=None, knobs=None):
     from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
     from moekit.quant import scheme_of  # noqa: PLC0415
 
     s = wts.scales
     return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
                            s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, None, scheme_of(wts),
-                           "silu", config=config, out_dtype=x.dtype)
+                           "silu", config=config, knobs=knobs, out_dtype=x.dtype)
+
+
+def quant_entry(config, knobs) -> Dict:
+    """A tuned quantized table's M entry: the tiles' JSON plus "quant" (knobs off their defaults)."""
+    entry = config.to_json()
+    if knobs.to_json():
+        entry["quant"] = knobs.to_json()
+    return entry
+
+
+def parse_quant_entry(entry: Dict):
+    """(MoEConfig, QuantKnobs) of a quant_entry."""
+    from moekit.kernels.quant_tuning import QuantKnobs  # noqa: PLC0415
+    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
+
+    return MoEConfig.from_json(entry), QuantKnobs.from_json(entry.get("quant", {}))
+
+
+_JOB_WEIGHTS: Dict[tuple, object] = {}
 
 
 def _compile_quant_job(job: Sequence) -> Optional[str]:
-    """Run one quantized config once on two experts of the real H, I (fills Triton's disk cache)."""
-    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415 (in a spawned worker)
-
+    """Run one quantized entry (exact tiles and knobs) once on two experts of the real H, I, with
+    M tokens and k slots (fills Triton's disk cache); weights are kept per worker process."""
     scheme, static, H, I, M, k, entry = job
     try:
-        wts = quantized_weights(scheme, 2, H, I, static, "cuda")
+        key = (scheme, static, H, I)
+        if key not in _JOB_WEIGHTS:
+            _JOB_WEIGHTS.clear()
+            _JOB_WEIGHTS[key] = quantized_weights(scheme, 2, H, I, static, "cuda")
         x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, 2, (M, k), device="cuda", dtype=torch.int32)
-        _quant_call(wts, x, torch.rand(M, k, device="cuda"), ids, MoEConfig.from_json(entry))
+        _quant_call(_JOB_WEIGHTS[key], x, torch.rand(M, k, device="cuda"), ids, *parse_quant_entry(entry))
         torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001 - a config that fails is reported, not fatal
         return f"{scheme} M={M} {entry}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -330,17 +354,22 @@ def _compile_quant_job(job: Sequence) -> Optional[str]:
 
 
 def quant_jobs(cases=QUANT_CASES) -> Tuple[list, list]:
-    """(quantized jobs for _compile_quant_job, bf16 jobs for precompile) of the benchmark's points."""
+    """(quantized jobs for _compile_quant_job, bf16 jobs for precompile) of the benchmark's points,
+    with the tiles and knobs each call looks up (tuned quantized tables, else the fitted bf16 table)."""
+    from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415
+    from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
     from moekit.kernels.tuning import device_name, get_config, use_direct  # noqa: PLC0415
+    from moekit.quant import get_scheme  # noqa: PLC0415
 
     qjobs, bjobs = [], []
     for name, scheme, static, Ms in cases:
         _, E, k, H, I = shape_by_name(name)
+        sch = get_scheme(scheme)
         for M in Ms:
+            config, knobs = quant_tiles(M, E, k, H, I, torch.bfloat16, device_name(), sch, modes_of(sch))
+            qjobs.append([scheme, static, H, I, min(M, 64), k, quant_entry(config, knobs)])
             entry = get_config(M, E, k, H, I, torch.bfloat16, device_name()).to_json()
-            qjobs.append([scheme, static, H, I, M, k, entry])
-            if M == 16384 or scheme.startswith("int4"):
-                bjobs.append([H, I, "bfloat16", "silu", use_direct(M, k, E), entry])
+            bjobs.append([H, I, "bfloat16", "silu", use_direct(M, k, E), entry])
     return qjobs, bjobs
 
 
@@ -352,13 +381,22 @@ def precompile_quant(workers: int, cases=QUANT_CASES) -> List[str]:
     return failures + precompile(bjobs, workers)
 
 
+def quant_floor_terms(scheme: str) -> Tuple[float, float]:
+    """(bytes per weight with group-128 scales, compute ceiling over bf16's) of a scheme's floor."""
+    if scheme.startswith("fp8"):
+        return 1.0, 2.0
+    if scheme == "int8_w8a8":
+        return 1.0, 2.0
+    return (1.0 if scheme.startswith("int8") else 0.5) + 4 / 128, 1.0
+
+
 def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
                     command: str = "", progress: Optional[Callable[[str], None]] = None,
                     dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> Dict:
     """Time the quantized Triton experts (and the unquantized Triton kernel where a target compares them).
 
-    Floors: weight bytes at 1 byte (fp8) or 0.5 + 4/128 (int4, group 128 scales) per weight,
-    fp8 compute at twice PERF.md's bf16 ceiling. The JSON is rewritten after every point.
+    Floors: weight bytes at 1 byte (fp8), 1 + 4/128 (int8 weight-only) or 0.5 + 4/128 (int4,
+    group 128 scales) per weight, 8-bit compute at twice PERF.md's bf16 ceiling. The JSON is rewritten after every point.
     Points left when deadline_s has passed are recorded as skipped. dtype: of the activations
     and the unquantized weights; device: "cuda" ("cpu" only as a dry run under the interpreter).
     """
@@ -366,7 +404,10 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
 
     import triton  # noqa: PLC0415
 
-    from moekit.quant import emulated_experts  # noqa: PLC0415
+    from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415
+    from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
+    from moekit.kernels.tuning import device_name  # noqa: PLC0415
+    from moekit.quant import emulated_experts, get_scheme  # noqa: PLC0415
 
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_end = time.monotonic() + deadline_s
@@ -376,7 +417,8 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
         "device": torch.cuda.get_device_name() if device == "cuda" else device, "torch": torch.__version__, "triton": triton.__version__,
         "moekit": moekit.__version__, "command": command or " ".join(sys.argv),
         "floors": "max(FLOPs / (790e12 bf16, 1580e12 fp8), weight bytes / 4.3e12) as PERF.md's table",
-        "weights": "random, silu, no bias; tiles: the bf16 tuned table with BLOCK_SIZE_K fitted to the scale groups",
+        "weights": "random, silu, no bias; tiles and knobs: the tuned quantized tables (kernels/quant_tuning.py), "
+                   "else the bf16 tuned table with BLOCK_SIZE_K fitted to the scale groups",
         "timing": "CUDA graph of several calls with distinct softmax top-k routing, replayed; median us per call",
         "records": [],
     }
@@ -384,12 +426,15 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
     bf16_us: Dict[Tuple[str, int], float] = {}
     for name, scheme, static, Ms in cases:
         _, E, k, H, I = shape_by_name(name)
+        sch = get_scheme(scheme)
         bf16 = None
         wts = quantized_weights(scheme, E, H, I, static, dev)
-        bpw, fscale = (1.0, 2.0) if scheme.startswith("fp8") else (0.5 + 4 / 128, 1.0)
+        bpw, fscale = quant_floor_terms(scheme)
         for M in Ms:
             row = {"shape": name, "E": E, "k": k, "H": H, "I": I, "scheme": scheme, "static_act_scales": static,
                    "M": M, "floor_us": floor_seconds(M, E, k, H, I, bpw, PERF_TABLE_CEILINGS, fscale) * 1e6}
+            if dev.type == "cuda":
+                row["config"] = quant_entry(*quant_tiles(M, E, k, H, I, dtype, device_name(), sch, modes_of(sch)))
             if time.monotonic() > t_end:
                 row["skipped"] = "out of time"
                 result["records"].append(row)
@@ -404,7 +449,7 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
                         row["rel_err_vs_reference"] = rel = float((out - ref).norm() / ref.norm())
                     row["us"] = graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays)
                     row["pct_of_floor"] = 100.0 * row["floor_us"] / row["us"]
-                    if (M == 16384 or scheme.startswith("int4")) and (name, M) not in bf16_us:
+                    if (name, M) not in bf16_us:
                         if bf16 is None:
                             bf16 = (torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5,
                                     torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5)

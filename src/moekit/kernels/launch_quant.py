@@ -1,20 +1,21 @@
 """Launchers of the quantized Triton experts: checks, activation quantization, tiles, grids.
 
 Pipeline (every size known from shapes, no host synchronisation, CUDA-graph safe):
-    align (triton_align) -> [quantize x] -> GEMM1 -> [quantize act] -> GEMM2 -> sum over k
-The bracketed steps quantize activations: dynamic per token and per 1x128 group one
-kernel each; dynamic per tensor a row-amax kernel, a max over rows (torch, on the device)
-and the quantizing kernel. Static per-expert fp8 scales ("a13_scale", "a2_scale"): x is
-quantized once per assignment (a token's k experts have k scales), GEMM1 writes its output
-as fp8 with the expert's a2_scale, and GEMM2 needs no extra launch.
+    align (+ quantize x) -> GEMM1 -> [quantize act] -> GEMM2 -> sum over k (and K splits)
+x is quantized in the alignment's launch (knob fuse_x_quant; a launch of its own
+otherwise) for dynamic per-token and per-group scales and for static per-expert scales
+(once per assignment: a token's k experts have k scales); dynamic per-tensor scales take a
+row-amax kernel, a max over rows (torch, on the device) and the quantizing kernel. GEMM1's
+output is quantized by one more launch (dynamic scales) or by GEMM1 itself (static
+"a2_scale"). GEMM2 may split K over programs (knob split_k): its fp32 partials are added
+with the k slots, in a fixed order, by the sum kernel.
 
-Tiles: the unquantized table (tuned JSON or heuristic, kernels/tuning.py), fitted by
-quant_config.
+Tiles and knobs (kernels/quant_tuning.py): the tuned quantized table of the nearest M, else
+the unquantized table (tuned JSON or heuristic, kernels/tuning.py) fitted by quant_config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -22,61 +23,24 @@ import triton
 
 from ..activations import check_activation, is_gated
 from ..quant.schemes import QuantScheme
+from . import launch
 from . import triton_moe as moe
 from . import triton_moe_quant as qk
-from .launch import _check, _launch_kwargs, _pow2, moe_align
+from . import triton_quant_rows as qr
+from .launch import _check, _pow2, moe_align
+from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
+from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config
 from .tuning import MoEConfig, TileConfig, device_name, get_config
 
-__all__ = ["QuantModes", "modes_of", "quant_config", "quantize_rows", "fused_moe_quant", "quant_unsupported",
-           "MAX_INT8_K"]
+__all__ = ["quant_config", "check_tiles", "quant_tiles", "fused_moe_quant", "quant_unsupported", "MAX_INT8_K"]
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
 
 _FP8 = torch.float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class QuantModes:
-    """The kernels' constexpr modes of one scheme (see triton_moe_quant's docstring).
-
-    kgroup: K columns per scale group along K (0: none).  act_dtype: dtype of quantized
-    activations, None for weight-only schemes.
-    """
-
-    act_gran: Optional[str]
-    act_dtype: Optional[torch.dtype]
-    a_kscale: bool
-    w_kscale: bool
-    w_srows: int
-    w_int4: bool
-    has_zero: bool
-    int_dot: bool
-    kgroup: int
-
-    @property
-    def qmax(self) -> float:
-        return qk.INT8_MAX if self.act_dtype == torch.int8 else qk.FP8_MAX
-
-
-def modes_of(scheme: QuantScheme) -> QuantModes:
-    """The kernel modes of a scheme (group size and zero points included)."""
-    act_dtype = None
-    if scheme.activation_dtype is not None:
-        act_dtype = _FP8 if scheme.activation_dtype == "fp8_e4m3" else torch.int8
-    gran = scheme.weight_granularity
-    kgroup = 0
-    if gran == "block":
-        kgroup = scheme.weight_block[1]
-    elif gran == "group":
-        kgroup = scheme.group_size
-    if scheme.activation_granularity == "group":
-        kgroup = scheme.activation_group if kgroup == 0 else min(kgroup, scheme.activation_group)
-    return QuantModes(
-        act_gran=scheme.activation_granularity, act_dtype=act_dtype,
-        a_kscale=scheme.activation_granularity == "group", w_kscale=gran in ("block", "group"),
-        w_srows=scheme.weight_block[0] if gran == "block" else 1, w_int4=scheme.weight_dtype == "int4",
-        has_zero=not scheme.symmetric, int_dot=act_dtype == torch.int8, kgroup=kgroup)
+# Programs that fill a 132-SM H200 twice: the sum over k takes narrower column blocks below this.
+_FILL_PROGRAMS = 264
+_TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 
 def quant_unsupported(scheme: QuantScheme, dtype: torch.dtype, capability: Optional[Tuple[int, int]],
@@ -101,7 +65,7 @@ def quant_unsupported(scheme: QuantScheme, dtype: torch.dtype, capability: Optio
 
 
 def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
-    """Tiles of the quantized kernels from unquantized ones.
+    """Tiles of the quantized kernels from unquantized ones (when no tuned quantized entry exists).
 
     - BLOCK_SIZE_K within one scale group along K; at least 32 for 8-bit products (the
       smallest K of an 8-bit tensor-core instruction, and of an int4 tile's two halves);
@@ -109,8 +73,8 @@ def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
       bytes per stage as the 16-bit tiles of 64 they replace;
     - weight-only tiles hold at most 64 x 64 converted weights per accumulator and thread
       group of 4 warps (the conversion happens in registers; wider tiles spill);
-    - per-K-group scales keep GEMM1 (two accumulators and a partial product) at BLOCK_SIZE_N
-      <= 64 on compute tiles, for the same reason.
+    - 8-bit GEMM1 compute tiles (two accumulators, and with per-K-group scales a partial
+      product) keep BLOCK_SIZE_N <= 64: 128 x 128 spills registers with K tiles of 128.
     """
     def fit(t: TileConfig, gemm1: bool) -> TileConfig:
         bk, bn = t.BLOCK_SIZE_K, t.BLOCK_SIZE_N
@@ -123,74 +87,52 @@ def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
         if modes.act_dtype is None:
             while bn > 16 and bn * bk > 64 * 64 * t.num_warps // 4:
                 bn //= 2
-        elif gemm1 and (modes.a_kscale or modes.w_kscale) and t.BLOCK_SIZE_M >= 64:
+        elif gemm1 and t.BLOCK_SIZE_M >= 64:
             bn = min(bn, 64)
-        return replace(t, BLOCK_SIZE_K=bk, BLOCK_SIZE_N=bn)
+        # Only the tiles carry over: the unquantized kernels' other knobs are not these kernels'.
+        return TileConfig(t.BLOCK_SIZE_M, bn, bk, t.GROUP_SIZE_M, t.num_warps, t.num_stages)
 
     return MoEConfig(fit(config.gemm1, True), fit(config.gemm2, False))
 
 
-def _row_block(K: int, kgroup: int = 0) -> int:
-    return kgroup if kgroup else min(1024, _pow2(K))
+def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
+    """Raise ValueError when tiles cannot run a scheme: a K tile lies within one scale group
+    along K and is >= 32 for 8-bit products and int4 halves; the unquantized kernels' own
+    knobs (decode, prefill) do not apply here."""
+    if config.prefill is not None:
+        raise ValueError(f"config.prefill applies to the unquantized kernels only, got {config.prefill}")
+    for name, t in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
+        other = sorted(set(t.to_json()) - set(_TILE_KEYS))
+        if other:
+            raise ValueError(f"config.{name} sets {other}, knobs of the unquantized kernels only "
+                             f"(the quantized kernels take QuantKnobs)")
+        bk = t.BLOCK_SIZE_K
+        if modes.kgroup and (bk > modes.kgroup or modes.kgroup % bk):
+            raise ValueError(f"config.{name}.BLOCK_SIZE_K must divide the scale group of {modes.kgroup} columns, "
+                             f"got {bk}")
+        if (modes.act_dtype is not None or modes.w_int4) and bk < 32:
+            raise ValueError(f"config.{name}.BLOCK_SIZE_K must be >= 32 for 8-bit or int4 products, got {bk}")
 
 
-def quantize_rows(x: torch.Tensor, scheme: QuantScheme, modes: Optional[QuantModes] = None,
-                  scale: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                  expert_end: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic quantization of rows x [n, K] on the device, per the scheme's activation granularity.
+def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
+                scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs]:
+    """Tiles and knobs of a call: the tuned quantized entry of the nearest M, else the
+    unquantized config fitted by quant_config with default knobs.
 
     Args:
-        x: [n, K] bf16/fp16/fp32, contiguous.
-        scale: [1] fp32, the one per-tensor scale ("tensor" granularity: computed by the caller).
-        topk_weights: [n, 1] fp32 multiplying row r first (router weight on the input), or None.
-        expert_end: [E] int32 of an alignment: rows at or past its last entry are left unwritten.
-    Returns:
-        q [n, K] (float8_e4m3fn or int8) and scales fp32: scale as given ("tensor"), [n, 1]
-        ("token") or [n, K / activation_group] ("group").
+        T: tokens.  E: local experts.  k: slots per token.  H, I: hidden and intermediate sizes.
+        dtype: of the activations.  device: device_name() or None (no tuned files).
     """
-    modes = modes or modes_of(scheme)
-    n, K = x.shape
-    q = torch.empty((n, K), dtype=modes.act_dtype, device=x.device)
-    gran = {"tensor": 1, "token": 2, "group": 3}[modes.act_gran]
-    if gran == 1:
-        s = scale
-    else:
-        s = torch.empty((n, 1 if gran == 2 else K // scheme.activation_group), dtype=torch.float32, device=x.device)
-    if n:
-        _quant_rows(x, q, s, modes, gran, scheme.activation_group if gran == 3 else 0,
-                    topk_weights=topk_weights, expert_end=expert_end)
-    return q, s
+    tuned = lookup_quant_config(T, E, I, device, scheme)
+    if tuned is not None:
+        check_tiles(tuned[0], modes)
+        return tuned
+    return quant_config(get_config(T, E, k, H, I, dtype, device), modes), QuantKnobs()
 
 
-def _quant_rows(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights=None, expert_end=None,
-                topk_ids=None, expert_map=None) -> None:
-    """Launch quant_rows_kernel over the rows of q (see its docstring for gran)."""
-    end = expert_end if expert_end is not None else s
-    w = topk_weights if topk_weights is not None else s
-    ids = topk_ids if topk_ids is not None else end
-    qk.quant_rows_kernel[(q.shape[0],)](
-        x, q, s, w, end, ids, expert_map if expert_map is not None else ids, x.shape[1],
-        end.shape[0] if expert_end is not None else 1, topk_ids.shape[1] if topk_ids is not None else 1,
-        x.stride(0), q.stride(0), s.stride(0) if gran in (2, 3) else 0,
-        BK=_row_block(x.shape[1], group), GRAN=gran, QMAX=modes.qmax, INT8=modes.act_dtype == torch.int8,
-        ON_INPUT=topk_weights is not None, SORTED=expert_end is not None, HAS_MAP=expert_map is not None,
-        num_warps=4)
-
-
-def _tensor_scale(x: torch.Tensor, modes: QuantModes, topk_weights, topk_ids, expert_map, sorted_ids,
-                  expert_end, on_input: bool) -> torch.Tensor:
-    """The one dynamic scale [1] fp32 over the rows of x [n, K] that reach a local expert."""
-    n, K = x.shape
-    amax = torch.empty(n, dtype=torch.float32, device=x.device)
-    sorted_rows = sorted_ids is not None
-    ids = topk_ids
-    qk.row_amax_kernel[(n,)](
-        x, amax, topk_weights, ids, expert_map if expert_map is not None else ids,
-        sorted_ids if sorted_rows else ids, expert_end, K, topk_ids.numel(), topk_ids.shape[1], expert_end.shape[0],
-        x.stride(0), BK=_row_block(K), ON_INPUT=on_input and not sorted_rows, HAS_MAP=expert_map is not None,
-        SORTED=sorted_rows, num_warps=4)
-    s = amax.max().reshape(1) / modes.qmax
-    return torch.where(s > 0, s, torch.ones_like(s))
+def _tile_kwargs(t: TileConfig):
+    return dict(BM=t.BLOCK_SIZE_M, BN=t.BLOCK_SIZE_N, BK=t.BLOCK_SIZE_K, GROUP_M=t.GROUP_SIZE_M,
+                num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def _weight_args(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor]):
@@ -200,6 +142,27 @@ def _weight_args(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
     else:
         stride_se, stride_sn = scale.stride(0), scale.stride(1)
     return q, scale, zero if zero is not None else scale, stride_se, stride_sn
+
+
+def _convert(modes: QuantModes, knobs: QuantKnobs, dtype: torch.dtype) -> dict:
+    """The int4 weight conversion's constexprs: CONVERT code, bit pattern and its value."""
+    code = W_CONVERT[knobs.w_convert] if modes.w_int4 else 0
+    magic, value = (qk.MAGIC_BF16 if dtype == torch.bfloat16 else qk.MAGIC_FP16) if code else (0, 0.0)
+    return dict(CONVERT=code, MAGIC=magic, MAGIC_V=value)
+
+
+def _k_splits(K: int, bk: int, split_k: int) -> Tuple[int, int]:
+    """(splits, K columns per split) of GEMM2: every split gets at least one K tile."""
+    tiles = triton.cdiv(K, bk)
+    per = triton.cdiv(tiles, split_k)
+    return triton.cdiv(tiles, per), per * bk
+
+
+def _sum_block(T: int, H: int) -> int:
+    bn = min(1024, _pow2(H, 128))
+    while bn > 128 and T * triton.cdiv(H, bn) < _FILL_PROGRAMS:
+        bn //= 2
+    return bn
 
 
 def fused_moe_quant(
@@ -223,6 +186,7 @@ def fused_moe_quant(
     limit: float = 7.0,
     on_input: bool = False,
     config: Optional[MoEConfig] = None,
+    knobs: Optional[QuantKnobs] = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Routed experts over quantized weights (layout: moekit.quant.schemes) on the Triton kernels.
@@ -235,7 +199,9 @@ def fused_moe_quant(
         topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
         scheme: the full QuantScheme (moekit.quant.layout.scheme_of).
         activation, alpha, limit, on_input: as kernels.launch.fused_moe.
-        config: unquantized tiles to start from (None: tuned file or heuristic).
+        config: the quantized kernels' tiles as they run (None: the tuned quantized entry, else
+            the unquantized config fitted by quant_config).
+        knobs: kernel variants (None: the tuned entry's, else the defaults).
         out_dtype: float32 or x's dtype.
     Returns:
         [T, H] in out_dtype.
@@ -255,6 +221,8 @@ def fused_moe_quant(
         raise TypeError(f"out_dtype must be torch.float32 or x's dtype {x.dtype}, got {out_dtype}")
     if (a13_scale is None) != (a2_scale is None) or (a13_scale is not None and scheme.activation_granularity != "tensor"):
         raise ValueError("a13_scale and a2_scale (static scales) go together and only with per-tensor activations")
+    if knobs is not None and not isinstance(knobs, QuantKnobs):
+        raise TypeError(f"knobs must be a QuantKnobs or None, got {type(knobs).__name__}")
     modes = modes_of(scheme)
     T, H = x.shape
     E = w2.shape[0]
@@ -267,33 +235,58 @@ def fused_moe_quant(
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
     if config is None:
-        config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
-    config = quant_config(config, modes)
-    g1, g2 = config.gemm1, config.gemm2
-    TK = T * k
-    al = moe_align(topk_ids, expert_map, E, config.block_m)
-    R = al.max_blocks * al.block_m
-    static = a13_scale is not None
-    # Step 1: GEMM1 input.
-    if modes.act_dtype is None:
-        a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
-    elif static:  # one row per assignment, quantized with its expert's scale
-        a1, a1_s, a1_mode, a1_sm, a1_se = torch.empty(TK, H, dtype=_FP8, device=dev), a13_scale, 1, 0, 1
-        _quant_rows(x, a1, a13_scale, modes, 4, 0, topk_weights=topk_weights if on_input else None,
-                    topk_ids=topk_ids, expert_map=expert_map)
+        config, tuned = quant_tiles(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None,
+                                    scheme, modes)
+        knobs = knobs if knobs is not None else tuned
     else:
-        scale = None
-        w_in = topk_weights if on_input else None
-        if modes.act_gran == "tensor":
-            scale = _tensor_scale(x, modes, topk_weights, topk_ids, expert_map, None, al.expert_end, on_input)
-        a1, a1_s = quantize_rows(x, scheme, modes, scale=scale, topk_weights=w_in)
-        a1_mode, a1_sm, a1_se = 1, (0 if modes.act_gran == "tensor" else a1_s.stride(0)), 0
+        check_tiles(config, modes)
+    knobs = knobs if knobs is not None else QuantKnobs()
+    if knobs.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
+        got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
+        raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
+    if knobs.w_convert == "bits" and not modes.w_int4:
+        raise ValueError(f"knobs.w_convert='bits' applies to int4 weights, got quant={scheme.name!r}")
+    g1, g2 = config.gemm1, config.gemm2
+    for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
+        if flag and K % t.BLOCK_SIZE_K:
+            raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
+                             f"got {t.BLOCK_SIZE_K}")
+    TK = T * k
+    static = a13_scale is not None
+    small_max = launch.ALIGN_SMALL_MAX
+    w_in = topk_weights if on_input else None
+    # Step 1: alignment and GEMM1's input (x quantized in the alignment's launch when it can be).
+    if modes.act_dtype is None:
+        al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=small_max)
+        a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
+    else:
+        gran = 4 if static else GRAN[modes.act_gran]
+        group = scheme.activation_group if gran == 3 else 0
+        a1 = torch.empty(TK if static else T, H, dtype=modes.act_dtype, device=dev)
+        if gran in (2, 3):
+            a1_s = torch.empty(T, 1 if gran == 2 else H // group, dtype=torch.float32, device=dev)
+        else:
+            a1_s = a13_scale  # gran 1: replaced by the dynamic scale below
+        if knobs.fuse_x_quant and gran != 1:
+            al = align_and_quantize(topk_ids, expert_map, E, config.block_m, x, a1, a1_s, modes, gran, group, w_in,
+                                    small_max, pdl=knobs.pdl)
+        else:
+            al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=small_max)
+            if gran == 1:
+                a1_s = tensor_scale(x, modes, topk_weights, topk_ids, expert_map, None, al.expert_end, on_input)
+            quant_rows(x, a1, a1_s, modes, gran, group, topk_weights=w_in, topk_ids=topk_ids if static else None,
+                       expert_map=expert_map if static else None)
+        a1_mode, a1_sm, a1_se = 1, (a1_s.stride(0) if gran in (2, 3) else 0), (1 if static else 0)
+    R = al.max_blocks * al.block_m
+    chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
+    flags = dict(A_KSCALE=modes.a_kscale, W_KSCALE=modes.w_kscale, W_SROWS=modes.w_srows, W_INT4=modes.w_int4,
+                 HAS_ZERO=modes.has_zero, INT_DOT=modes.int_dot, KGROUP=max(modes.kgroup, 1),
+                 **_convert(modes, knobs, x.dtype))
     # Step 2: GEMM1 (+ bias, activation) into the activation rows.
     act = torch.empty(R, I, dtype=_FP8 if static else x.dtype, device=dev)
     q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
     bias13 = b13 if b13 is not None else x
-    flags = dict(A_KSCALE=modes.a_kscale, W_KSCALE=modes.w_kscale, W_SROWS=modes.w_srows, W_INT4=modes.w_int4,
-                 HAS_ZERO=modes.has_zero, INT_DOT=modes.int_dot, KGROUP=max(modes.kgroup, 1))
+    gated = is_gated(activation)
     qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
         a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
         topk_weights, al.sorted_ids, al.expert_end,
@@ -301,8 +294,9 @@ def fused_moe_quant(
         a1.stride(0), a1_sm, a1_se, q13.stride(0), q13.stride(1), s13_e, s13_n,
         bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
-        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
-        A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, **flags, **_launch_kwargs(g1))
+        GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
+        A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
+        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, **chain, **flags, **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, act, 0, 0, 0
@@ -311,25 +305,27 @@ def fused_moe_quant(
     else:
         scale = None
         if modes.act_gran == "tensor":
-            scale = _tensor_scale(act, modes, topk_weights, topk_ids, expert_map, al.sorted_ids, al.expert_end,
-                                  False)
-        a2, a2_s = quantize_rows(act, scheme, modes, scale=scale, expert_end=al.expert_end)
+            scale = tensor_scale(act, modes, topk_weights, topk_ids, expert_map, al.sorted_ids, al.expert_end,
+                                 False)
+        a2, a2_s = quantize_rows(act, scheme, modes, scale=scale, expert_end=al.expert_end, pdl=knobs.pdl)
         a2_mode, a2_sm, a2_se = 1, (0 if modes.act_gran == "tensor" else a2_s.stride(0)), 0
-    # Step 4: GEMM2 (+ bias, routed weight) into per-assignment rows, then the sum over k.
-    y = torch.empty(TK, H, dtype=x.dtype, device=dev)
+    # Step 4: GEMM2 (+ bias, routed weight) into per-assignment rows (fp32 partials per K split),
+    # then the sum over k and the splits.
+    splits, k_split = _k_splits(I, g2.BLOCK_SIZE_K, knobs.split_k)
+    y = torch.empty(splits, TK, H, dtype=x.dtype if splits == 1 else torch.float32, device=dev)
     q2, s2, z2, s2_e, s2_n = _weight_args(w2, w2_scale, w2_zero)
     bias2 = b2 if b2 is not None else x
-    qk.gemm2_quant_kernel[(al.max_blocks * triton.cdiv(H, g2.BLOCK_SIZE_N),)](
+    qk.gemm2_quant_kernel[(al.max_blocks * triton.cdiv(H, g2.BLOCK_SIZE_N), splits)](
         a2, a2_s, q2, s2, z2, bias2, y, topk_weights, al.sorted_ids, al.expert_end,
-        H, I, TK, al.max_blocks, E,
+        H, I, TK, al.max_blocks, E, k_split,
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
-        bias2.stride(0) if b2 is not None else 0, y.stride(0),
-        HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, **flags, **_launch_kwargs(g2))
+        bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
+        HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
+        PREFETCH=knobs.prefetch2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    bn = min(1024, _pow2(H))
-    bt = max(1, 4096 // bn)
+    bn = _sum_block(T, H)
     has_map = expert_map is not None
-    moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
-        y, out, topk_ids, expert_map if has_map else topk_ids, T, H, k, y.stride(0), out.stride(0),
-        BT=bt, BN=bn, HAS_MAP=has_map, num_warps=4)
+    qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
+        y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
+        S=splits, BN=bn, HAS_MAP=has_map, **chain, num_warps=4)
     return out

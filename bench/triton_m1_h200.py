@@ -1,0 +1,93 @@
+"""Direct-path (M = 1) variants of the Triton experts, timed one by one with errors shown.
+
+    PYTHONPATH=src python bench/triton_m1_h200.py [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--out FILE]
+
+For each shape: GEMM1 on tensor cores or CUDA cores (GEMV) over a few tiles, GEMM2 split over
+{1, 2, 4, 8, 16} programs per output tile, with and without PDL; every candidate is checked
+against `reference` once and timed in a CUDA graph (fresh routing per call). Prints the best
+ten and every failure with its message; writes all timings as JSON.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+from moekit.benchmarks.gpu import graph_time_us, precompile, routing_sets, shape_by_name
+from moekit.experts.base import ExpertWeights
+from moekit.experts.reference import reference_experts
+from moekit.kernels.launch import fused_moe
+from moekit.kernels.tuning import MoEConfig, TileConfig
+
+
+def candidates():
+    g1s = [TileConfig(16, bn, bk, 1, w, 4, GEMV=gv) for gv, bn, bk, w in itertools.product(
+        (0, 1), (16, 32, 64), (128, 256), (4, 8)) if not (gv == 0 and w == 8)]
+    g2s = [TileConfig(16, bn, bk, 1, 4, 4, SPLIT_K=sp, GEMV=gv, PDL=pdl) for gv, bn, bk, sp, pdl in
+           itertools.product((0, 1), (16, 32, 64), (128, 256), (1, 2, 4, 8, 16), (0, 1))]
+    return g1s, g2s
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "m1_results.json"))
+    p.add_argument("--g1-keep", type=int, default=3, help="GEMM1 tiles kept for the GEMM2 sweep")
+    args = p.parse_args()
+    result = {}
+    g1s, g2s = candidates()
+    jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2).to_json())
+            for g1 in g1s for g2 in g2s[:1]] + [(64, 64, "bfloat16", "silu", True, MoEConfig(g1s[0], g2).to_json())
+                                                 for g2 in g2s if g2.SPLIT_K <= 2]
+    failures = precompile(jobs, max(1, (os.cpu_count() or 2) - 2))
+    print(f"compiled {len(jobs)} jobs, {len(failures)} failed", *failures[:5], sep="\n", flush=True)
+    for name in args.shapes.split(","):
+        _, E, k, H, I = shape_by_name(name)
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
+        sets = routing_sets(1, E, k, H, 8, torch.bfloat16, "cuda")
+        x, w, ids = sets[0]
+        ref = reference_experts(x.float(), ExpertWeights(w13.float(), w2.float()), w, ids)
+        times, errors = {}, {}
+
+        def run(cfg):
+            key = json.dumps(cfg.to_json(), sort_keys=True)
+            try:
+                out = fused_moe(x, w13, w2, None, None, w, ids, None, "silu", config=cfg, direct=True).float()
+                err = float((out - ref).norm() / ref.norm())
+                if not err < 2e-2:
+                    raise AssertionError(f"rel err {err:.2e}")
+                times[key] = graph_time_us(lambda a, b, c: fused_moe(a, w13, w2, None, None, b, c, None, "silu",
+                                                                    config=cfg, direct=True), sets, replays=5)
+            except Exception as e:  # noqa: BLE001 - reported
+                times[key] = float("inf")
+                errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            return times[key]
+
+        base_g2 = TileConfig(16, 16, 256, 1, 4, 4)
+        g1_rank = sorted(g1s, key=lambda g1: run(MoEConfig(g1, base_g2)))[:args.g1_keep]
+        for g1 in g1_rank:
+            for g2 in g2s:
+                run(MoEConfig(g1, g2))
+        best = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"== {name} M=1: {len(times)} tried, {len(errors)} failed; best:")
+        for key, us in best[:10]:
+            print(f"   {us:7.1f} us  {key}")
+        seen_err = set()
+        for key, msg in errors.items():
+            if msg not in seen_err:
+                seen_err.add(msg)
+                print(f"   FAIL {msg} <- {key}")
+        sys.stdout.flush()
+        result[name] = {"best": best[:20], "errors": errors}
+        del w13, w2
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Tiles and variants of the quantized Triton experts: knobs, tuned JSON files, search space.
+
+File format: kernels/tuning.py's, named by the quantization as the large engines name theirs,
+    E={E},N={I},device_name={device},dtype={fp8_w8a8|int8_w8a8|int8_w8a16|int4_w4a16}[,block_shape=[128,128]].json
+(one file for every fp8 scheme of a block shape, and per weight-only dtype whatever its group
+size). An M entry's tiles are the quantized kernels' own (no fitting), and it may carry
+"quant": {the QuantKnobs fields that differ from their defaults}; a call uses the entry of
+the nearest M. Lookup: MOEKIT_TUNED_CONFIG_DIR, then the shipped files, then the unquantized
+table fitted by quant_config with default knobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Dict, List, Optional, Tuple
+
+from ..config import settings
+from ..quant.schemes import QuantScheme
+from .tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_file_name, use_direct
+
+__all__ = ["QuantKnobs", "W_CONVERT", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
+           "lookup_quant_config", "quant_search_space"]
+
+# The int4 weight conversions, by the kernels' CONVERT code.
+W_CONVERT = {"auto": 1, "bits": 1, "cast": 0}
+# Shared memory one program may use on SM90 (227 KB) less room for the compiler's own use.
+_SMEM_LIMIT = 220 * 1024
+
+
+@dataclass(frozen=True)
+class QuantKnobs:
+    """Variants of the quantized kernels that a tuned entry picks (the defaults: no tuned entry).
+
+    gate_up: GEMM1 multiplies gate and up rows interleaved in one product of 2 * BLOCK_SIZE_N
+        columns (gated activations), instead of two products.
+    prefetch1, prefetch2: GEMM1 / GEMM2 load the next K tile before multiplying the current one
+        (needs K to be a multiple of BLOCK_SIZE_K).
+    split_k: GEMM2 splits its K tiles over up to this many programs per output tile (as many
+        as ceil(K tiles / ceil(K tiles / split_k))); the fp32 partials are added with the k
+        slots, in a fixed order.
+    w_convert: how int4 weights become floats: "bits" (the nibble or-ed into a float's mantissa,
+        the offset or zero point subtracted in 16 bits), "cast" (through int8), "auto" (bits);
+        8-bit weights are always cast ("auto" or "cast").
+    fuse_x_quant: x is quantized in the alignment's launch (dynamic per-token or per-group
+        scales, or static per-expert ones).
+    pdl: GEMM1, the quantization of its output, GEMM2 and the sum are launched as programmatic
+        dependents of the kernel before (SM90+): each starts while the one before finishes.
+    """
+
+    gate_up: bool = False
+    prefetch1: bool = False
+    prefetch2: bool = False
+    split_k: int = 1
+    w_convert: str = "auto"
+    fuse_x_quant: bool = True
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "split_k":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"split_k must be an int >= 1, got {value!r}")
+            elif f.name == "w_convert":
+                if value not in W_CONVERT:
+                    raise ValueError(f"w_convert must be one of {list(W_CONVERT)}, got {value!r}")
+            elif not isinstance(value, bool):
+                raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
+
+    def to_json(self) -> Dict:
+        """The fields that differ from the defaults."""
+        default = QuantKnobs()
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    @classmethod
+    def from_json(cls, entry, where: str = "quant") -> "QuantKnobs":
+        names = [f.name for f in fields(cls)]
+        if not isinstance(entry, dict) or set(entry) - set(names):
+            raise ValueError(f"{where} must be an object with some of {names}, got {entry!r}")
+        return cls(**entry)
+
+
+def quant_file_dtype(scheme: QuantScheme) -> Tuple[str, Optional[Tuple[int, int]]]:
+    """The dtype and block_shape parts of a scheme's tuned file name."""
+    if scheme.weight_dtype == "fp8_e4m3":
+        return "fp8_w8a8", scheme.weight_block
+    if scheme.activation_dtype == "int8":
+        return "int8_w8a8", None
+    return ("int8_w8a16" if scheme.weight_dtype == "int8" else "int4_w4a16"), None
+
+
+def quant_file_name(E: int, N: int, device: str, scheme: QuantScheme) -> str:
+    dtype, block = quant_file_dtype(scheme)
+    return config_file_name(E, N, device, dtype, block)
+
+
+def parse_quant_configs(text: str, where: str) -> Dict[int, Tuple[MoEConfig, QuantKnobs]]:
+    """A quantized tuned file's text -> {M: (tiles, knobs)}; raises ValueError naming the file and key."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{where} must be a non-empty object mapping M to a config")
+    out = {}
+    for key, entry in raw.items():
+        try:
+            M = int(key)
+        except ValueError:
+            raise ValueError(f"{where}: keys must be token counts M, got {key!r}") from None
+        knobs = QuantKnobs.from_json(entry.get("quant", {}), f"{where}[{key}].quant") if isinstance(entry, dict) \
+            else QuantKnobs()
+        out[M] = (MoEConfig.from_json(entry, f"{where}[{key}]"), knobs)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load_quant_configs(E: int, N: int, device: str, dtype: str,
+                       block_shape: Optional[Tuple[int, int]]) -> Optional[Dict[int, Tuple[MoEConfig, QuantKnobs]]]:
+    """The tuned quantized table for (E, N, device, dtype, block_shape): the user folder first, then the shipped files."""
+    name = config_file_name(E, N, device, dtype, block_shape)
+    for folder in (settings.tuned_config_dir, SHIPPED_DIR):
+        if folder is None:
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                return parse_quant_configs(fh.read(), path)
+    return None
+
+
+def lookup_quant_config(T: int, E: int, I: int, device: Optional[str],
+                        scheme: QuantScheme) -> Optional[Tuple[MoEConfig, QuantKnobs]]:
+    """The tuned entry of the nearest M for T tokens, or None (no device, or no file)."""
+    if device is None:
+        return None
+    dtype, block = quant_file_dtype(scheme)
+    table = load_quant_configs(E, I, device, dtype, block)
+    if not table:
+        return None
+    return table[min(table, key=lambda M: (abs(M - T), M))]
+
+
+# Candidate tiles (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages), most promising first.
+_WEIGHT_ONLY_TILES = ((32, 128, 4, 4), (64, 64, 4, 4), (32, 64, 4, 4), (64, 128, 4, 4), (16, 128, 4, 4),
+                      (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (64, 128, 8, 4), (32, 128, 4, 5),
+                      (64, 64, 4, 5), (128, 128, 8, 3))
+_FP8_SMALL_TILES = ((64, 128, 4, 4), (128, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 4), (64, 128, 4, 5),
+                    (128, 128, 4, 3), (128, 256, 4, 3), (32, 256, 4, 5), (64, 128, 4, 3), (128, 128, 8, 4),
+                    (256, 128, 4, 3), (32, 128, 4, 6))
+_FP8_LARGE_TILES = ((128, 128, 8, 3), (64, 128, 4, 4), (128, 128, 8, 4), (64, 128, 8, 4), (128, 128, 4, 3),
+                    (256, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (256, 64, 8, 4), (128, 256, 8, 2))
+
+
+def _rows_per_expert(T: int, E: int, k: int) -> float:
+    return T * k / E
+
+
+def _block_ms(T: int, E: int, k: int) -> Tuple[int, ...]:
+    """Row blocks worth trying, best guess first, by tokens per expert."""
+    r = _rows_per_expert(T, E, k)
+    if use_direct(T, k, E) or r <= 6:
+        return (16,)
+    if r <= 24:
+        return (16, 32)
+    if r <= 96:
+        return (64, 32)
+    if r <= 384:
+        return (64, 128)
+    return (128, 64)
+
+
+def _fits(t: TileConfig, n_acc: int, elem_bytes: float, k_scaled: bool, weight_only: bool, wide: int) -> bool:
+    """Shared memory of the pipelined tiles within SM90's limit; fp32 accumulators plus a partial
+    product per K group of at most 128 registers a thread, and two accumulators (gate and up
+    apart, wide = 1) of at most 64 (Triton 3.6 spills 128 there); weight-only tiles also hold
+    their converted weights ([BK, wide * BN] at once) in registers (at most 64 a thread);
+    K-group scales of 128-row blocks come one per tile up to BLOCK_SIZE_N = 128."""
+    per_stage = (t.BLOCK_SIZE_M * t.BLOCK_SIZE_K * (2 if weight_only else elem_bytes)
+                 + n_acc * t.BLOCK_SIZE_N * t.BLOCK_SIZE_K * elem_bytes)
+    threads = 32 * t.num_warps
+    acc = n_acc * t.BLOCK_SIZE_M * t.BLOCK_SIZE_N // threads
+    converted = wide * t.BLOCK_SIZE_N * t.BLOCK_SIZE_K // threads if weight_only else 0
+    return (per_stage * t.num_stages <= _SMEM_LIMIT and acc * (2 if k_scaled else 1) <= 128
+            and not (n_acc == 2 and wide == 1 and acc > 64) and converted <= 64
+            and not (k_scaled and not weight_only and t.BLOCK_SIZE_N > 128))
+
+
+def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, int4: bool, k_scaled: bool,
+                       gated: bool = True) -> Tuple[List[Tuple[TileConfig, Dict]], Dict[int, List[Tuple[TileConfig, Dict]]]]:
+    """Candidates for tuning the quantized kernels at T tokens, most promising first.
+
+    Returns (GEMM1 candidates, {BLOCK_SIZE_M: GEMM2 candidates}); a candidate is (tiles, the
+    QuantKnobs fields of its GEMM). The search times each GEMM1 candidate with the first GEMM2
+    candidate of its BLOCK_SIZE_M, then the GEMM2 candidates with the winner of GEMM1.
+    """
+    bms = _block_ms(T, E, k)
+    elem = 1 if not weight_only else (0.5 if int4 else 1)
+    r = _rows_per_expert(T, E, k)
+    if weight_only:
+        tiles = _WEIGHT_ONLY_TILES
+        knobs1 = [{}, {"prefetch1": True}, {"gate_up": True}, {"gate_up": True, "prefetch1": True}]
+        knobs2 = [{}, {"prefetch2": True}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
+                  {"split_k": 4, "prefetch2": True}]
+    else:
+        tiles = _FP8_SMALL_TILES if max(bms) <= 32 else _FP8_LARGE_TILES
+        knobs1 = [{}, {"gate_up": True}]
+        knobs2 = [{}, {"split_k": 2}, {"split_k": 4}] if r <= 64 else [{}]
+    g1, g2 = [], {}
+    for bm in bms:
+        for bn, bk, warps, stages in tiles:
+            if kgroup and (bk > kgroup or kgroup % bk):
+                continue
+            t = TileConfig(bm, bn, bk, 8, warps, stages)
+            for kn in knobs1:
+                if kn.get("gate_up") and not gated:
+                    continue
+                if _fits(t, 2 if gated else 1, elem, k_scaled, weight_only, 2 if kn.get("gate_up") else 1):
+                    g1.append((t, kn))
+            if _fits(t, 1, elem, k_scaled, weight_only, 1):
+                g2.setdefault(bm, []).extend((t, kn) for kn in knobs2)
+    return g1, g2

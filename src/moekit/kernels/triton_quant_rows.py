@@ -1,0 +1,231 @@
+"""Triton kernels around the quantized GEMMs: activation quantization (alone or in the
+alignment's launch) and the fixed-order sum of GEMM2's rows over the k slots and K splits.
+
+Activation quantization runs on a 2-D grid, one program per row and chunk of BC columns,
+so a row's groups are quantized side by side rather than one after another (a decode step
+has few rows: a loop per row would leave the GPU waiting on one load at a time).
+
+Modes of the quantized rows (GRAN):
+    1  one scale for all rows, read from s[0] (per tensor, dynamic: computed beforehand);
+    2  one dynamic scale per row (amax / QMAX, 1 for an all-zero row), written to s[r];
+    3  one dynamic scale per row and G columns, written to s[r, c];
+    4  rows are assignments r = t * k + j: q[r] = x[t] quantized with the static scale of
+       its local expert (non-local assignments are left alone).
+
+Letters: T tokens, H hidden, E local experts, k slots per token, TK = T * k assignments,
+S splits of GEMM2's K range.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import triton_align as align
+
+__all__ = ["FP8_MAX", "INT8_MAX", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
+           "sum_slots_kernel"]
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+@triton.jit
+def _rne(v):
+    """v (fp32, |v| < 2^22) rounded half to even: adding then removing 1.5 * 2^23 does it,
+    as torch.round and torch's casts to float8 do."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """Saturate v (fp32) to +-QMAX and round to int8 or fp8 e4m3, both to nearest even.
+
+    fp8: v is rounded onto the e4m3 grid in fp32 first (3 mantissa bits: the step is
+    2^(exponent - 3), and 2^-9 below 2^-6), so the cast itself is exact; Triton's CPU
+    interpreter rounds casts to fp8 wrongly (ties away from even, and carries into the
+    exponent lost), and this keeps GPU and interpreter bit-identical.
+    """
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if INT8:
+        q = _rne(v).to(tl.int8)
+    else:
+        exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 255, 121)  # biased; 121 = 2^-6
+        step = ((exp - 3) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((257 - exp) << 23).to(tl.float32, bitcast=True)
+        q = (_rne(v * inv_step) * step).to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _expert_of(ids_ptr, map_ptr, assign, HAS_MAP: tl.constexpr):
+    """Local expert (-1: not local) of one assignment index known to be < T*k."""
+    gid = tl.load(ids_ptr + assign)
+    if HAS_MAP:
+        gid = tl.load(map_ptr + gid)
+    return gid
+
+
+@triton.jit(do_not_specialize=["TK", "top_k", "E"])
+def row_amax_kernel(
+    x_ptr, amax_ptr, topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
+    K, TK, top_k, E, stride_x,
+    BK: tl.constexpr, ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr, SORTED: tl.constexpr,
+):
+    """amax[r] = max |x[r, :]| over the rows that reach a local expert, 0 for the others.
+
+    SORTED: rows of the activation buffer (valid: inside the experts' rows and not padding);
+    else token rows (valid: some slot is local; the routed weight multiplies the row when
+    ON_INPUT, k = 1). One program per row.
+    """
+    r = tl.program_id(0)
+    if SORTED:
+        valid = (r < tl.load(expert_end_ptr + E - 1)) & (tl.load(sorted_ptr + r) < TK)
+    elif HAS_MAP:
+        valid = r < 0
+        for j in range(0, top_k):
+            valid = valid | (tl.load(map_ptr + tl.load(ids_ptr + r * top_k + j)) >= 0)
+    else:
+        valid = r >= 0
+    ks = tl.arange(0, BK)
+    row = x_ptr + r.to(tl.int64) * stride_x
+    amax = tl.zeros([BK], dtype=tl.float32)
+    k_end = tl.where(valid, K, 0)  # an invalid row reads nothing and gives 0
+    for k0 in range(0, K, BK):
+        v = tl.load(row + k0 + ks, mask=ks + k0 < k_end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    out = tl.max(amax, axis=0)
+    if ON_INPUT:
+        out = out * tl.abs(tl.load(topk_w_ptr + r))
+    tl.store(amax_ptr + r, out)
+
+
+@triton.jit
+def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x, stride_q, stride_s,
+                 BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
+                 ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Quantize columns [c * BC, (c + 1) * BC) of row r (GRAN 3: BC / G groups of G columns;
+    GRAN 2: the whole row, c = 0, in chunks of BC). See the module docstring for GRAN."""
+    x_r = r
+    e = r * 0
+    if GRAN == 4:
+        e = _expert_of(ids_ptr, map_ptr, r, HAS_MAP)
+        x_r = r // top_k
+    if e >= 0:
+        row = x_ptr + x_r.to(tl.int64) * stride_x
+        q_row = q_ptr + r.to(tl.int64) * stride_q
+        w_r = 1.0
+        if ON_INPUT:
+            w_r = tl.load(topk_w_ptr + r)
+        if GRAN == 3:
+            cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
+            ok = cols < K
+            v = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32) * w_r
+            m = tl.max(tl.abs(v), axis=1)
+            s = tl.where(m > 0.0, m / QMAX, 1.0)
+            groups = c * (BC // G) + tl.arange(0, BC // G)
+            tl.store(s_ptr + r.to(tl.int64) * stride_s + groups, s, mask=groups * G < K)
+            tl.store(q_row + cols, to_quant(v / s[:, None], QMAX, INT8), mask=ok)
+        else:
+            ks = tl.arange(0, BC)
+            if GRAN == 1:
+                s = tl.load(s_ptr)
+            elif GRAN == 4:
+                s = tl.load(s_ptr + e)
+            else:
+                amax = tl.zeros([BC], dtype=tl.float32)
+                for k0 in range(0, K, BC):
+                    v = tl.load(row + k0 + ks, mask=ks + k0 < K, other=0.0).to(tl.float32) * w_r
+                    amax = tl.maximum(amax, tl.abs(v))
+                m = tl.max(amax, axis=0)
+                s = tl.where(m > 0.0, m / QMAX, 1.0)
+                tl.store(s_ptr + r.to(tl.int64) * stride_s, s)
+            k_lo = c * BC
+            k_hi = tl.minimum(K, k_lo + BC)
+            if GRAN == 2:
+                k_hi = K
+            for k0 in range(k_lo, k_hi, BC):
+                ok = ks + k0 < K
+                v = tl.load(row + k0 + ks, mask=ok, other=0.0).to(tl.float32) * w_r
+                tl.store(q_row + k0 + ks, to_quant(v / s, QMAX, INT8), mask=ok)
+
+
+@triton.jit(do_not_specialize=["E", "top_k"])
+def quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, topk_w_ptr, expert_end_ptr, ids_ptr, map_ptr,
+    K, E, top_k, stride_x, stride_q, stride_s,
+    BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
+    ON_INPUT: tl.constexpr, SORTED: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+):
+    """q[r] = quantize(x[r]); grid (rows, column chunks) (see _quant_chunk).
+
+    SORTED: rows at or past the experts' last row (expert_end[E - 1]) are never read, so
+    they are left alone. ON_INPUT: the routed weight of row r (k = 1) multiplies the row first.
+    PDL: launched as a programmatic dependent (SM90+): wait for the previous kernel first and
+    let the next one launch at once.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0)
+    if SORTED:
+        if r >= tl.load(expert_end_ptr + E - 1):
+            return
+    _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, tl.program_id(1), K, top_k,
+                 stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
+
+
+@triton.jit(do_not_specialize=["TK", "top_k"])
+def align_quant_kernel(
+    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, counts_ptr,
+    x_ptr, q_ptr, s_ptr, topk_w_ptr,
+    TK, E, K, top_k, stride_x, stride_q, stride_s, NA, NCH,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SMALL: tl.constexpr,
+    BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
+    ON_INPUT: tl.constexpr, PDL: tl.constexpr,
+):
+    """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
+
+    Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
+    NA = 1; else the histogram of chunk pid of N assignments into counts, NA chunks); the
+    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4).
+    PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if pid < NA:
+        if SMALL:
+            align.align_small_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, E_PAD, HAS_MAP)
+        else:
+            align.align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N, E_PAD, HAS_MAP)
+    else:
+        j = pid - NA
+        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
+                     stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def sum_slots_kernel(
+    y_ptr, out_ptr, ids_ptr, map_ptr, N, top_k, stride_ys, stride_y, stride_o,
+    S: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[t, n] = sum over slots j = 0..k-1, then splits s = 0..S-1 (in that order) of
+    y[s, t*k+j, n], skipping non-local slots; the sum is fp32. Grid (T, column blocks).
+
+    y [S, TK, N] (x's dtype, or fp32 partials when S > 1); out [T, N] (fp32 or x's dtype).
+    PDL: launched as a programmatic dependent (SM90+): waits for GEMM2 first.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for j in range(0, top_k):
+        assign = t * top_k + j
+        e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+        row = y_ptr + assign.to(tl.int64) * stride_y + n
+        for s in tl.static_range(S):
+            acc += tl.load(row + s * stride_ys, mask=n_ok & (n * 0 + e >= 0), other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -1,0 +1,203 @@
+"""The quantized Triton experts' variants (QuantKnobs) and tuned quantized tables.
+
+Each variant runs under Triton's interpreter (fp16 activations, in a child process: the
+variable is read at import) against the emulated reference; the table and knob checks are
+plain Python and run here.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import rel_err
+from triton_child import IN_INTERPRETER, run_in_interpreter
+
+pytest.importorskip("triton")
+
+from moekit.kernels import quant_tuning  # noqa: E402
+from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles  # noqa: E402
+from moekit.kernels.quant_rows import modes_of  # noqa: E402
+from moekit.kernels.quant_tuning import (QuantKnobs, lookup_quant_config, parse_quant_configs,  # noqa: E402
+                                         quant_file_name, quant_search_space)
+from moekit.kernels.tuning import MoEConfig, TileConfig  # noqa: E402
+from moekit.quant import get_scheme  # noqa: E402
+
+if not IN_INTERPRETER:
+
+    def test_quant_knobs_under_the_triton_interpreter():
+        run_in_interpreter(__file__)
+
+    def test_knobs_validate_and_round_trip():
+        k = QuantKnobs(gate_up=True, split_k=3, w_convert="cast")
+        assert k.to_json() == {"gate_up": True, "split_k": 3, "w_convert": "cast"}
+        assert QuantKnobs.from_json(k.to_json()) == k
+        assert QuantKnobs().to_json() == {}
+        with pytest.raises(ValueError, match="split_k"):
+            QuantKnobs(split_k=0)
+        with pytest.raises(ValueError, match="w_convert"):
+            QuantKnobs(w_convert="magic")
+        with pytest.raises(TypeError, match="prefetch1"):
+            QuantKnobs(prefetch1=1)
+        with pytest.raises(ValueError, match="quant"):
+            QuantKnobs.from_json({"split": 2})
+
+    def test_file_names_follow_the_large_engines():
+        names = {s: quant_file_name(8, 14336, "NVIDIA_H200", get_scheme(s)) for s in
+                 ("fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a8", "int8_w8a16", "int4_w4a16")}
+        assert names["fp8_w8a8"] == names["fp8_w8a8_channel"] == "E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+        assert names["fp8_w8a8_block128"] == "E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+        assert names["int4_w4a16"].endswith("dtype=int4_w4a16.json")
+        assert names["int8_w8a16"].endswith("dtype=int8_w8a16.json")
+        assert names["int8_w8a8"].endswith("dtype=int8_w8a8.json")
+
+    def _entry(bm, bn, knobs=None):
+        e = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4,
+             "num_stages": 4, "gemm2": {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4,
+                                        "num_stages": 3}}
+        if knobs:
+            e["quant"] = knobs
+        return e
+
+    def test_tuned_table_nearest_m_from_the_user_folder(tmp_path, monkeypatch):
+        scheme = get_scheme("fp8_w8a8_block128")
+        table = {"16": _entry(16, 64, {"split_k": 4}), "4096": _entry(128, 64, {"gate_up": True})}
+        (tmp_path / quant_file_name(256, 2048, "GPU_X", scheme)).write_text(json.dumps(table))
+        monkeypatch.setattr(quant_tuning, "settings", replace(quant_tuning.settings, tuned_config_dir=str(tmp_path)))
+        quant_tuning.load_quant_configs.cache_clear()
+        try:
+            cfg, knobs = lookup_quant_config(64, 256, 2048, "GPU_X", scheme)
+            assert cfg.block_m == 16 and knobs == QuantKnobs(split_k=4)
+            cfg, knobs = lookup_quant_config(3000, 256, 2048, "GPU_X", scheme)
+            assert cfg.block_m == 128 and knobs.gate_up and cfg.gemm2.BLOCK_SIZE_N == 64
+            assert lookup_quant_config(64, 256, 2048, None, scheme) is None  # no device: no files
+            assert lookup_quant_config(64, 128, 2048, "GPU_X", scheme) is None  # another E
+        finally:
+            quant_tuning.load_quant_configs.cache_clear()
+
+    def test_malformed_tables_name_the_file_and_key():
+        with pytest.raises(ValueError, match=r"f\.json\[16\]\.quant"):
+            parse_quant_configs(json.dumps({"16": _entry(16, 64, {"splits": 2})}), "f.json")
+        with pytest.raises(ValueError, match="token counts"):
+            parse_quant_configs(json.dumps({"many": _entry(16, 64)}), "f.json")
+        with pytest.raises(ValueError, match="not valid JSON"):
+            parse_quant_configs("{", "f.json")
+
+    def test_tiles_are_checked_against_the_scheme():
+        block = modes_of(get_scheme("fp8_w8a8_block128"))
+        check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 64)), block)
+        with pytest.raises(ValueError, match="gemm2.BLOCK_SIZE_K must divide"):
+            check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 256)), block)
+        with pytest.raises(ValueError, match=">= 32"):
+            check_tiles(MoEConfig(TileConfig(16, 64, 16), TileConfig(16, 64, 64)), modes_of(get_scheme("fp8_w8a8")))
+        with pytest.raises(ValueError, match="SPLIT_K"):
+            check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 64, SPLIT_K=2)), block)
+
+    @pytest.mark.parametrize("K,bk,split,expected", [
+        (768, 128, 1, (1, 768)), (768, 128, 4, (3, 256)),  # 6 tiles: 2 per split, 3 splits
+        (768, 128, 8, (6, 128)), (14336, 128, 8, (8, 1792)), (40, 32, 2, (2, 32))])
+    def test_k_splits_give_every_split_a_tile(K, bk, split, expected):
+        assert _k_splits(K, bk, split) == expected
+
+    def test_sum_blocks_fill_the_gpu():
+        assert _sum_block(16384, 2048) == 1024
+        assert _sum_block(16, 2048) == 128  # 16 rows: narrow blocks, more programs
+        assert _sum_block(1, 48) == 128
+
+    @pytest.mark.parametrize("T,E,k,scheme", [(16, 8, 2, "int4_w4a16"), (64, 128, 8, "int8_w8a16"),
+                                              (16, 256, 8, "fp8_w8a8_block128"), (16384, 128, 8, "fp8_w8a8")])
+    def test_search_space_fits_the_scheme(T, E, k, scheme):
+        modes = modes_of(get_scheme(scheme))
+        g1, g2 = quant_search_space(T, E, k, modes.kgroup, modes.act_dtype is None, modes.w_int4,
+                                    modes.a_kscale or modes.w_kscale)
+        assert g1 and all(bm in g2 for bm in {t.BLOCK_SIZE_M for t, _ in g1})
+        for t, knobs in g1 + [c for cands in g2.values() for c in cands]:
+            QuantKnobs(**knobs)
+            check_tiles(MoEConfig(t, t), modes)
+        if modes.act_dtype is None:
+            assert {"prefetch1": True} in [kn for _, kn in g1]
+            assert max(kn.get("split_k", 1) for cands in g2.values() for _, kn in cands) == 8
+
+else:
+    import moekit.kernels.launch as launch
+    from moekit.kernels.launch_quant import fused_moe_quant
+    from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of
+
+    def _weights(scheme, opts, E, H, I, gen):
+        w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
+        w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
+        opts = dict(opts)
+        if opts.pop("static", False):
+            opts.update(a13_scale=torch.rand(E, generator=gen) * 0.004 + 0.008,
+                        a2_scale=torch.rand(E, generator=gen) * 0.002 + 0.004)
+        return quantize_experts(w13, w2, scheme, **opts)
+
+    def _run(wts, x, w, ids, emap, config, knobs):
+        s = wts.scales
+        return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
+                               s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, emap, scheme_of(wts),
+                               "silu", config=config, knobs=knobs, out_dtype=x.dtype)
+
+    def _case(scheme, opts, H, I, T, E, k, config, knobs, gen, n_remote=0):
+        wts = _weights(scheme, opts, E, H, I, gen)
+        emap = None
+        if n_remote:
+            emap = torch.full((E + n_remote,), -1, dtype=torch.int32)
+            emap[torch.randperm(E + n_remote, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        ids = torch.stack([torch.randperm(E + n_remote, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+        w = torch.rand(T, k, generator=gen) + 0.05
+        x = torch.randn(T, H, generator=gen).half()
+        out = _run(wts, x, w, ids, emap, config, knobs)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+        assert out.dtype == x.dtype and torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        assert err <= TOLERANCE[get_scheme(wts.quant).precision], err
+
+    def _tiles(bm, bn1, bk1, bn2, bk2):
+        return MoEConfig(TileConfig(bm, bn1, bk1, 8, 4, 2), TileConfig(bm, bn2, bk2, 8, 4, 2))
+
+    # (scheme, options, H, I, tiles, knobs): each knob on a scheme it changes; odd T, expert maps.
+    VARIANTS = [
+        ("int4_w4a16", {"group_size": 32}, 64, 64, (16, 32, 32, 16, 32),
+         dict(gate_up=True, prefetch1=True, prefetch2=True, split_k=2)),
+        ("int4_w4a16", {"group_size": 32, "symmetric": False}, 64, 96, (16, 16, 32, 32, 32),
+         dict(split_k=2)),                                                     # 3 K tiles over 2 splits
+        ("int4_w4a16", {"group_size": 64, "symmetric": False}, 64, 64, (16, 32, 64, 32, 32),
+         dict(w_convert="cast", gate_up=True, split_k=8)),                     # more splits than K tiles
+        ("int8_w8a16", {"group_size": 32}, 64, 64, (16, 32, 32, 16, 32), dict(prefetch1=True, split_k=2)),
+        ("int8_w8a16", {"group_size": 32, "symmetric": False}, 64, 32, (16, 16, 32, 32, 32),
+         dict(gate_up=True, prefetch2=True)),
+        ("fp8_w8a8_block128", {}, 128, 128, (16, 32, 64, 32, 64), dict(gate_up=True, split_k=2)),
+        ("fp8_w8a8_block128", {}, 256, 128, (16, 64, 128, 256, 128), dict(fuse_x_quant=False)),  # 2 blocks a tile
+        ("fp8_w8a8", {"static": True}, 48, 40, (16, 16, 32, 16, 32), dict(gate_up=True, split_k=2)),  # K masks
+        ("fp8_w8a8", {"static": True}, 48, 40, (16, 16, 32, 16, 32), dict(fuse_x_quant=False)),
+        ("fp8_w8a8", {}, 48, 40, (16, 16, 32, 16, 32), dict(split_k=3)),       # dynamic per tensor, not fused
+        ("fp8_w8a8_channel", {}, 40, 24, (16, 16, 32, 16, 32), dict(gate_up=True)),
+        ("int8_w8a8", {}, 40, 24, (16, 16, 32, 16, 32), dict(split_k=2)),
+    ]
+
+    @pytest.mark.parametrize("T,n_remote", [(1, 0), (7, 3)], ids=["T1", "T7-expert-map"])
+    @pytest.mark.parametrize("scheme,opts,H,I,tiles,knobs", VARIANTS,
+                             ids=[f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[5].items())}" for v in VARIANTS])
+    def test_variant_matches_emulated_reference(scheme, opts, H, I, tiles, knobs, T, n_remote, gen):
+        _case(scheme, opts, H, I, T, 4, 2, _tiles(*tiles), QuantKnobs(**knobs), gen, n_remote)
+
+    @pytest.mark.parametrize("scheme,opts", [("fp8_w8a8_block128", {}), ("fp8_w8a8", {"static": True}),
+                                             ("fp8_w8a8_channel", {})])
+    def test_x_quantized_in_the_chunked_alignment(scheme, opts, gen, monkeypatch):
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # three-launch alignment, x in its first
+        _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
+
+    def test_knob_misuse_is_refused(gen):
+        wts = _weights("fp8_w8a8_block128", {}, 2, 128, 128, gen)
+        x, w, ids = torch.randn(2, 128).half(), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+        with pytest.raises(ValueError, match="int4"):
+            _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="bits"))
+        wts = _weights("fp8_w8a8", {}, 2, 48, 40, gen)
+        with pytest.raises(ValueError, match="prefetch1 needs K=48"):
+            _run(wts, torch.randn(2, 48).half(), w, ids, None, _tiles(16, 16, 32, 16, 32), QuantKnobs(prefetch1=True))
+        with pytest.raises(ValueError, match="pdl needs a CUDA GPU"):
+            _run(wts, torch.randn(2, 48).half(), w, ids, None, None, QuantKnobs(pdl=True))
+        with pytest.raises(TypeError, match="knobs"):
+            _run(wts, torch.randn(2, 48).half(), w, ids, None, None, {"split_k": 2})

@@ -1,0 +1,116 @@
+"""The quantized Triton experts' variants (QuantKnobs) on a CUDA GPU in bf16 (the bf16 bit
+patterns of int4 weights run only here) against the emulated reference, in CUDA graphs, run
+to run. Run with `pytest -m gpu tests/kernels`."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+pytest.importorskip("triton")
+
+from moekit.config import settings  # noqa: E402
+from moekit.kernels.launch_quant import fused_moe_quant  # noqa: E402
+from moekit.kernels.quant_tuning import QuantKnobs  # noqa: E402
+from moekit.kernels.tuning import MoEConfig, TileConfig  # noqa: E402
+from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_experts, scheme_of  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, reason="TRITON_INTERPRET=1 is set")]
+
+
+@pytest.fixture
+def cuda_gen():
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _weights(scheme, opts, E, H, I, gen):
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5
+    opts = dict(opts)
+    if opts.pop("static", False):
+        opts.update(a13_scale=torch.full((E,), 4.5 / 448, device="cuda"), a2_scale=torch.full((E,), 4.0 / 448, device="cuda"))
+    return quantize_experts(w13, w2, scheme, **opts)
+
+
+def _routing(T, E_global, k, gen):
+    scores = torch.rand(T, E_global, device="cuda", generator=gen)
+    return torch.rand(T, k, device="cuda", generator=gen) + 0.05, scores.topk(k, dim=1).indices.to(torch.int32)
+
+
+def _run(wts, x, w, ids, emap=None, config=None, knobs=None):
+    s = wts.scales
+    return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
+                           s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, emap, scheme_of(wts), "silu",
+                           config=config, knobs=knobs, out_dtype=x.dtype)
+
+
+def _tiles(bm, bn1, bk1, bn2, bk2, warps=4, stages=3):
+    return MoEConfig(TileConfig(bm, bn1, bk1, 8, warps, stages), TileConfig(bm, bn2, bk2, 8, warps, stages))
+
+
+# (scheme, options, tiles, knobs): decode tiles (BM 16, 8-bit products upcast) and compute
+# tiles (BM >= 64, wgmma) for every knob.
+VARIANTS = [
+    ("int4_w4a16", {}, (16, 64, 128, 64, 128), dict(gate_up=True, prefetch1=True, prefetch2=True, split_k=4,
+                                                     pdl=True)),
+    ("int4_w4a16", {"group_size": 64, "symmetric": False}, (16, 32, 64, 128, 64), dict(split_k=2)),
+    ("int4_w4a16", {"group_size": 32}, (32, 64, 32, 32, 32), dict(w_convert="cast", prefetch2=True)),
+    ("int8_w8a16", {}, (16, 64, 128, 64, 128), dict(gate_up=True, prefetch1=True, split_k=3)),
+    ("int8_w8a16", {"group_size": 64, "symmetric": False}, (16, 64, 64, 64, 64), dict(prefetch2=True)),
+    ("fp8_w8a8_block128", {}, (16, 64, 128, 128, 128), dict(gate_up=True, split_k=2, pdl=True)),
+    ("fp8_w8a8_block128", {}, (64, 64, 128, 128, 128), dict(gate_up=True, fuse_x_quant=False)),
+    ("fp8_w8a8_block128", {}, (128, 64, 128, 128, 128, 8), dict(gate_up=True)),
+    ("fp8_w8a8", {"static": True}, (16, 64, 256, 64, 256), dict(gate_up=True, split_k=2, pdl=True)),
+    ("fp8_w8a8", {"static": True}, (128, 128, 128, 256, 128, 8), dict(gate_up=True)),
+    ("fp8_w8a8", {}, (64, 64, 128, 128, 128), dict(split_k=2)),
+    ("fp8_w8a8_channel", {}, (64, 64, 128, 128, 128), dict(gate_up=True)),
+    ("int8_w8a8", {}, (16, 64, 128, 64, 128), dict(gate_up=True, split_k=2)),
+]
+IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
+       for v in VARIANTS]
+
+
+@pytest.mark.parametrize("T,n_remote", [(1, 0), (37, 3), (700, 0)], ids=["T1", "T37-expert-map", "T700"])
+@pytest.mark.parametrize("scheme,opts,tiles,knobs", VARIANTS, ids=IDS)
+def test_variant_matches_emulated_reference(scheme, opts, tiles, knobs, T, n_remote, cuda_gen):
+    E, k, H, I = 16, 4, 512, 384
+    wts = _weights(scheme, opts, E, H, I, cuda_gen)
+    emap = None
+    if n_remote:
+        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
+        emap[torch.randperm(E + n_remote, device="cuda", generator=cuda_gen)[:E]] = torch.arange(
+            E, dtype=torch.int32, device="cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # an unwritten element would show
+    out = _run(wts, x, w, ids, emap, _tiles(*tiles), QuantKnobs(**knobs))
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision]
+
+
+@pytest.mark.parametrize("scheme,opts", [("int4_w4a16", {}), ("fp8_w8a8", {"static": True})])
+def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, cuda_gen):
+    wts = _weights(scheme, opts, 8, 1024, 512, cuda_gen)
+    cfg, knobs = _tiles(16, 64, 128, 64, 128), QuantKnobs(split_k=4, gate_up=True, pdl=True)
+    w, ids = _routing(24, 8, 2, cuda_gen)
+    x = torch.randn(24, 1024, device="cuda", generator=cuda_gen).bfloat16()
+    first = _run(wts, x, w, ids, config=cfg, knobs=knobs)
+    assert torch.equal(first, _run(wts, x, w, ids, config=cfg, knobs=knobs))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _run(wts, x, w, ids, config=cfg, knobs=knobs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(wts, x, w, ids, config=cfg, knobs=knobs)
+    for _ in range(2):  # fresh inputs each replay
+        new_w, new_ids = _routing(24, 8, 2, cuda_gen)
+        x.copy_(torch.randn(24, 1024, device="cuda", generator=cuda_gen))
+        w.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
