@@ -21,7 +21,7 @@ import torch
 from moekit.benchmarks.gpu import GPU_MS, GPU_SHAPES, graph_time_us, precompile, run_gpu_bench
 from moekit.cli.tune import plan_shape, search_shape, write_configs
 from moekit.kernels.launch import moe_align
-from moekit.kernels.tuning import device_name
+from moekit.kernels.tuning import device_name, get_config, use_direct
 
 TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 
@@ -81,6 +81,13 @@ def bench(args) -> None:
           f"bf16 GEMM {ceilings['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     shapes = [s for s in GPU_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     Ms = [int(m) for m in args.ms.split(",")] if args.ms else GPU_MS
+    jobs = [(H, I, "bfloat16", "silu", use_direct(M, k, E),
+             get_config(M, E, k, H, I, torch.bfloat16, device_name()).to_json())
+            for _, E, k, H, I in shapes for M in Ms]
+    t0 = time.time()
+    failures = precompile(jobs, args.workers)
+    print(f"compiled {len(jobs)} jobs in {time.time() - t0:.0f} s, {len(failures)} failed", *failures[:5],
+          sep="\n", flush=True)
     result = run_gpu_bench(shapes, Ms, None, progress=lambda line: print(line, flush=True))
     result["measured_ceilings"] = ceilings
     result["tuned_config_dir"] = os.environ.get("MOEKIT_TUNED_CONFIG_DIR")
@@ -121,6 +128,7 @@ def main() -> None:
     b.add_argument("--out", required=True)
     b.add_argument("--shapes", default="")
     b.add_argument("--ms", default="")
+    b.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     b.set_defaults(func=bench)
     a = sub.add_parser("align")
     a.set_defaults(func=align)

@@ -20,10 +20,15 @@ from moekit.benchmarks.gpu import graph_time_us, precompile, routing_sets, shape
 from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
-from moekit.kernels.tuning import MoEConfig, TileConfig
+from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_file_name, device_name, get_config
 
 
-def candidates():
+def candidates(wide: bool = False):
+    if wide:  # GEMM1 on CUDA cores over warps and pipeline depths too
+        g1s = [TileConfig(16, bn, bk, 1, w, s, GEMV=1) for bn, bk, w, s in itertools.product(
+            (16, 32), (64, 128, 256, 512), (2, 4, 8), (2, 3, 4, 5, 6))]
+        g1s += [TileConfig(16, bn, bk, 1, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))]
+        return g1s, []
     g1s = [TileConfig(16, bn, bk, 1, w, 4, GEMV=gv) for gv, bn, bk, w in itertools.product(
         (0, 1), (16, 32, 64), (128, 256), (4, 8)) if not (gv == 0 and w == 8)]
     g2s = [TileConfig(16, bn, bk, 1, 4, 4, SPLIT_K=sp, GEMV=gv, PDL=pdl) for gv, bn, bk, sp, pdl in
@@ -36,12 +41,19 @@ def main():
     p.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "m1_results.json"))
     p.add_argument("--g1-keep", type=int, default=3, help="GEMM1 tiles kept for the GEMM2 sweep")
+    p.add_argument("--wide-g1", action="store_true",
+                   help="sweep GEMM1 widely against the three best GEMM2 tiles of the shipped table's M=1 entry "
+                        "and of --g2-from (a results JSON of an earlier run)")
+    p.add_argument("--g2-from", default="")
+    p.add_argument("--write-configs", default="", help="folder: the shipped tables with each shape's M=1 winner")
     args = p.parse_args()
     result = {}
-    g1s, g2s = candidates()
-    jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2).to_json())
-            for g1 in g1s for g2 in g2s[:1]] + [(64, 64, "bfloat16", "silu", True, MoEConfig(g1s[0], g2).to_json())
-                                                 for g2 in g2s if g2.SPLIT_K <= 2]
+    g1s, g2s = candidates(args.wide_g1)
+    if args.wide_g1:
+        earlier = json.load(open(args.g2_from)) if args.g2_from else {}
+    jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2s[0] if g2s else TileConfig(16, 16, 256, 1, 4, 4)).to_json())
+            for g1 in g1s] + [(64, 64, "bfloat16", "silu", True, MoEConfig(g1s[0], g2).to_json())
+                              for g2 in g2s if g2.SPLIT_K <= 2]
     failures = precompile(jobs, max(1, (os.cpu_count() or 2) - 2))
     print(f"compiled {len(jobs)} jobs, {len(failures)} failed", *failures[:5], sep="\n", flush=True)
     for name in args.shapes.split(","):
@@ -67,11 +79,18 @@ def main():
                 errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             return times[key]
 
-        base_g2 = TileConfig(16, 16, 256, 1, 4, 4)
-        g1_rank = sorted(g1s, key=lambda g1: run(MoEConfig(g1, base_g2)))[:args.g1_keep]
-        for g1 in g1_rank:
-            for g2 in g2s:
-                run(MoEConfig(g1, g2))
+        if args.wide_g1:
+            tops = [MoEConfig.from_json(json.loads(key)) for key, _ in earlier.get(name, {}).get("best", [])[:3]]
+            tops.append(get_config(1, E, k, H, I, torch.bfloat16, device_name()))
+            for g2 in dict.fromkeys(c.gemm2 for c in tops):
+                for g1 in g1s:
+                    run(MoEConfig(g1, g2))
+        else:
+            base_g2 = TileConfig(16, 16, 256, 1, 4, 4)
+            g1_rank = sorted(g1s, key=lambda g1: run(MoEConfig(g1, base_g2)))[:args.g1_keep]
+            for g1 in g1_rank:
+                for g2 in g2s:
+                    run(MoEConfig(g1, g2))
         best = sorted(times.items(), key=lambda kv: kv[1])
         print(f"== {name} M=1: {len(times)} tried, {len(errors)} failed; best:")
         for key, us in best[:10]:
@@ -83,6 +102,14 @@ def main():
                 print(f"   FAIL {msg} <- {key}")
         sys.stdout.flush()
         result[name] = {"best": best[:20], "errors": errors}
+        if args.write_configs:
+            os.makedirs(args.write_configs, exist_ok=True)
+            fname = config_file_name(E, I, device_name())
+            with open(os.path.join(SHIPPED_DIR, fname)) as fh:
+                table = json.load(fh)
+            table["1"] = json.loads(best[0][0])
+            with open(os.path.join(args.write_configs, fname), "w") as fh:
+                json.dump(table, fh, indent=1)
         del w13, w2
         torch.cuda.empty_cache()
     with open(args.out, "w") as fh:
