@@ -75,11 +75,18 @@ def test_nearest_m_lookup_and_user_folder_first(tmp_path, monkeypatch):
 
 
 def test_shipped_files_parse_and_are_named_for_the_h200():
+    from moekit.kernels.quant_tuning import parse_quant_configs
+
     names = [n for n in os.listdir(SHIPPED_DIR) if n.endswith(".json")]
+    float_names = [n for n in names if re.fullmatch(r"E=\d+,N=\d+,device_name=NVIDIA_H200\.json", n)]
+    assert len(float_names) == 5  # the five PERF.md shapes
     for name in names:
-        assert re.fullmatch(r"E=\d+,N=\d+,device_name=NVIDIA_H200\.json", name), name
+        quant = re.fullmatch(r"E=\d+,N=\d+,device_name=NVIDIA_H200,dtype=(fp8_w8a8|int8_w8a16|int4_w4a16)"
+                             r"(,block_shape=\[128,128\])?\.json", name)
+        assert name in float_names or quant, name
         with open(os.path.join(SHIPPED_DIR, name), encoding="utf-8") as fh:
-            assert parse_configs(fh.read(), name)
+            text = fh.read()
+        assert (parse_configs if name in float_names else parse_quant_configs)(text, name)
 
 
 @pytest.mark.parametrize("T,E,k,expected", [
