@@ -145,7 +145,7 @@ def jobs_of(points):
     for pt in points:
         head = [pt["default"]]
         if pt["scheme"].startswith("int4"):
-            head.append((pt["default"][0], QuantKnobs(w_convert="cast")))
+            head += [(pt["default"][0], QuantKnobs(w_convert=c)) for c in ("cast", "ptx")]
         g1 = [stage1(pt, t, kn) for t, kn in pt["g1"]]
         firsts = {}
         for t, kn in pt["g1"]:
@@ -244,13 +244,13 @@ def sweep_point(pt, wts, compiled, budget, device="cuda", dtype=torch.bfloat16):
 
 def toggles(pt, rec):
     """Variants of a point's winner, one knob flipped each: PDL; x quantized in its own launch (fp8);
-    cast int4 weights."""
+    the other int4 weight conversions."""
     cfg, kn = gpu.parse_quant_entry(rec["best"])
     flips = [dict(pdl=not kn.pdl)]
     if pt["scheme"].startswith("fp8"):
         flips.append(dict(fuse_x_quant=not kn.fuse_x_quant))
     if pt["scheme"].startswith("int4"):
-        flips.append(dict(w_convert="cast" if kn.w_convert != "cast" else "bits"))
+        flips += [dict(w_convert=c) for c in ("cast", "bits", "ptx") if c != kn.w_convert]
     return [(cfg, QuantKnobs(**dict(kn.to_json(), **f))) for f in flips]
 
 

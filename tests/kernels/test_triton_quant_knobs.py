@@ -194,6 +194,11 @@ else:
         x, w, ids = torch.randn(2, 128).half(), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32)
         with pytest.raises(ValueError, match="int4"):
             _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="bits"))
+        with pytest.raises(ValueError, match="int4"):
+            _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))
+        int4 = _weights("int4_w4a16", {}, 2, 128, 128, gen)
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            _run(int4, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))
         wts = _weights("fp8_w8a8", {}, 2, 48, 40, gen)
         with pytest.raises(ValueError, match="prefetch1 needs K=48"):
             _run(wts, torch.randn(2, 48).half(), w, ids, None, _tiles(16, 16, 32, 16, 32), QuantKnobs(prefetch1=True))

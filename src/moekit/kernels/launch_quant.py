@@ -244,8 +244,11 @@ def fused_moe_quant(
     if knobs.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
         got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
         raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
-    if knobs.w_convert == "bits" and not modes.w_int4:
-        raise ValueError(f"knobs.w_convert='bits' applies to int4 weights, got quant={scheme.name!r}")
+    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
+        raise ValueError(f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, got quant={scheme.name!r}")
+    if knobs.w_convert == "ptx" and dev.type != "cuda":
+        raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
+                         "(the Triton interpreter cannot run it)")
     g1, g2 = config.gemm1, config.gemm2
     for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
         if flag and K % t.BLOCK_SIZE_K:

@@ -25,7 +25,7 @@ __all__ = ["QuantKnobs", "W_CONVERT", "quant_file_dtype", "quant_file_name", "pa
            "lookup_quant_config", "quant_search_space"]
 
 # The int4 weight conversions, by the kernels' CONVERT code.
-W_CONVERT = {"auto": 1, "bits": 1, "cast": 0}
+W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2}
 # Shared memory one program may use on SM90 (227 KB) less room for the compiler's own use.
 _SMEM_LIMIT = 220 * 1024
 
@@ -42,7 +42,8 @@ class QuantKnobs:
         as ceil(K tiles / ceil(K tiles / split_k))); the fp32 partials are added with the k
         slots, in a fixed order.
     w_convert: how int4 weights become floats: "bits" (the nibble or-ed into a float's mantissa,
-        the offset or zero point subtracted in 16 bits), "cast" (through int8), "auto" (bits);
+        the offset or zero point subtracted in 16 bits), "ptx" (the same in inline PTX on whole
+        registers, four bytes at a time; CUDA only), "cast" (through int8), "auto" (bits);
         8-bit weights are always cast ("auto" or "cast").
     fuse_x_quant: x is quantized in the alignment's launch (dynamic per-token or per-group
         scales, or static per-expert ones).

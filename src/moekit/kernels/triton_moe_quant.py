@@ -30,7 +30,9 @@ Modes (constexpr):
               operations); 1 ors the nibble u into the mantissa of MAGIC, the fp16 (0x6400,
               value MAGIC_V = 1024) or bf16 (0x4300, 128) pattern, which is the float MAGIC_V + u,
               and subtracts MAGIC_V + offset (or + zero point) in 16 bits: exact, two values per
-              instruction, no int-to-float instruction. 8-bit weights are always cast (int8 takes
+              instruction, no int-to-float instruction; 2 does the same in inline PTX on whole
+              32-bit registers (_nibbles_ptx_source: eight weights in 12 instructions; CUDA
+              only, not the interpreter). 8-bit weights are always cast (int8 takes
               Triton's bit-operation conversion; uint8 with zero points, int16 arithmetic).
     PREFETCH  the next K tile's weights and activations are loaded before the current tile
               is multiplied (register double buffering; needs EVEN_K).
@@ -64,6 +66,55 @@ def _bits(u, MAGIC: tl.constexpr, dtype: tl.constexpr):
     return (u | MAGIC).to(dtype, bitcast=True)
 
 
+def _nibbles_ptx_source(bf16: bool, sub: bool) -> str:
+    """PTX of CONVERT = 2 for four packed bytes $4: the low nibbles' floats in $0, $1 and the high
+    ones' in $2, $3 (two 16-bit floats per register, in byte order).
+
+    t0 = [b0, b2, b1, b3] and t1 = [b2, b0, b3, b1] put the nibbles of bytes (0, 1) and (2, 3) at
+    bits 0-7 and 16-23, the halves of a 2 x 16-bit register; a mask (lop3: t & 0x000F000F | MAGIC)
+    takes the low nibbles, a shift by 4 first the high ones. With sub, a packed fma by 1 and
+    -(MAGIC_V + 8) leaves u - 8 (exact: small integers).
+    """
+    magic, one, off, fma = (("0x43004300", "0x3F803F80", "0xC308C308", "fma.rn.bf16x2") if bf16 else
+                            ("0x64006400", "0x3C003C00", "0xE408E408", "fma.rn.f16x2"))
+    body = ["prmt.b32 t0, $4, $4, 0x3120;", "prmt.b32 t1, $4, $4, 0x1302;"]
+    for outs, shift in ((("$0", "$1"), False), (("$2", "$3"), True)):
+        for t, out in zip(("t0", "t1"), outs):
+            if shift:
+                body.append(f"shr.u32 {t}, {t}, 4;")
+            body.append(f"lop3.b32 {'u' if sub else out}, {t}, 0x000F000F, {magic}, 0xEA;")
+            if sub:
+                body.append(f"{fma} {out}, u, one, off;")
+    return ("{ .reg .b32 t0, t1, u, one, off; mov.b32 one, " + one + "; mov.b32 off, " + off + "; "
+            + " ".join(body) + " }")
+
+
+_PTX_BF16: tl.constexpr = tl.constexpr(_nibbles_ptx_source(True, False))
+_PTX_BF16_SUB: tl.constexpr = tl.constexpr(_nibbles_ptx_source(True, True))
+_PTX_FP16: tl.constexpr = tl.constexpr(_nibbles_ptx_source(False, False))
+_PTX_FP16_SUB: tl.constexpr = tl.constexpr(_nibbles_ptx_source(False, True))
+
+
+@triton.jit
+def _nibbles_ptx(q, SUB: tl.constexpr, dtype: tl.constexpr):
+    """(low, high) nibbles u of uint8 q [BK/2, BN] as dtype floats: MAGIC_V + u, or u - 8 when SUB."""
+    if dtype == tl.bfloat16:
+        if SUB:
+            lo, hi = tl.inline_asm_elementwise(_PTX_BF16_SUB, "=r,=r,=r,=r,r", [q],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r", [q],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        if SUB:
+            lo, hi = tl.inline_asm_elementwise(_PTX_FP16_SUB, "=r,=r,=r,=r,r", [q],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PTX_FP16, "=r,=r,=r,=r,r", [q],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
 @triton.jit
 def _cast_weights(q, zero, HAS_ZERO: tl.constexpr, OFFSET: tl.constexpr, NARROW: tl.constexpr, dtype: tl.constexpr):
     """Integer weights q minus their zero point [BN] (or the constant OFFSET), cast to dtype.
@@ -90,6 +141,13 @@ def _weight_only_product(a, a_odd, q, zero, W_INT4: tl.constexpr, HAS_ZERO: tl.c
     elif CONVERT == 0:
         part = tl.dot(a, _cast_weights(q & 15, zero, HAS_ZERO, 8, True, dt))
         part = tl.dot(a_odd, _cast_weights(q >> 4, zero, HAS_ZERO, 8, True, dt), part)
+    elif CONVERT == 2:
+        lo, hi = _nibbles_ptx(q, not HAS_ZERO, dt)
+        if HAS_ZERO:
+            sub = _bits(zero.to(tl.int16), MAGIC, dt)[None, :]  # MAGIC_V + z
+            lo, hi = lo - sub, hi - sub
+        part = tl.dot(a, lo)
+        part = tl.dot(a_odd, hi, part)
     else:
         # MAGIC_V + u from bits, then the offset or zero point subtracted in 16 bits (exact: small integers).
         if HAS_ZERO:
