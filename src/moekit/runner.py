@@ -10,7 +10,7 @@ GEMM1 output, activation, per-assignment outputs in fp32), independent of T.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -56,15 +56,27 @@ class MoERunner:
     def forward(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] in x's dtype."""
         # Under expert parallelism every rank must make the same number of rounds (each is a
-        # collective), so the dispatcher decides; ranks with fewer tokens run empty chunks.
-        n = self.dispatcher.num_chunks(x, self.chunk_size)
-        if n == 1:
-            return self._forward_chunk(layer, x, router_logits)
+        # collective), so the dispatcher decides, up front or round by round (Dispatcher);
+        # ranks with fewer tokens run empty chunks.
         c = self.chunk_size
-        outs = [self._forward_chunk(layer, x[i * c:(i + 1) * c], router_logits[i * c:(i + 1) * c]) for i in range(n)]
-        return torch.cat(outs)
+        if self.dispatcher.rounds_in_dispatch:
+            outs, lo, again = [], 0, True
+            while again:
+                out, again = self._forward_chunk(layer, x[lo:lo + c], router_logits[lo:lo + c],
+                                                 more=lo + c < x.shape[0])
+                outs.append(out)
+                lo += c
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        n = self.dispatcher.num_chunks(x, c)
+        if n == 1:
+            return self._forward_chunk(layer, x, router_logits)[0]
+        return torch.cat([self._forward_chunk(layer, x[i * c:(i + 1) * c], router_logits[i * c:(i + 1) * c])[0]
+                          for i in range(n)])
 
-    def _forward_chunk(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _forward_chunk(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                       more: Optional[bool] = None) -> Tuple[torch.Tensor, bool]:
+        """One round: (output [T, H] in x's dtype, whether any rank has another round).
+        more: this rank has tokens after these (dispatchers with rounds_in_dispatch only)."""
         topk = route(router_logits, self.routing, layer.correction_bias_or_none(), hidden_states=x)
         self.last_topk = topk
         weights_Tk, ids_Tk = topk
@@ -88,7 +100,8 @@ class MoERunner:
         expert_weights = layer.experts.expert_weights()
         if shared is not None and self.shared_mode == "fused":
             expert_weights, weights_Tk, ids_Tk = self._append_fused_shared(layer, x, expert_weights, weights_Tk, ids_Tk)
-        d = self.dispatcher.dispatch(x, weights_Tk, ids_Tk)
+        d = (self.dispatcher.dispatch(x, weights_Tk, ids_Tk) if more is None else
+             self.dispatcher.dispatch(x, weights_Tk, ids_Tk, more=more))
         s = self.output_scale()
         # Nothing is added to the routed output here: let the backend write x's dtype directly.
         direct_out = shared_out is None and s == 1.0 and isinstance(self.dispatcher, LocalDispatcher)
@@ -105,7 +118,7 @@ class MoERunner:
         if stream is not None:
             torch.cuda.current_stream(x.device).wait_stream(stream)
         out = routed if shared_out is None else routed + shared_out  # fp32: no fp16 overflow
-        return out.to(x.dtype)
+        return out.to(x.dtype), d.more_rounds
 
     def _append_fused_shared(self, layer, x, weights: ExpertWeights, w_Tk, ids_Tk):
         """Add the shared MLP as n always-selected experts E..E+n-1 to the routing."""

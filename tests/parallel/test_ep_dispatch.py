@@ -5,8 +5,9 @@ the rows it receives (from each source rank in rank order, that rank's tokens in
 static path adds padding rows to fill each block) and the combined output (per token, from
 zero, the partials of its destination ranks added in increasing rank order). The partials
 are y = x * (1 + rank) + w[:, :1], elementwise, so the expected sums are exact. Out-of-range
-ids make every rank of the dynamic path raise. test_ep_kernels.py runs the same world with
-the Triton kernels under Triton's interpreter.
+ids make every rank of the dynamic path raise; a rank that says it has another round makes
+every rank see more_rounds. test_ep_kernels.py runs the same world with the Triton kernels
+under Triton's interpreter.
 """
 
 import random
@@ -37,6 +38,7 @@ class Case:
     only_rank0: bool = False  # every id is an expert of rank 0: the other ranks receive nothing
     int64_strided: bool = False  # ids int64 and weights not contiguous
     bad_rank: Optional[int] = None  # this rank passes an id == E
+    more_rank: Optional[int] = None  # this rank says it has more tokens: every rank must learn it
 
 
 CASES = [
@@ -46,6 +48,8 @@ CASES = [
          int64_strided=True),
     Case("dynamic, every id on rank 0", (4, 4, 4), only_rank0=True),
     Case("dynamic, every rank empty", (0, 0, 0)),
+    Case("dynamic, rank 2 has another round", (2, 3, 0), more_rank=2),
+    Case("dynamic, rank 0 has another round, ids outside on rank 1", (3, 2, 2), more_rank=0, bad_rank=1),
     Case("static, bf16 odd H, T = capacity on rank 0", (5, 0, 3), static=True, capacity=5),
     Case("static, capacity 1, round robin", (1, 0, 1), static=True, capacity=1, E=9, k=2, H=4, dtype=torch.float32,
          placement="round_robin"),
@@ -93,14 +97,17 @@ def _run_case(case: Case, rank: int, size: int, seed: int, kernels: str):
         disp = StaticAllToAllDispatcher(parallel, case.E, case.k, kernels=kernels)
     else:
         disp = AllToAllDispatcher(ParallelConfig(**fields), case.E, case.k, kernels=kernels)
+    more = {} if case.static else dict(more=rank == case.more_rank)
     if case.bad_rank is not None:
         try:
-            disp.dispatch(x, w, ids)
+            disp.dispatch(x, w, ids, **more)
         except ValueError as exc:
             want = rf"topk_ids must lie in \[0, {case.E}\), got ids outside on rank\(s\) \[{case.bad_rank}\]"
             return [] if re.search(want, str(exc)) else [f"unexpected message: {exc}"]
         return ["no error for ids outside [0, E)"]
-    d = disp.dispatch(x, w, ids)
+    d = disp.dispatch(x, w, ids, **more)
+    if d.more_rounds != (case.more_rank is not None):
+        return [f"more_rounds {d.more_rounds}, expected {case.more_rank is not None}"]
     # expected rows: per source rank, its tokens with an expert here, in order (+ padding blocks when static)
     exp_x, exp_w, exp_ids = [], [], []
     for xs, ws, idss in inputs:
@@ -177,3 +184,53 @@ def test_kernels_argument_is_checked():
         with pytest.raises(ValueError, match=r"kernels='triton' needs CUDA tensors .* got x on cpu"):
             disp.dispatch(torch.zeros(1, 4), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32))
     assert AllToAllDispatcher(parallel, 4, 2).triton_for(torch.zeros(1)) is None  # auto: torch on CPU
+
+
+def check_rounds_agreed_in_dispatch(rank, size, base_seed):
+    """The layer's chunk rounds with the dynamic path: per-rank chunk counts 3, 1 and 0 (chunk 2,
+    T = 5, 1, 0), every rank's output equal to the single-process layer's, and no all-reduce (the
+    count exchange carries whether a rank has more tokens)."""
+    import torch.distributed as dist
+
+    from moekit import FusedMoE, RoutingConfig
+
+    E, H, I, Ts = 6, 16, 8, (5, 1, 0)
+    g = torch.Generator().manual_seed(base_seed)
+    x_all = torch.randn(sum(Ts), H, generator=g)
+    logits = torch.randn(sum(Ts), E, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
+    ref = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference")
+    ref.load_weights(w13, w2)
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference",
+                     parallel=ParallelConfig(ep_size=size, ep_rank=rank, dispatcher="all_to_all", timeout_s=20))
+    layer.load_weights(w13, w2)
+    layer.runner.chunk_size = 2
+    start = sum(Ts[:rank])
+    mine = slice(start, start + Ts[rank])
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(1)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        with torch.no_grad():
+            out = layer(x_all[mine], logits[mine])
+            expected = ref(x_all, logits)[mine]
+    finally:
+        dist.all_reduce = real_all_reduce
+    failures = []
+    if calls:
+        failures.append(f"rank {rank}: {len(calls)} all_reduce calls in forward, expected none")
+    if out.shape != expected.shape or not torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
+        failures.append(f"rank {rank}: output differs from the single-process layer")
+    return failures
+
+
+def test_chunk_rounds_are_agreed_in_the_count_exchange():
+    base_seed = random.randrange(2 ** 31)
+    results = run_world(3, check_rounds_agreed_in_dispatch, base_seed, timeout_s=120, gloo_timeout_s=30)
+    failures = [f for r in sorted(results) for f in results[r]]
+    assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)

@@ -58,7 +58,7 @@ CASES_2 = [
     Case("static, round robin: experts with no token", (2, 6), "static_all_to_all", "round_robin", max_tokens=8,
          cold=3),
     Case("a2a, k=1, weights on input (Llama-4)", (5, 5), routing=LLAMA4, backend="reference"),
-    Case("a2a, uneven chunk counts agreed by all-reduce", (7, 2), chunk=3),
+    Case("a2a, uneven chunk counts agreed in the count exchange", (7, 2), chunk=3),
     Case("allgather, chunk count from max_tokens_per_rank", (7, 2), "allgather_reducescatter", max_tokens=9, chunk=4),
     Case("a2a, DeepSeek-V3 routing, owned gate and bias, scale on output", (4, 6), E=8, routing=DEEPSEEK, gate=True,
          shared=SharedExpertsConfig(24)),

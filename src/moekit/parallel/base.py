@@ -22,6 +22,8 @@ class Dispatched:
     x: [T_recv, H] tokens to compute here.  topk_weights: [T_recv, k] fp32.
     topk_ids: [T_recv, k] int32 global ids (expert_map makes them local).
     expert_map: [E_global] int32 or None.  handle: dispatcher-private metadata for combine.
+    more_rounds: whether any rank has tokens for another round (dispatchers that agree on
+        the rounds in dispatch, see Dispatcher.rounds_in_dispatch; False otherwise).
     """
 
     x: torch.Tensor
@@ -29,12 +31,24 @@ class Dispatched:
     topk_ids: torch.Tensor
     expert_map: Optional[torch.Tensor]
     handle: Any = None
+    more_rounds: bool = False
 
 
 class Dispatcher:
-    """Base class: `dispatch` then `combine`."""
+    """Base class: `dispatch` then `combine`.
+
+    Rounds: the runner splits a rank's tokens into chunks, and under expert parallelism every
+    rank must make the same number of dispatch rounds. A dispatcher either answers
+    `num_chunks` up front, or (rounds_in_dispatch True) takes `dispatch(..., more=)`, whether
+    this rank has tokens after this round, and answers Dispatched.more_rounds for all ranks
+    from a collective it makes anyway: the runner then loops until no rank has more.
+    """
 
     name = ""
+
+    @property
+    def rounds_in_dispatch(self) -> bool:
+        return False
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         raise NotImplementedError

@@ -49,6 +49,7 @@ __all__ = [
     "combine_rows",
     "sum_partials",
     "read_exchange",
+    "MORE_ROUNDS",
     "all_gather_single",
     "reduce_scatter_single",
     "check_no_grad",
@@ -60,6 +61,11 @@ EP_KERNELS = ("auto", "torch", "triton")
 # (Both are None on torch builds without distributed support.)
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+# Added to a rank's bad-id count in the count exchange when it has tokens after this round
+# (bad-id counts stay below it: dispatch refuses T * k >= MORE_ROUNDS).
+MORE_ROUNDS = 1 << 30
 
 
 def check_no_grad(t: torch.Tensor, name: str) -> None:
@@ -212,22 +218,25 @@ def sum_partials(back: torch.Tensor, rows_CT: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def read_exchange(info: List[int], num_ranks: int, num_experts: int) -> Tuple[List[int], List[int]]:
-    """Split the host copy of a count exchange into (send counts, receive counts) per rank.
+def read_exchange(info: List[int], num_ranks: int, num_experts: int) -> Tuple[List[int], List[int], bool]:
+    """Split the host copy of a count exchange into (send counts, receive counts) per rank and
+    whether any rank has tokens for another round.
 
     Args:
-        info: [4P] ints: per destination (rows, bad ids here), then per source (rows, bad ids there).
+        info: [4P] ints: per destination (rows, status here), then per source (rows, status
+            there); status = bad ids (ids outside [0, E)) + MORE_ROUNDS if that rank has more tokens.
     Raises:
         ValueError on every rank when any rank got topk_ids outside [0, E).
     """
     P = num_ranks
-    bad = [r for r in range(P) if info[2 * P + 2 * r + 1]]
+    status = info[2 * P + 1::2]
+    bad = {r: s % MORE_ROUNDS for r, s in enumerate(status) if s % MORE_ROUNDS}
     if bad:
         raise ValueError(
-            f"topk_ids must lie in [0, {num_experts}), got ids outside on rank(s) {bad} "
-            f"({sum(info[2 * P + 2 * r + 1] for r in bad)} ids)"
+            f"topk_ids must lie in [0, {num_experts}), got ids outside on rank(s) {sorted(bad)} "
+            f"({sum(bad.values())} ids)"
         )
-    return info[0:2 * P:2], info[2 * P::2]
+    return info[0:2 * P:2], info[2 * P::2], any(s >= MORE_ROUNDS for s in status)
 
 
 class ExpertParallelDispatcher(Dispatcher):
