@@ -16,7 +16,7 @@ from triton_child import IN_INTERPRETER, run_in_interpreter
 
 pytest.importorskip("triton")
 
-from moekit.kernels import quant_tuning  # noqa: E402
+from moekit.kernels import quant_tuning, tuning  # noqa: E402
 from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles  # noqa: E402
 from moekit.kernels.quant_rows import modes_of  # noqa: E402
 from moekit.kernels.quant_tuning import (QuantKnobs, lookup_quant_config, parse_quant_configs,  # noqa: E402
@@ -64,7 +64,7 @@ if not IN_INTERPRETER:
         scheme = get_scheme("fp8_w8a8_block128")
         table = {"16": _entry(16, 64, {"split_k": 4}), "4096": _entry(128, 64, {"gate_up": True})}
         (tmp_path / quant_file_name(256, 2048, "GPU_X", scheme)).write_text(json.dumps(table))
-        monkeypatch.setattr(quant_tuning, "settings", replace(quant_tuning.settings, tuned_config_dir=str(tmp_path)))
+        monkeypatch.setattr(tuning, "settings", replace(tuning.settings, tuned_config_dir=str(tmp_path)))
         quant_tuning.load_quant_configs.cache_clear()
         try:
             cfg, knobs = lookup_quant_config(64, 256, 2048, "GPU_X", scheme)

@@ -14,7 +14,7 @@ here per call, the counters cleared by GEMM1); PDL launches GEMM2 as GEMM1's dep
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -26,7 +26,7 @@ from . import triton_moe as moe
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
 ALIGN_SMALL_MAX = align.SMALL
@@ -49,6 +49,18 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
+def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[Alignment, int]:
+    """An Alignment of unwritten buffers for the assignments of topk_ids [T, k] into block_m-row
+    blocks of num_experts experts, and the bins its kernels count in (E + 1, one spare for
+    non-local lanes, rounded up to a power of two)."""
+    TK = topk_ids.numel()
+    max_blocks = max(1, min(TK, triton.cdiv(TK, block_m) + num_experts))
+    dev = topk_ids.device
+    al = Alignment(torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev),
+                   torch.empty(num_experts, dtype=torch.int32, device=dev), max_blocks, block_m)
+    return al, triton.next_power_of_2(num_experts + 1)
+
+
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
               small_max: int = ALIGN_SMALL_MAX) -> Alignment:
     """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
@@ -59,15 +71,11 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
         small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
     """
-    TK = topk_ids.numel()
-    E = num_experts
-    dev = topk_ids.device
-    max_blocks = max(1, min(TK, triton.cdiv(TK, block_m) + E))
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    expert_end = torch.empty(E, dtype=torch.int32, device=dev)
+    TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
+    al, e_pad = alignment_buffers(topk_ids, E, block_m)
+    sorted_ids, expert_end = al.sorted_ids, al.expert_end
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
-    e_pad = triton.next_power_of_2(E + 1)  # one spare bin for non-local lanes
     if TK <= small_max:
         n = _pow2(TK)
         align.align_small_kernel[(1,)](topk_ids, emap, sorted_ids, expert_end, TK, E,
@@ -82,7 +90,7 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
                                       num_warps=4)
         align.align_scatter_kernel[(NC,)](topk_ids, emap, cursor, sorted_ids, TK, E, N=align.CHUNK, E_PAD=e_pad,
                                           HAS_MAP=has_map, num_warps=4)
-    return Alignment(sorted_ids, expert_end, max_blocks, block_m)
+    return al
 
 
 def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:

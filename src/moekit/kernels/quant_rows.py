@@ -17,7 +17,7 @@ import triton
 from ..quant.schemes import QuantScheme
 from . import triton_align as align
 from . import triton_quant_rows as qr
-from .launch import Alignment, _pow2
+from .launch import Alignment, _pow2, alignment_buffers
 
 __all__ = ["QuantModes", "modes_of", "quantize_rows", "quant_rows", "align_and_quantize", "tensor_scale", "GRAN"]
 
@@ -134,15 +134,11 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
                        group: int, topk_weights, small_max: int, pdl: bool = False) -> Alignment:
     """kernels.launch.moe_align with the quantization of x (gran 2-4) in the alignment's first launch
     (pdl: its last launch lets a programmatic dependent start)."""
-    TK = topk_ids.numel()
-    E = num_experts
-    dev = topk_ids.device
-    max_blocks = max(1, min(TK, triton.cdiv(TK, block_m) + E))
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    expert_end = torch.empty(E, dtype=torch.int32, device=dev)
+    TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
+    al, e_pad = alignment_buffers(topk_ids, E, block_m)
+    sorted_ids, expert_end = al.sorted_ids, al.expert_end
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
-    e_pad = triton.next_power_of_2(E + 1)  # one spare bin for non-local lanes
     small = TK <= small_max
     n_align = 1 if small else triton.cdiv(TK, align.CHUNK)
     counts = expert_end if small else torch.zeros(e_pad, dtype=torch.int32, device=dev)
@@ -158,7 +154,7 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
                                       num_warps=4)
         align.align_scatter_kernel[(n_align,)](topk_ids, emap, cursor, sorted_ids, TK, E, N=align.CHUNK, E_PAD=e_pad,
                                                HAS_MAP=has_map, num_warps=4)
-    return Alignment(sorted_ids, expert_end, max_blocks, block_m)
+    return al
 
 
 def tensor_scale(x: torch.Tensor, modes: QuantModes, topk_weights, topk_ids, expert_map, sorted_ids,

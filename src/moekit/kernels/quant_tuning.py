@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
-from ..config import settings
 from ..quant.schemes import QuantScheme
-from .tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_file_name, use_direct
+from .tuning import MoEConfig, TileConfig, config_file_name, read_table, use_direct
 
 __all__ = ["QuantKnobs", "W_CONVERT", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space"]
@@ -122,15 +120,7 @@ def parse_quant_configs(text: str, where: str) -> Dict[int, Tuple[MoEConfig, Qua
 def load_quant_configs(E: int, N: int, device: str, dtype: str,
                        block_shape: Optional[Tuple[int, int]]) -> Optional[Dict[int, Tuple[MoEConfig, QuantKnobs]]]:
     """The tuned quantized table for (E, N, device, dtype, block_shape): the user folder first, then the shipped files."""
-    name = config_file_name(E, N, device, dtype, block_shape)
-    for folder in (settings.tuned_config_dir, SHIPPED_DIR):
-        if folder is None:
-            continue
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as fh:
-                return parse_quant_configs(fh.read(), path)
-    return None
+    return read_table(config_file_name(E, N, device, dtype, block_shape), parse_quant_configs)
 
 
 def lookup_quant_config(T: int, E: int, I: int, device: Optional[str],

@@ -35,6 +35,7 @@ __all__ = [
     "device_name",
     "parse_configs",
     "load_configs",
+    "read_table",
     "default_config",
     "get_config",
     "use_direct",
@@ -251,18 +252,22 @@ def parse_configs(text: str, where: str) -> Dict[int, MoEConfig]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def load_configs(E: int, N: int, device: str, dtype: Optional[str]) -> Optional[Dict[int, MoEConfig]]:
-    """The tuned table for (E, N, device, dtype): the user folder first, then the shipped files."""
-    name = config_file_name(E, N, device, dtype)
+def read_table(name: str, parse):
+    """parse(text, path) of the tuned file `name`: the user folder first, then the shipped files (None: neither has it)."""
     for folder in (settings.tuned_config_dir, SHIPPED_DIR):
         if folder is None:
             continue
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
-                return parse_configs(fh.read(), path)
+                return parse(fh.read(), path)
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs(E: int, N: int, device: str, dtype: Optional[str]) -> Optional[Dict[int, MoEConfig]]:
+    """The tuned table for (E, N, device, dtype): the user folder first, then the shipped files."""
+    return read_table(config_file_name(E, N, device, dtype), parse_configs)
 
 
 def use_direct(T: int, k: int, E: int) -> bool:
