@@ -12,12 +12,11 @@ table fitted by quant_config with default knobs.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
-from .tuning import MoEConfig, TileConfig, config_file_name, read_table, use_direct
+from .tuning import MoEConfig, TileConfig, config_file_name, parse_table, read_table, use_direct
 
 __all__ = ["QuantKnobs", "W_CONVERT", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space"]
@@ -98,22 +97,11 @@ def quant_file_name(E: int, N: int, device: str, scheme: QuantScheme) -> str:
 
 def parse_quant_configs(text: str, where: str) -> Dict[int, Tuple[MoEConfig, QuantKnobs]]:
     """A quantized tuned file's text -> {M: (tiles, knobs)}; raises ValueError naming the file and key."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where} is not valid JSON: {err}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"{where} must be a non-empty object mapping M to a config")
-    out = {}
-    for key, entry in raw.items():
-        try:
-            M = int(key)
-        except ValueError:
-            raise ValueError(f"{where}: keys must be token counts M, got {key!r}") from None
-        knobs = QuantKnobs.from_json(entry.get("quant", {}), f"{where}[{key}].quant") if isinstance(entry, dict) \
-            else QuantKnobs()
-        out[M] = (MoEConfig.from_json(entry, f"{where}[{key}]"), knobs)
-    return out
+    def entry_of(entry, at: str) -> Tuple[MoEConfig, QuantKnobs]:
+        knobs = QuantKnobs.from_json(entry.get("quant", {}), f"{at}.quant") if isinstance(entry, dict) else QuantKnobs()
+        return MoEConfig.from_json(entry, at), knobs
+
+    return parse_table(text, where, entry_of)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ __all__ = [
     "parse_configs",
     "load_configs",
     "read_table",
+    "parse_table",
     "default_config",
     "get_config",
     "use_direct",
@@ -234,22 +235,27 @@ def config_file_name(E: int, N: int, device: str, dtype: Optional[str] = None,
     return name + ".json"
 
 
-def parse_configs(text: str, where: str) -> Dict[int, MoEConfig]:
-    """A config file's text -> {M: MoEConfig}; raises ValueError naming the file and key."""
+def parse_table(text: str, where: str, parse_entry) -> Dict[int, object]:
+    """A tuned file's text -> {M: parse_entry(entry, "where[M]")}; raises ValueError naming the file and key."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON: {err}") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{where} must be a non-empty object mapping M to a config")
-    out: Dict[int, MoEConfig] = {}
+    out = {}
     for key, entry in raw.items():
         try:
             M = int(key)
         except ValueError:
             raise ValueError(f"{where}: keys must be token counts M, got {key!r}") from None
-        out[M] = MoEConfig.from_json(entry, f"{where}[{key}]")
+        out[M] = parse_entry(entry, f"{where}[{key}]")
     return out
+
+
+def parse_configs(text: str, where: str) -> Dict[int, MoEConfig]:
+    """A config file's text -> {M: MoEConfig}; raises ValueError naming the file and key."""
+    return parse_table(text, where, MoEConfig.from_json)
 
 
 def read_table(name: str, parse):
