@@ -14,8 +14,11 @@ tokens per rank (1, 16, 128, 1024, 4096), with uniform random routing and bf16 t
   --config-min-tokens tokens and more.
 - static_all_to_all (capacity = tokens per rank), per kernels variant: dispatch + combine
   eagerly and replayed from a CUDA graph (the decode path), against the two raw equal-split calls.
+- p2p_all_to_all (CUDA; capacity = tokens per rank, through peer-mapped memory): eagerly and
+  from a CUDA graph, against the raw pair with the dynamic path's split sizes (the routed
+  bytes: fraction_of_raw) and against the raw equal-split pair (fraction_of_raw_static).
 - allgather_reducescatter: dispatch + combine against a raw all-gather + reduce-scatter.
-- a whole decode step of FusedMoE with the static dispatcher (router, dispatch, experts,
+- a whole decode step of FusedMoE with each capacity dispatcher (router, dispatch, experts,
   combine; --layer-tokens per rank), eagerly and replayed from a CUDA graph.
 - --profile: torch.profiler over 10 dispatch + combine calls of the dynamic path (default
   kernels) for --profile-shape at --profile-tokens; rank 0 prints the top ops by device and
@@ -43,9 +46,10 @@ import torch
 import torch.distributed as dist
 
 from moekit import FusedMoE, RoutingConfig
-from moekit.parallel import (AllGatherReduceScatterDispatcher, AllToAllDispatcher, ParallelConfig,
-                             StaticAllToAllDispatcher)
+from moekit.parallel import (AllGatherReduceScatterDispatcher, AllToAllDispatcher, P2PAllToAllDispatcher,
+                             ParallelConfig, StaticAllToAllDispatcher)
 from moekit.parallel.ep_common import RowLayout, all_gather_single, reduce_scatter_single
+from moekit.parallel.peer_memory import strategies_in_use
 
 SHAPES = {
     "deepseek-v3": dict(E=256, k=8, H=7168, I=2048),
@@ -168,7 +172,7 @@ def bench_shape(shape_name, shape, T, clock, device, args, group_size, rank, use
     def same_as(ref, d, out) -> bool:
         """Whether every rank's dispatched rows and combined output equal the torch path's, bit for bit."""
         mine = (d.x, d.topk_weights, d.topk_ids, out)
-        same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(mine, ref))
+        same = all(b is None or (a.shape == b.shape and torch.equal(a, b)) for a, b in zip(mine, ref))
         t = torch.tensor([0 if same else 1], device=device)
         dist.all_reduce(t)
         return int(t.item()) == 0
@@ -209,6 +213,7 @@ def bench_shape(shape_name, shape, T, clock, device, args, group_size, rank, use
 
     t_raw, t_raw_sync = clock(raw), clock(raw_sync)
     nbytes = sum(send) * layout.row_bytes + sum(recv) * H * 4
+    t_raw_routed, nbytes_routed = t_raw, nbytes
     for kern in kernels:
         configs = ["default"]
         if kern == "triton" and T >= args.config_min_tokens:
@@ -238,6 +243,18 @@ def bench_shape(shape_name, shape, T, clock, device, args, group_size, rank, use
         row_base = dict(base, dispatcher="static_all_to_all", kernels=kern, config="default", raw_us=t_raw * 1e6,
                         bytes_per_rank=nbytes)
         rows += variant(lambda: StaticAllToAllDispatcher(static, E, k, kernels=kern), row_base, ref, use_graph)
+
+    # p2p (capacity = T) through peer-mapped memory: only routed rows cross the links, so its raw
+    # is the dynamic path's (same routed bytes); the equal-split raw is kept beside it. The x bytes
+    # of its padding rows are stale rather than zero, so only weights, ids and output are compared.
+    if device.type == "cuda":
+        p2p = ParallelConfig.expert_parallel(dispatcher="p2p_all_to_all", max_tokens_per_rank=T)
+        row_base = dict(base, dispatcher="p2p_all_to_all", kernels="triton", config="default",
+                        raw_us=t_raw_routed * 1e6, raw_static_us=t_raw * 1e6, bytes_per_rank=nbytes_routed)
+        for r in variant(lambda: P2PAllToAllDispatcher(p2p, E, k), row_base, (None,) + ref[1:], use_graph):
+            if "us" in r:
+                r["fraction_of_raw_static"] = r["raw_static_us"] / r["us"]
+            rows.append(r)
 
     # allgather + reduce-scatter vs the raw pair
     disp = AllGatherReduceScatterDispatcher(ParallelConfig.expert_parallel(dispatcher="allgather_reducescatter"), E, k)
@@ -280,16 +297,16 @@ def graph_row(disp, x, w, ids, y, clock, static_base, ref_out, per_graph=10):
                 GBps=static_base["bytes_per_rank"] / t / 1e9, check_rel_err=err, bitwise_equal_torch=not diff.item())
 
 
-def layer_rows(shape_name, shape, T, clock, device, args, use_graph):
-    """One FusedMoE decode step (static dispatcher, capacity T), eager and as a CUDA graph replay."""
+def layer_rows(shape_name, shape, T, clock, device, args, use_graph, dispatcher="static_all_to_all"):
+    """One FusedMoE decode step (a capacity dispatcher, capacity T), eager and as a CUDA graph replay."""
     E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parallel = ParallelConfig.expert_parallel(dispatcher="static_all_to_all", max_tokens_per_rank=T)
+    parallel = ParallelConfig.expert_parallel(dispatcher=dispatcher, max_tokens_per_rank=T)
     layer = FusedMoE(E, H, I, RoutingConfig(top_k=k), dtype=dtype, device=device, parallel=parallel)
     g = torch.Generator(device="cpu").manual_seed(args.seed + T)
     x = torch.randn(T, H, generator=g).to(device, dtype)
     logits = torch.randn(T, E, generator=g).to(device)
-    base = dict(shape=shape_name, E=E, k=k, H=H, I=I, tokens_per_rank=T, dispatcher="static_all_to_all",
+    base = dict(shape=shape_name, E=E, k=k, H=H, I=I, tokens_per_rank=T, dispatcher=dispatcher,
                 backend=layer.runner.backend)
     with torch.no_grad():
         out = layer(x, logits)
@@ -371,6 +388,7 @@ def profile_rows(shape_name, shape, T, device, args, rank, calls=10):
 
 
 SHORT = {"deepseek-v3": "dsv3", "qwen3-30b-a3b": "qwen3", "all_to_all": "a2a", "static_all_to_all": "static",
+         "p2p_all_to_all": "p2p",
          "allgather_reducescatter": "ag_rs"}
 HEADER = ("shape T kernels[/config] dispatcher mode | our us | raw us (% of raw) | raw+count exchange us (%) | "
           "check rel err")
@@ -386,6 +404,8 @@ def print_row(r) -> None:
     line += f"{r['mode'][:5]:5s} | {r['us']:7.1f} | {r['raw_us']:6.1f} {100 * r['fraction_of_raw']:4.0f}%"
     if "raw_sync_us" in r:
         line += f" | {r['raw_sync_us']:6.1f} {100 * r['fraction_of_raw_sync']:4.0f}%"
+    if "raw_static_us" in r:
+        line += f" | equal-split raw {r['raw_static_us']:6.1f} {100 * r['fraction_of_raw_static']:4.0f}%"
     same = {True: "", False: " NOT BITWISE EQUAL TO THE TORCH PATH"}[r.get("bitwise_equal_torch", True)]
     print(line + f" | {r['check_rel_err']:.0e}{same}", flush=True)
 
@@ -425,19 +445,22 @@ def main(argv=None) -> int:
             if rank == 0:
                 for r in rows:
                     print_row(r)
+    layer_dispatchers = ["static_all_to_all"] + (["p2p_all_to_all"] if use_cuda else [])
     for name in args.shapes:
         for T in args.layer_tokens:
-            try:
-                rows = layer_rows(name, SHAPES[name], T, clock, device, args, use_graph)
-            except Exception as exc:  # noqa: BLE001 (the layer's experts backend is not what this script times)
-                rows = [dict(shape=name, tokens_per_rank=T, dispatcher="static_all_to_all", mode="layer",
-                             error=f"{type(exc).__name__}: {exc}"[:400])]
-            results.extend(rows)
-            if rank == 0:
-                for r in rows:
-                    what = (f"{r['mode']:16s} {r['us']:7.1f} us (experts {r['backend']})" if "error" not in r
-                            else f"FAILED: {r['error'][:200]}")
-                    print(f"{SHORT.get(name, name):5s} {T:5d} FusedMoE decode step {what}", flush=True)
+            for disp_name in layer_dispatchers:
+                try:
+                    rows = layer_rows(name, SHAPES[name], T, clock, device, args, use_graph, disp_name)
+                except Exception as exc:  # noqa: BLE001 (the layer's experts backend is not what this script times)
+                    rows = [dict(shape=name, tokens_per_rank=T, dispatcher=disp_name, mode="layer",
+                                 error=f"{type(exc).__name__}: {exc}"[:400])]
+                results.extend(rows)
+                if rank == 0:
+                    for r in rows:
+                        what = (f"{r['mode']:16s} {r['us']:7.1f} us (experts {r['backend']})" if "error" not in r
+                                else f"FAILED: {r['error'][:200]}")
+                        print(f"{SHORT.get(name, name):5s} {T:5d} {SHORT[disp_name]:6s} FusedMoE decode step {what}",
+                              flush=True)
     if args.profile:
         for T in args.profile_tokens:
             profiles.append(profile_rows(args.profile_shape, SHAPES[args.profile_shape], T, device, args, rank))
@@ -451,8 +474,10 @@ def main(argv=None) -> int:
             backend=dist.get_backend(), world_size=size, torch=torch.__version__,
             triton=_triton_version(), nccl=".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             wall_s=time.perf_counter() - t_start,
-            note="times are the slowest rank's; fraction_of_raw = raw time / our time for the same bytes; "
-                 "fraction_of_raw_sync: the raw pair after a count exchange and host read",
+            p2p_peer_memory=strategies_in_use(),
+            note="times are the slowest rank's; fraction_of_raw = raw time / our time for the same bytes "
+                 "(p2p_all_to_all: the routed bytes, as the dynamic path's raw); fraction_of_raw_sync: the raw pair "
+                 "after a count exchange and host read; fraction_of_raw_static: p2p against the equal-split raw",
         )
         out = dict(meta, results=results)
         if profiles:

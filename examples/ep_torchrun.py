@@ -24,8 +24,10 @@ import torch.distributed as dist
 from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig
 from moekit.experts.reference import TOLERANCE
 from moekit.parallel import ParallelConfig
+from moekit.parallel.config import CAPACITY_DISPATCHERS
 
-DISPATCHERS = ("all_to_all", "allgather_reducescatter", "static_all_to_all")
+DISPATCHERS = ("all_to_all", "allgather_reducescatter", "static_all_to_all", "p2p_all_to_all")
+CPU_DISPATCHERS = DISPATCHERS[:3]  # p2p_all_to_all maps GPU memory
 
 
 def parse(argv=None):
@@ -38,7 +40,10 @@ def parse(argv=None):
     p.add_argument("--tokens", type=int, default=64, help="tokens of the last rank (others get fewer)")
     p.add_argument("--empty-rank", action="store_true", help="the last rank passes no tokens")
     p.add_argument("--placement", default="linear", choices=["linear", "round_robin"])
-    p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=DISPATCHERS)
+    p.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS,
+                   help="default: all of them on CUDA, all but p2p_all_to_all on CPU")
+    p.add_argument("--peer-memory", default="auto", choices=["auto", "symmetric", "ipc"],
+                   help="how p2p_all_to_all maps the peers' memory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -107,9 +112,10 @@ def main(argv=None) -> int:
     tol = TOLERANCE[dtype]
     rows = []
     any_bad = False
-    for name in args.dispatchers:
-        parallel = ParallelConfig.expert_parallel(dispatcher=name, placement=args.placement,
-                                                  max_tokens_per_rank=max(Ts) if name == "static_all_to_all" else None)
+    for name in args.dispatchers or (DISPATCHERS if device.type == "cuda" else CPU_DISPATCHERS):
+        parallel = ParallelConfig.expert_parallel(
+            dispatcher=name, placement=args.placement, peer_memory=args.peer_memory,
+            max_tokens_per_rank=max(max(Ts), 1) if name in CAPACITY_DISPATCHERS else None)
         layer = FusedMoE(E, H, I, routing, parallel=parallel, **kw)
         layer.load_weights(w13, w2)
         layer.load_state_dict({n: v for n, v in single.state_dict().items() if not n.startswith("experts.")},

@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ParallelConfig", "PLACEMENTS", "EP_DISPATCHERS", "TP_DISPATCHERS"]
+__all__ = ["ParallelConfig", "PLACEMENTS", "EP_DISPATCHERS", "CAPACITY_DISPATCHERS", "TP_DISPATCHERS"]
 
 PLACEMENTS = ("linear", "round_robin")
-EP_DISPATCHERS = ("all_to_all", "allgather_reducescatter", "static_all_to_all")
+PEER_MEMORY = ("auto", "symmetric", "ipc")
+EP_DISPATCHERS = ("all_to_all", "allgather_reducescatter", "static_all_to_all", "p2p_all_to_all")
+CAPACITY_DISPATCHERS = ("static_all_to_all", "p2p_all_to_all")  # buffers sized by max_tokens_per_rank
 TP_DISPATCHERS = ("all_reduce",)
 
 
@@ -45,13 +47,17 @@ class ParallelConfig:
         group: the torch.distributed ProcessGroup; None means the default (world) group.
         placement: "linear" | "round_robin" (expert placement, EP only).
         dispatcher: EP: "all_to_all" (default), "allgather_reducescatter" or
-            "static_all_to_all" (fixed capacity, no host sync, CUDA-graph capturable);
+            "static_all_to_all" (fixed capacity, no host sync, CUDA-graph capturable) or
+            "p2p_all_to_all" (the same through peer-mapped GPU memory: one host, CUDA, Triton);
             TP: "all_reduce" (default). None picks the default of the mode.
         max_tokens_per_rank: the most tokens one rank passes to one forward. Required by
-            "static_all_to_all" (it sizes the buffers); with the dynamic dispatchers it
+            the capacity dispatchers (it sizes the buffers); with the dynamic dispatchers it
             is optional and, when set, lets every forward skip the agreement on the
             number of chunks (a collective and a host sync). More tokens is an error.
-        timeout_s: bound on the configuration exchange at construction, in seconds.
+        timeout_s: bound on the configuration exchange at construction, and on a p2p_all_to_all
+            barrier's wait for a peer, in seconds.
+        peer_memory: how p2p_all_to_all maps the peers' GPU memory: "auto" (torch symmetric
+            memory, else CUDA IPC), "symmetric" or "ipc".
     """
 
     ep_size: int = 1
@@ -63,6 +69,7 @@ class ParallelConfig:
     dispatcher: Optional[str] = None
     max_tokens_per_rank: Optional[int] = None
     timeout_s: float = 60.0
+    peer_memory: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("ep_size", self.ep_size, 1)
@@ -86,11 +93,13 @@ class ParallelConfig:
             raise ValueError(f"dispatcher for {mode} must be one of {list(allowed)}, got {self.dispatcher!r}")
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
-        if self.dispatcher_name == "static_all_to_all" and self.max_tokens_per_rank is None:
+        if self.dispatcher_name in CAPACITY_DISPATCHERS and self.max_tokens_per_rank is None:
             raise ValueError(
-                "dispatcher 'static_all_to_all' needs max_tokens_per_rank (it sizes the buffers), got None")
+                f"dispatcher {self.dispatcher_name!r} needs max_tokens_per_rank (it sizes the buffers), got None")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
+        if self.peer_memory not in PEER_MEMORY:
+            raise ValueError(f"peer_memory must be one of {list(PEER_MEMORY)}, got {self.peer_memory!r}")
 
     @classmethod
     def expert_parallel(cls, group=None, **fields) -> "ParallelConfig":

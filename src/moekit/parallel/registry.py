@@ -8,6 +8,7 @@ from .allgather import AllGatherReduceScatterDispatcher
 from .all_to_all import AllToAllDispatcher
 from .base import Dispatcher, LocalDispatcher
 from .config import ParallelConfig
+from .p2p_a2a import P2PAllToAllDispatcher
 from .static_a2a import StaticAllToAllDispatcher
 from .tensor_parallel import AllReduceDispatcher
 
@@ -16,7 +17,7 @@ __all__ = ["DISPATCHERS", "build_dispatcher"]
 DISPATCHERS: Dict[str, Type[Dispatcher]] = {
     cls.name: cls
     for cls in (LocalDispatcher, AllToAllDispatcher, AllGatherReduceScatterDispatcher, StaticAllToAllDispatcher,
-                AllReduceDispatcher)
+                P2PAllToAllDispatcher, AllReduceDispatcher)
 }
 
 
