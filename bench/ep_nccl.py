@@ -184,6 +184,10 @@ def bench_shape(shape_name, shape, T, clock, device, args, group_size, rank, use
             ours, y, err, d, out = run_once(disp)
             row = dict(row_base, mode="eager", check_rel_err=err, bitwise_equal_torch=same_as(ref, d, out))
             t_ours = clock(ours)
+            # again after the timed calls (dispatchers that capture graphs on repeated calls replay them now)
+            _, _, err_again, d_again, out_again = run_once(disp)
+            row.update(check_rel_err=max(err, err_again),
+                       bitwise_equal_torch=row["bitwise_equal_torch"] and same_as(ref, d_again, out_again))
             row.update(us=t_ours * 1e6, fraction_of_raw=row_base["raw_us"] / (t_ours * 1e6),
                        GBps=row_base["bytes_per_rank"] / t_ours / 1e9)
             if "raw_sync_us" in row_base:

@@ -3,7 +3,8 @@
 Each simulated rank has its own window (peer_memory.simulated_windows: every window sees the
 others as peers) and its own dispatcher; the test plays the ranks through send -> barrier ->
 received -> stand-in experts -> give_back -> barrier -> gather, twice (the second round has
-fewer tokens, so slots that held rows keep stale bytes the padding must neutralise), and
+fewer tokens, so slots that held rows keep stale bytes the padding must neutralise, and the
+partial outputs are found through a device-held address as the graphed eager path does), and
 checks the received rows against the routing and the outputs bit for bit against the sum the
 stand-in implies. Barriers run split in their signal and wait halves (ranks play in turn).
 
@@ -89,7 +90,7 @@ def _stand_in(x, w, ids, emap):
     return x.float() * (w * local).sum(dim=1, keepdim=True)
 
 
-def _play_round(disps, wins, Ts, H, k, E, C, dtype, placement, gen):
+def _play_round(disps, wins, Ts, H, k, E, C, dtype, placement, gen, indirect):
     P = len(disps)
     layout = disps[0].layout(H, dtype, k)
     owner = expert_owner(E, P, placement).to(DEVICE)
@@ -111,7 +112,9 @@ def _play_round(disps, wins, Ts, H, k, E, C, dtype, placement, gen):
             assert bool((w_r[rest] == 0).all()) and bool((ids_r[rest] == pad).all())
         ys.append(_stand_in(x_r, w_r, ids_r, emap))
     for d, y, win in zip(disps, ys, wins):
-        d.give_back(y, win, layout)
+        # indirect: the kernel finds y from the window through a device value (the graphed eager path)
+        delta = torch.tensor([(y.data_ptr() - win.words.data_ptr()) // 16], device=DEVICE) if indirect else None
+        d.give_back(y, win, layout, delta)
     _barrier(wins)
     for d, h, win, (x, w, ids) in zip(disps, handles, wins, inputs):
         out = d.gather(h, win, layout)
@@ -137,9 +140,9 @@ def test_ranks_exchange_through_windows(rounds, H, k, E, C, dtype, placement):
     disps = _ranks(P, E, k, C, placement)
     layout = disps[0].layout(H, dtype, k)
     wins = simulated_windows(P, regions(P, C, layout)[2], device=DEVICE)
-    for Ts in rounds:
+    for i, Ts in enumerate(rounds):
         try:
-            _play_round(disps, wins, Ts, H, k, E, C, dtype, placement, gen)
+            _play_round(disps, wins, Ts, H, k, E, C, dtype, placement, gen, indirect=i % 2 == 1)
         except AssertionError as err:
             raise AssertionError(f"seed {seed}, tokens {Ts}: {err}") from err
     assert [int(w.epoch.item()) for w in wins] == [2 * len(rounds)] * P

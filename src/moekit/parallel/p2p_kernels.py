@@ -16,7 +16,9 @@ accesses (an address loaded as a plain integer would lose it).
                    serves: the x bytes left there are never read); program (d, 0) also writes
                    the count into d's counts[me].
     push_partials  program (q, s), s < counts[q] (rows rank q sent here): the partial output
-                   y[q*C + s] to slot s of block `me` of q's back.
+                   y[q*C + s] to slot s of block `me` of q's back. y is an argument, or (INDIRECT)
+                   found at window + y_delta[0] * 16 bytes, a device value the host sets before
+                   the launch: a captured launch then serves a new y without copying it.
     barrier        one program: epoch += 1, write it to flags[me] of every rank with release
                    semantics at system scope, then wait until this rank's flags[r] >= epoch
                    for every r (acquire). Flags only grow, so nothing is ever reset and the
@@ -30,6 +32,8 @@ read of it. Importing this module needs the optional `triton` package.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -75,14 +79,18 @@ def p2p_push_rows_kernel(send_ptr, win_ptr, delta_ptr, meta_ptr, me, C, row_w, t
 
 
 @triton.jit
-def p2p_push_partials_kernel(y_ptr, win_ptr, delta_ptr, me, C, H, y_s0, back_w, counts_w,
-                             BLOCK: tl.constexpr):
-    """Grid (P * C,): row s of source q = pid // C goes home when s < counts[q]."""
+def p2p_push_partials_kernel(y_ptr, win_ptr, delta_ptr, y_delta_ptr, me, C, H, y_s0, back_w, counts_w,
+                             BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
+    """Grid (P * C,): row s of source q = pid // C goes home when s < counts[q]. INDIRECT: y is
+    read at this window + y_delta[0] * 16 bytes (a CUDA graph then serves any y: module docstring)."""
     pid = tl.program_id(0)
     q = pid // C
     s = pid - q * C
     if s < tl.load(win_ptr + counts_w + q):
-        src = y_ptr + pid.to(tl.int64) * y_s0
+        if INDIRECT:  # y_ptr is this window as fp32
+            src = y_ptr + tl.load(y_delta_ptr) * 4 + pid.to(tl.int64) * y_s0
+        else:
+            src = y_ptr + pid.to(tl.int64) * y_s0
         dst = (_peer(win_ptr, delta_ptr, q) + back_w).to(tl.pointer_type(tl.float32)) + (me * C + s).to(tl.int64) * H
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, H, BLOCK):
@@ -146,15 +154,23 @@ def push_rows(send: torch.Tensor, meta: torch.Tensor, window, layout, capacity: 
         BLOCK=min(block, triton.next_power_of_2(row_w)), TAIL=triton.next_power_of_2(row_w - tail_w), num_warps=4)
 
 
-def push_partials(y: torch.Tensor, window, capacity: int, back_offset: int, block: int = 1024) -> None:
+def push_partials(y: torch.Tensor, window, capacity: int, back_offset: int, y_delta: Optional[torch.Tensor] = None,
+                  block: int = 1024) -> None:
     """Send the partial outputs y [P*C, H] fp32 (unit stride along H) of the rows received here home,
-    into block `me` of each source's back region (at byte `back_offset` of every window)."""
+    into block `me` of each source's back region (at byte `back_offset` of every window).
+
+    y_delta: None reads y where it is; else a [1] int64 device tensor holding
+    (y's address - the window's) / 16, read by the kernel when it runs (y must then have
+    row stride H): a captured launch serves whatever y the tensor points at on replay.
+    """
     P, H = window.size, y.shape[1]
     if P * capacity == 0 or H == 0:
         return
+    indirect = y_delta is not None
     p2p_push_partials_kernel[(P * capacity,)](
-        y, window.words, window.deltas, window.rank, capacity, H, y.stride(0), back_offset // 4,
-        COUNTS_OFFSET // 4, BLOCK=min(block, triton.next_power_of_2(H)), num_warps=4)
+        window.words.view(torch.float32) if indirect else y, window.words, window.deltas, y_delta if indirect else window.deltas,
+        window.rank, capacity, H, H if indirect else y.stride(0), back_offset // 4, COUNTS_OFFSET // 4,
+        BLOCK=min(block, triton.next_power_of_2(H)), INDIRECT=indirect, num_warps=4)
 
 
 def barrier(window, phase: int = 3) -> None:
