@@ -49,6 +49,8 @@ from .static_a2a import StaticAllToAllDispatcher, StaticHandle
 
 __all__ = ["P2PAllToAllDispatcher"]
 
+_GATHER_IN_GRAPH_BYTES = 16 << 20  # outputs smaller than this are summed inside the combine graph
+
 
 @dataclass
 class _Replay:
@@ -59,6 +61,7 @@ class _Replay:
     ids: torch.Tensor  # [T, k] int32
     handle: StaticHandle  # its meta is static too
     y_delta: torch.Tensor  # [1] int64: (y's address - the window's) / 16
+    y_delta_value: Optional[int] = None  # what y_delta holds
     out: Optional[torch.Tensor] = None  # the combine graph's output
     dispatch_graph: Optional[torch.cuda.CUDAGraph] = None
     combine_graph: Optional[torch.cuda.CUDAGraph] = None
@@ -140,10 +143,12 @@ class P2PAllToAllDispatcher(StaticAllToAllDispatcher):
 
     def received(self, win: PeerWindow, layout) -> tuple:
         """Views of the rows pushed here: x [P*C, H], weights [P*C, k], ids [P*C, k]."""
-        recv, _, _ = regions(self.size, self.capacity, layout)
-        n = self.size * self.capacity
-        rows = win.bytes()[recv:recv + n * layout.row_bytes].view(n, layout.row_bytes)
-        return unpack_rows(rows, layout)
+        def views():
+            recv, _, _ = regions(self.size, self.capacity, layout)
+            n = self.size * self.capacity
+            return unpack_rows(win.bytes()[recv:recv + n * layout.row_bytes].view(n, layout.row_bytes), layout)
+
+        return self.cached(("received", id(win), layout.hidden_size, layout.dtype, layout.top_k), views)
 
     def give_back(self, y: torch.Tensor, win: PeerWindow, layout, y_delta: Optional[torch.Tensor] = None) -> None:
         """Push the partial outputs of the rows received here home (y_delta: p2p_kernels.push_partials)."""
@@ -243,21 +248,27 @@ class P2PAllToAllDispatcher(StaticAllToAllDispatcher):
             return self.gather(handle, win, layout)
         if (y.data_ptr() - win.words.data_ptr()) % 16:
             y = y.clone()  # the kernel finds y in 16-byte steps from the window (fresh tensors are aligned)
-        rep.y_delta.fill_((y.data_ptr() - win.words.data_ptr()) // 16)
+        delta = (y.data_ptr() - win.words.data_ptr()) // 16
+        if delta != rep.y_delta_value:  # steady state: the allocator hands the experts the same block
+            rep.y_delta.fill_(delta)
+            rep.y_delta_value = delta
+        # A large output is summed by a direct launch into a fresh tensor (its host cost hides behind
+        # the copies); a small one inside the graph, then copied out of the graph's buffer.
+        in_graph = handle.num_tokens * layout.hidden_size * 4 < _GATHER_IN_GRAPH_BYTES
 
         def steps():
             self.give_back(y, win, layout, rep.y_delta)
             p2p.barrier(win)
-            return self.gather(handle, win, layout)
+            if in_graph:
+                rep.out = self.gather(handle, win, layout)
 
         if rep.combine_graph is None and rep.combine_runs:
-            def capture():
-                rep.out = steps()
-
-            rep.combine_graph = self._graph(capture)
+            rep.combine_graph = self._graph(steps)
+            rep.combine_graph.replay()
+        elif rep.combine_graph is None:
+            steps()
+        else:
+            rep.combine_graph.replay()
         rep.combine_runs += 1
         win.in_flight = False
-        if rep.combine_graph is None:
-            return steps()
-        rep.combine_graph.replay()
-        return rep.out.clone()
+        return rep.out.clone() if in_graph else self.gather(handle, win, layout)
