@@ -166,7 +166,8 @@ def open_window(nbytes: int, group, rank: int, size: int, device: torch.device, 
     """
     if strategy not in PEER_MEMORY:
         raise ValueError(f"peer_memory must be one of {list(PEER_MEMORY)}, got {strategy!r}")
-    key = (id(group), rank, str(device), nbytes, strategy)
+    # the default group is a new object each time the process group is re-initialised
+    key = (id(group if group is not None else dist.group.WORLD), rank, size, str(device), nbytes, strategy)
     if key in _WINDOWS:
         return _WINDOWS[key]
     if device.type != "cuda":
