@@ -129,3 +129,49 @@ def test_quantized_layer_on_the_oracle_and_in_a_cuda_graph(quant, cuda_gen):
             static_logits.copy_(torch.randn(T, 16, device="cuda", generator=cuda_gen))
             graph.replay()
             assert torch.equal(static_out, layer(static_x, static_logits))
+
+
+def _prefill_configs():
+    from moekit.kernels.tuning import MoEConfig, PrefillConfig, TileConfig  # noqa: PLC0415
+
+    return {
+        "tma-persistent": MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 3),
+                                    PrefillConfig(tma=1, programs_per_sm=1, tail=1)),
+        "pointers-tail2": MoEConfig(TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 256, 128, 8, 4, 4),
+                                    PrefillConfig(tma=0, programs_per_sm=0, tail=2)),
+        "device-descriptors-tail4": MoEConfig(TileConfig(128, 64, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 3),
+                                              PrefillConfig(tma=2, programs_per_sm=2, tail=4)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_prefill_configs()))
+@pytest.mark.parametrize("T", [700, 37])
+def test_fp8_static_scales_on_the_prefill_kernels(name, T, cuda_gen):
+    """fp8 weights with static per-tensor scales through triton_prefill (explicit config, and as a
+    tuned entry's static_prefill knob), biases and an expert map, against the emulated reference."""
+    from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
+    from moekit.kernels.quant_tuning import QuantKnobs  # noqa: PLC0415
+    from moekit.quant import scheme_of  # noqa: PLC0415
+
+    cfg = _prefill_configs()[name]
+    E, k, H, I, n_remote = 16, 4, 384, 256, 3
+    wts = _weights("fp8_w8a8", {"static": True}, E, H, I, cuda_gen, bias=True)
+    emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
+    emap[torch.randperm(E + n_remote, device="cuda", generator=cuda_gen)[:E]] = torch.arange(
+        E, dtype=torch.int32, device="cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    s = wts.scales
+
+    def run(**kw):
+        _poison_allocator()
+        return fused_moe_quant(x, wts.w13, wts.w2, wts.b13, wts.b2, s["w13_scale"], s["w2_scale"], None, None,
+                               s["a13_scale"], s["a2_scale"], w, ids, emap, scheme_of(wts), "silu",
+                               out_dtype=x.dtype, **kw)
+
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+    out = run(config=cfg)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision], rel_err(out, ref)
+    assert torch.equal(out, run(config=cfg))  # run to run
+    assert torch.equal(out, run(knobs=QuantKnobs(static_prefill=cfg)))  # the knob takes the same kernels
