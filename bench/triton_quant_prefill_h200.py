@@ -23,7 +23,6 @@ import torch
 from moekit.benchmarks.floors import layer_flops
 from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, graph_time_us, quantized_weights, routing_sets
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name
-from moekit.kernels.triton_prefill import FP8_MIN_TILE_ROWS
 from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, get_config, prefill_space
 from moekit.quant import TOLERANCE, emulated_experts, get_scheme
 
@@ -35,8 +34,6 @@ def candidates(M: int, E: int, k: int) -> list:
     out, seen = [], set()
     for cfg in prefill_space(M, E, k, elem_bytes=1):
         if cfg.prefill.tma == 0:  # pointer loads: 4-13 % behind TMA on the bf16 sweeps (NOTES-triton.md)
-            continue
-        if cfg.row_granule < FP8_MIN_TILE_ROWS:
             continue
         cfg = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, BLOCK_SIZE_K=128),
                                   gemm2=dataclasses.replace(cfg.gemm2, BLOCK_SIZE_K=128))
@@ -72,7 +69,7 @@ def _compile(job) -> str:
     entry, H, I = job
     try:
         cfg = MoEConfig.from_json(entry)
-        wts, x, w, ids = _problem(2, H, I, 600, 2, torch.Generator(device="cuda").manual_seed(0))
+        wts, x, w, ids = _problem(8, H, I, 600, 2, torch.Generator(device="cuda").manual_seed(0))
         _quant_call(wts, x, w, ids, config=cfg)
         torch.cuda.synchronize()
         return ""

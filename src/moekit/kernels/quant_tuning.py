@@ -72,9 +72,6 @@ class QuantKnobs:
             elif f.name == "static_prefill":
                 if value is not None and not (isinstance(value, MoEConfig) and value.prefill is not None):
                     raise ValueError(f"static_prefill must be a MoEConfig with prefill knobs or None, got {value!r}")
-                if value is not None and value.row_granule < 64:  # triton_prefill.FP8_MIN_TILE_ROWS
-                    raise ValueError("static_prefill needs BLOCK_SIZE_M / prefill tail >= 64 (fp8 tiles), got "
-                                     f"{value.block_m} / {value.prefill.tail}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
 

@@ -41,14 +41,11 @@ from .triton_quant_rows import to_quant
 from .tuning import MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
-           "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS"]
+           "INTERPRETER_SMS"]
 
 # Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
 # E up to it shares one compiled kernel.
 E_LANES = 256
-# Rows of the shortest fp8 tile: Hopper's fp8 warpgroup products take 64 rows; a shorter tile
-# runs other instructions whose sums round differently, and rows land in tiles in arrival order.
-FP8_MIN_TILE_ROWS = 64
 # Multiprocessors assumed under the Triton interpreter (CPU tensors), so a persistent grid
 # of a few programs walks several tiles each in tests.
 INTERPRETER_SMS = 2
@@ -386,10 +383,6 @@ def fused_moe_prefill(
     scaled = scales is not None
     if scaled and on_input:
         raise ValueError("the fp8 prefill kernels take the routed weight on the output, got on_input=True")
-    if scaled and BM // pre.tail < FP8_MIN_TILE_ROWS:
-        raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS}, got "
-                         f"{BM} / {pre.tail}: shorter tiles multiply fp8 on other instructions, so a row's bits "
-                         "would depend on the tile its arrival-ordered slot lands in")
     act = torch.empty(rows, I, dtype=x.dtype, device=dev)
     y = torch.empty(TK, H, dtype=y_dtype if scaled else x.dtype, device=dev)
     bound_m = row_tiles_bound(TK, E, BM)
