@@ -94,38 +94,6 @@ if not IN_INTERPRETER:
         with pytest.raises(ValueError, match="SPLIT_K"):
             check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 64, SPLIT_K=2)), block)
 
-    def test_static_prefill_knob_round_trips_and_is_checked():
-        pre = MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3),
-                        tuning.PrefillConfig(tma=1, programs_per_sm=1, tail=2))
-        knobs = QuantKnobs(gate_up=True, static_prefill=pre)
-        assert knobs.to_json() == {"gate_up": True, "static_prefill": pre.to_json()}
-        assert QuantKnobs.from_json(json.loads(json.dumps(knobs.to_json()))) == knobs
-        table = parse_quant_configs(json.dumps({"4096": _entry(128, 64, knobs.to_json())}), "f.json")
-        assert table[4096][1].static_prefill == pre and table[4096][0].prefill is None
-        with pytest.raises(ValueError, match="static_prefill must be a MoEConfig with prefill knobs"):
-            QuantKnobs(static_prefill=MoEConfig(TileConfig(128, 128, 128), TileConfig(128, 128, 128)))
-        with pytest.raises(ValueError, match=r"f\.json\[16\]\.quant\.static_prefill"):
-            parse_quant_configs(json.dumps({"16": _entry(16, 64, {"static_prefill": {"BLOCK_SIZE_M": 3}})}), "f.json")
-        # prefill tiles run fp8 with per-tensor activations only
-        check_tiles(pre, modes_of(get_scheme("fp8_w8a8")))
-        for name in ("fp8_w8a8_block128", "fp8_w8a8_channel", "int8_w8a16", "int4_w4a16"):
-            with pytest.raises(ValueError, match="config.prefill runs the unquantized kernels, or fp8"):
-                check_tiles(pre, modes_of(get_scheme(name)))
-
-    def test_an_explicit_prefill_config_names_why_a_call_cannot_take_it():
-        from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
-        from moekit.quant import quantize_experts  # noqa: PLC0415
-
-        pre = MoEConfig(TileConfig(64, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3),
-                        tuning.PrefillConfig(tma=0, programs_per_sm=0, tail=1))
-        E, H, I = 4, 64, 32
-        wts = quantize_experts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), "fp8_w8a8")
-        x, w, ids = torch.randn(3, H).bfloat16(), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32)
-        s = wts.scales
-        with pytest.raises(ValueError, match="they take static activation scales"):
-            fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None,
-                            w, ids, None, get_scheme("fp8_w8a8"), "silu", config=pre, out_dtype=x.dtype)
-
     @pytest.mark.parametrize("K,bk,split,expected", [
         (768, 128, 1, (1, 768)), (768, 128, 4, (3, 256)),  # 6 tiles: 2 per split, 3 splits
         (768, 128, 8, (6, 128)), (14336, 128, 8, (8, 1792)), (40, 32, 2, (2, 32))])

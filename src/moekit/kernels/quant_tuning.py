@@ -12,7 +12,7 @@ table fitted by quant_config with default knobs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
@@ -46,9 +46,6 @@ class QuantKnobs:
         scales, or static per-expert ones).
     pdl: GEMM1, the quantization of its output, GEMM2 and the sum are launched as programmatic
         dependents of the kernel before (SM90+): each starts while the one before finishes.
-    static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
-        with static per-tensor scales) run triton_prefill's kernels with it instead of these
-        tiles; other calls of the same table (dynamic scales, per-channel weights) keep the tiles.
     """
 
     gate_up: bool = False
@@ -58,7 +55,6 @@ class QuantKnobs:
     w_convert: str = "auto"
     fuse_x_quant: bool = True
     pdl: bool = False
-    static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,28 +65,19 @@ class QuantKnobs:
             elif f.name == "w_convert":
                 if value not in W_CONVERT:
                     raise ValueError(f"w_convert must be one of {list(W_CONVERT)}, got {value!r}")
-            elif f.name == "static_prefill":
-                if value is not None and not (isinstance(value, MoEConfig) and value.prefill is not None):
-                    raise ValueError(f"static_prefill must be a MoEConfig with prefill knobs or None, got {value!r}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
 
     def to_json(self) -> Dict:
-        """The fields that differ from the defaults (static_prefill as its table entry)."""
+        """The fields that differ from the defaults."""
         default = QuantKnobs()
-        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
-        if self.static_prefill is not None:
-            out["static_prefill"] = self.static_prefill.to_json()
-        return out
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
 
     @classmethod
     def from_json(cls, entry, where: str = "quant") -> "QuantKnobs":
         names = [f.name for f in fields(cls)]
         if not isinstance(entry, dict) or set(entry) - set(names):
             raise ValueError(f"{where} must be an object with some of {names}, got {entry!r}")
-        entry = dict(entry)
-        if "static_prefill" in entry:
-            entry["static_prefill"] = MoEConfig.from_json(entry["static_prefill"], f"{where}.static_prefill")
         return cls(**entry)
 
 

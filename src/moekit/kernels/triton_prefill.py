@@ -37,7 +37,6 @@ import triton.language as tl
 
 from ..activations import is_gated
 from .triton_moe import _apply_act, sum_k_kernel
-from .triton_quant_rows import to_quant
 from .tuning import MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
@@ -115,21 +114,18 @@ def _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, st
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, s_ptr,
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
     live = assign < TK
-    if SCALED:  # x: one fp8 row per assignment, quantized with its expert's static scale
-        token = tl.where(live, assign, 0).to(tl.int64)
-    else:
-        token = tl.where(live, assign // top_k, 0).to(tl.int64)
+    token = tl.where(live, assign // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
@@ -144,11 +140,6 @@ def _gemm1_tile(
             acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
                                          stride_wn, TMA), acc_u, IEEE)
         a_ptrs += BK
-    if SCALED:  # dequantize: the activation's then the weights' scale of expert e
-        a_s = tl.load(s_ptr + 4 * e)
-        w_s = tl.load(s_ptr + 4 * e + 1)
-        acc_g = acc_g * a_s * w_s
-        acc_u = acc_u * a_s * w_s
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
@@ -164,18 +155,16 @@ def _gemm1_tile(
     else:
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
-    if SCALED:  # GEMM2's input, quantized with the static scale of expert e
-        h = to_quant(h / tl.load(s_ptr + 4 * e + 2), 448.0, False)
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _gemm2_tile(
-    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr,
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, w_rows,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows)."""
     r = tl.arange(0, BMT)
@@ -192,8 +181,6 @@ def _gemm2_tile(
         acc = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                    acc, IEEE)
         a_ptrs += BK
-    if SCALED:
-        acc = acc * tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if not ON_INPUT:
@@ -204,12 +191,12 @@ def _gemm2_tile(
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS"])
 def prefill_gemm1_kernel(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, s_ptr,
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
     N, K, TK, top_k, E, PROGRAMS, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -224,34 +211,34 @@ def prefill_gemm1_kernel(
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN,
+            _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                         N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-                        BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                        BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN,
+                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                             N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
-                            limit, BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            limit, BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if v == 1:
-                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN,
+                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                             N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
-                            limit, BM // 2, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            limit, BM // 2, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                    _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
-                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
 
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS"])
 def prefill_gemm2_kernel(
-    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, s_ptr,
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
     N, K, TK, E, PROGRAMS, w_rows,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-    IEEE: tl.constexpr, SCALED: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
@@ -266,24 +253,24 @@ def prefill_gemm2_kernel(
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN, N, K, TK,
+            _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N, K, TK,
                         w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                        BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                        BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN, N,
+                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
                             K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
             if v == 1:
-                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN, N,
+                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
                             K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM // 2, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            BM // 2, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
             if TAIL == 4:
                 if v == 2:
-                    _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows, nt * BN,
+                    _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                                 N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                                BM // 4, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                                BM // 4, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
@@ -350,19 +337,11 @@ def fused_moe_prefill(
     on_input: bool,
     config: MoEConfig,
     out_dtype: torch.dtype,
-    scales: Optional[torch.Tensor] = None,
-    y_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Routed experts through the prefill kernels, on inputs kernels.launch.fused_moe checked.
 
-    fp8 weights with static per-tensor scales (launch_quant): x is then the fp8 input, one row
-    per assignment [T*k, H], quantized with its expert's activation scale; GEMM1 writes GEMM2's
-    fp8 input with the second static scale; scales [E, 4] fp32 holds per expert (activation 1,
-    w13, activation 2, w2) scales; y_dtype is the float dtype of GEMM2's rows.
-
     Args:
-        x: [T, H] (or, with scales, [T*k, H] fp8).  w13: [E, 2I or I, H].  w2: [E, H, I].
-        b13: [E, 2I or I] or None.  b2: [E, H] or None.
+        x: [T, H].  w13: [E, 2I or I, H].  w2: [E, H, I].  b13: [E, 2I or I] or None.  b2: [E, H] or None.
         topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
         sorted_ids, expert_end: launch.moe_align's rows at granule config.block_m // config.prefill.tail.
         rows: R, rows of that alignment (max_blocks * granule).
@@ -374,27 +353,23 @@ def fused_moe_prefill(
     pre = config.prefill
     g1, g2 = config.gemm1, config.gemm2
     BM = config.block_m
-    T, k = topk_ids.shape
-    H = x.shape[1]
+    T, H = x.shape
     E, _, I = w2.shape
+    k = topk_ids.shape[1]
     TK = T * k
     R13 = w13.shape[1]
     dev = x.device
-    scaled = scales is not None
-    if scaled and on_input:
-        raise ValueError("the fp8 prefill kernels take the routed weight on the output, got on_input=True")
     act = torch.empty(rows, I, dtype=x.dtype, device=dev)
-    y = torch.empty(TK, H, dtype=y_dtype if scaled else x.dtype, device=dev)
+    y = torch.empty(TK, H, dtype=x.dtype, device=dev)
     bound_m = row_tiles_bound(TK, E, BM)
     e_pad = max(E_LANES, triton.next_power_of_2(E))
     common = dict(TAIL=pre.tail, FLATTEN=bool(pre.flatten), E_PAD=e_pad, TMA=pre.tma, ON_INPUT=on_input,
-                  IEEE=x.dtype == torch.float32, SCALED=scaled)
-    s_arg = scales if scaled else topk_weights
+                  IEEE=x.dtype == torch.float32)
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
     p1 = _programs(bound_m * triton.cdiv(I, g1.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm1_kernel[(p1,)](
-        x, w13, _weight_desc(w13, g1, pre.tma, "w13"), bias13, act, topk_weights, sorted_ids, expert_end, s_arg,
+        x, w13, _weight_desc(w13, g1, pre.tma, "w13"), bias13, act, topk_weights, sorted_ids, expert_end,
         I, H, TK, k, E, p1, R13,
         x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
@@ -402,7 +377,7 @@ def fused_moe_prefill(
         ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
-        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end, s_arg,
+        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end,
         H, I, TK, E, p2, H,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, HAS_BIAS=b2 is not None,
