@@ -22,6 +22,7 @@ interleave (PeerWindow.in_flight guards that). They live until the process exits
 from __future__ import annotations
 
 import socket
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -122,8 +123,10 @@ def _map(strategy: str, buf: torch.Tensor, share, group, rank: int, size: int) -
 
         group = group if group is not None else dist.group.WORLD
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-            enable(group.group_name)
+        with warnings.catch_warnings():  # needed before torch 2.8, deprecated (a no-op) after
+            warnings.simplefilter("ignore", FutureWarning)
+            if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+                enable(group.group_name)
         handle = symm_mem.rendezvous(buf, group)
         return [int(p) for p in handle.buffer_ptrs], [handle]
     shares: List[Optional[list]] = [None] * size
