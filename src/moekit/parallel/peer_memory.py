@@ -124,7 +124,7 @@ def _map(strategy: str, buf: torch.Tensor, share, group, rank: int, size: int) -
         group = group if group is not None else dist.group.WORLD
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         with warnings.catch_warnings():  # needed before torch 2.8, deprecated (a no-op) after
-            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore")
             if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
                 enable(group.group_name)
         handle = symm_mem.rendezvous(buf, group)
