@@ -3,6 +3,7 @@ variants (QuantKnobs), tuned tables, then the benchmark on those tables.
 
     PYTHONPATH=src python bench/triton_quant_h200.py [--out DIR] [--budget S] [--workers N] [--skip-tests]
     python bench/triton_quant_h200.py --unpack DIR/tuned-configs.json   (into src/moekit/kernels/configs/)
+    ... --points "qwen3-30b-a3b:fp8_w8a8:s:16,64"   (a partial sweep: those points, shipped entries kept)
 
 DIR ($OUT, else ./quant-h200) receives four files: tests.txt (pytest -m gpu on the quantized
 kernel tests, run beside the compilation), tuned-configs.json (the tuned quantized tables,
@@ -49,7 +50,19 @@ def parse_args():
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 4) - 4))
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--unpack", metavar="TUNED_CONFIGS_JSON", help="write a run's tables into src/moekit/kernels/configs/")
+    p.add_argument("--points", help="sweep only these points, ';'-separated SHAPE:SCHEME:s|d:M,M,... (s: static "
+                                    "fp8 activation scales); the tables keep their shipped entries at other Ms and "
+                                    "the benchmark runs these points only")
     return p.parse_args()
+
+
+def parse_points(text: str):
+    """--points into SWEEP's form."""
+    out = []
+    for part in filter(None, text.split(";")):
+        shape, scheme, st, ms = part.split(":")
+        out.append((shape, scheme, st == "s", tuple(int(m) for m in ms.split(","))))
+    return tuple(out)
 
 
 def unpack(bundle: str) -> None:
@@ -75,6 +88,8 @@ if __name__ == "__main__":  # not in the compile processes, which import this fi
     os.makedirs(CONFIGS)
     os.makedirs(args.out, exist_ok=True)
     os.environ["MOEKIT_TUNED_CONFIG_DIR"] = CONFIGS  # read once, when moekit is imported
+    if args.points:
+        SWEEP = parse_points(args.points)
 
 import multiprocessing  # noqa: E402
 
@@ -85,7 +100,7 @@ from moekit.kernels import quant_tuning  # noqa: E402
 from moekit.kernels.launch_quant import quant_config, quant_tiles  # noqa: E402
 from moekit.kernels.quant_rows import modes_of  # noqa: E402
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name, quant_search_space  # noqa: E402
-from moekit.kernels.tuning import MoEConfig, device_name, get_config  # noqa: E402
+from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, device_name, get_config  # noqa: E402
 from moekit.quant import emulated_experts, get_scheme  # noqa: E402
 
 
@@ -134,8 +149,8 @@ def stage2(g1, kn1, t2, kn2):
 def kernel_ids(pt, cfg, kn):
     """The compiled GEMM1 and GEMM2 kernels a candidate runs (knobs that change other kernels left out)."""
     base = [pt["scheme"], pt["static"], pt["H"], pt["I"], kn.w_convert, kn.pdl]
-    g1 = json.dumps(base + [cfg.gemm1.to_json(), kn.gate_up, kn.prefetch1])
-    g2 = json.dumps(base + [cfg.block_m, cfg.gemm2.to_json(), kn.prefetch2, kn.split_k > 1])
+    g1 = json.dumps(base + [cfg.gemm1.to_json(), kn.gate_up, kn.prefetch1, kn.swap1])
+    g2 = json.dumps(base + [cfg.block_m, cfg.gemm2.to_json(), kn.prefetch2, kn.split_k > 1, kn.swap2])
     return g1, g2
 
 
@@ -291,8 +306,15 @@ def write_tables(records):
     bundle = {}
     for path, (table, r) in by_file.items():
         sch = get_scheme(r["scheme"])
+        shipped = {}
+        shipped_path = os.path.join(SHIPPED_DIR, quant_file_name(r["E"], r["I"], dev, sch))
+        if args.points and os.path.isfile(shipped_path):
+            with open(shipped_path, encoding="utf-8") as fh:
+                shipped = json.load(fh)
         for M in PERF_MS:
-            if M not in table:
+            if M not in table and str(M) in shipped:  # a partial sweep keeps the shipped entries
+                table[M] = shipped[str(M)]
+            elif M not in table:
                 bf16 = get_config(M, r["E"], r["k"], r["H"], r["I"], torch.bfloat16, dev)
                 table[M] = gpu.quant_entry(quant_config(bf16, modes_of(sch)), QuantKnobs())
         bundle[os.path.basename(path)] = {str(M): table[M] for M in sorted(table)}
@@ -376,7 +398,9 @@ def main():
     torch.cuda.empty_cache()
     write_tables(records)
     quant_tuning.load_quant_configs.cache_clear()
-    result = gpu.run_quant_bench(os.path.join(args.out, "h200-triton-quant.json"), deadline_s=max(5.0, left() - 10.0),
+    cases = gpu.QUANT_CASES if not args.points else SWEEP
+    result = gpu.run_quant_bench(os.path.join(args.out, "h200-triton-quant.json"), cases=cases,
+                                 deadline_s=max(5.0, left() - 10.0),
                                  command="PYTHONPATH=src python bench/triton_quant_h200.py (tuned tables in "
                                          f"{CONFIGS}, then quant_tuning lookups)",
                                  progress=lambda line: say(line))

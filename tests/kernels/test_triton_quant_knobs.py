@@ -94,6 +94,35 @@ if not IN_INTERPRETER:
         with pytest.raises(ValueError, match="SPLIT_K"):
             check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 64, SPLIT_K=2)), block)
 
+    def test_swapped_products_are_offered_and_checked():
+        g1, g2 = quant_search_space(16, 128, 8, 0, False, False, False)
+        swapped1 = [t for t, kn in g1 if kn.get("swap1")]
+        swapped2 = [t for bm in g2 for t, kn in g2[bm] if kn.get("swap2")]
+        assert swapped1 and swapped2
+        assert all(t.BLOCK_SIZE_N % 64 == 0 and t.BLOCK_SIZE_N >= 16 * t.num_warps for t in swapped1 + swapped2)
+        g1, g2 = quant_search_space(16, 128, 8, 128, False, False, True)  # 128x128 blocks: K-group scales
+        assert not any(kn.get("swap1") for _, kn in g1)
+        assert QuantKnobs.from_json({"swap1": True, "swap2": True}) == QuantKnobs(swap1=True, swap2=True)
+
+    @pytest.mark.parametrize("scheme, tiles, knobs, match", [
+        ("int4_w4a16", (16, 64, 128), QuantKnobs(swap1=True), "multiplies fp8 activations with scales constant"),
+        ("fp8_w8a8_block128", (16, 64, 128), QuantKnobs(swap2=True), "multiplies fp8 activations"),
+        ("fp8_w8a8", (16, 32, 128), QuantKnobs(swap1=True), "BLOCK_SIZE_N a multiple of 64"),
+    ])
+    def test_swap_knobs_refuse_what_they_cannot_run(scheme, tiles, knobs, match):
+        from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
+        from moekit.quant import quantize_experts  # noqa: PLC0415
+
+        E, H, I = 4, 256, 128
+        wts = quantize_experts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), scheme)
+        x, w, ids = torch.randn(3, H).bfloat16(), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32)
+        s = wts.scales
+        cfg = MoEConfig(TileConfig(*tiles, 8, 4, 3), TileConfig(*tiles, 8, 4, 3))
+        with pytest.raises(ValueError, match=match):
+            fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
+                            s.get("w2_zero"), None, None, w, ids, None, get_scheme(scheme), "silu", config=cfg,
+                            knobs=knobs, out_dtype=x.dtype)
+
     @pytest.mark.parametrize("K,bk,split,expected", [
         (768, 128, 1, (1, 768)), (768, 128, 4, (3, 256)),  # 6 tiles: 2 per split, 3 splits
         (768, 128, 8, (6, 128)), (14336, 128, 8, (8, 1792)), (40, 32, 2, (2, 32))])

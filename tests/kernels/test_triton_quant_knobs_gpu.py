@@ -70,6 +70,11 @@ VARIANTS = [
     ("fp8_w8a8", {}, (64, 64, 128, 128, 128), dict(split_k=2)),
     ("fp8_w8a8_channel", {}, (64, 64, 128, 128, 128), dict(gate_up=True)),
     ("int8_w8a8", {}, (16, 64, 128, 64, 128), dict(gate_up=True, split_k=2)),
+    # swapped products: weight rows on the 64-row side of fp8 warpgroup products
+    ("fp8_w8a8", {"static": True}, (16, 64, 256, 64, 256), dict(swap1=True, swap2=True, pdl=True)),
+    ("fp8_w8a8", {"static": True}, (16, 64, 128, 128, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=2)),
+    ("fp8_w8a8", {}, (32, 128, 128, 128, 128, 8), dict(swap1=True, swap2=True, prefetch1=True, prefetch2=True)),
+    ("fp8_w8a8_channel", {}, (16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=4)),
 ]
 IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
        for v in VARIANTS]

@@ -29,7 +29,7 @@ from . import triton_moe_quant as qk
 from . import triton_quant_rows as qr
 from .launch import _check, _pow2, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
-from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config
+from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
 from .tuning import MoEConfig, TileConfig, device_name, get_config
 
 __all__ = ["quant_config", "check_tiles", "quant_tiles", "fused_moe_quant", "quant_unsupported", "MAX_INT8_K"]
@@ -250,6 +250,15 @@ def fused_moe_quant(
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
                          "(the Triton interpreter cannot run it)")
     g1, g2 = config.gemm1, config.gemm2
+    for flag, t, gemm in ((knobs.swap1, g1, "gemm1"), (knobs.swap2, g2, "gemm2")):
+        if not flag:
+            continue
+        if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
+            raise ValueError(f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant along K, "
+                             f"got quant={scheme.name!r}")
+        if not swap_fits(t):
+            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}.BLOCK_SIZE_N a multiple of 64 and >= 16 * "
+                             f"num_warps, got {t.BLOCK_SIZE_N} with {t.num_warps} warps")
     for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
         if flag and K % t.BLOCK_SIZE_K:
             raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
@@ -299,7 +308,8 @@ def fused_moe_quant(
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, **chain, **flags, **_tile_kwargs(g1))
+        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags,
+        **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, act, 0, 0, 0
@@ -324,7 +334,7 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, **chain, **flags, **_tile_kwargs(g2))
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
     has_map = expert_map is not None

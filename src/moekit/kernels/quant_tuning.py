@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 from ..quant.schemes import QuantScheme
 from .tuning import MoEConfig, TileConfig, config_file_name, parse_table, read_table, use_direct
 
-__all__ = ["QuantKnobs", "W_CONVERT", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
+__all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space"]
 
 # The int4 weight conversions, by the kernels' CONVERT code.
@@ -46,6 +46,10 @@ class QuantKnobs:
         scales, or static per-expert ones).
     pdl: GEMM1, the quantization of its output, GEMM2 and the sum are launched as programmatic
         dependents of the kernel before (SM90+): each starts while the one before finishes.
+    swap1, swap2: GEMM1 / GEMM2 multiply W^T a^T into a [BLOCK_SIZE_N, BLOCK_SIZE_M]
+        accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
+        weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
+        need no fp8-to-fp16 conversion of the weights.
     """
 
     gate_up: bool = False
@@ -55,6 +59,8 @@ class QuantKnobs:
     w_convert: str = "auto"
     fuse_x_quant: bool = True
     pdl: bool = False
+    swap1: bool = False
+    swap2: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -168,6 +174,11 @@ def _fits(t: TileConfig, n_acc: int, elem_bytes: float, k_scaled: bool, weight_o
             and not (k_scaled and not weight_only and t.BLOCK_SIZE_N > 128))
 
 
+def swap_fits(t: TileConfig) -> bool:
+    """Whether a swapped tile's weight rows fill the 64-row side of every warpgroup's product."""
+    return t.BLOCK_SIZE_N >= 16 * t.num_warps and t.BLOCK_SIZE_N % 64 == 0
+
+
 def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, int4: bool, k_scaled: bool,
                        gated: bool = True) -> Tuple[List[Tuple[TileConfig, Dict]], Dict[int, List[Tuple[TileConfig, Dict]]]]:
     """Candidates for tuning the quantized kernels at T tokens, most promising first.
@@ -188,6 +199,9 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
         tiles = _FP8_SMALL_TILES if max(bms) <= 32 else _FP8_LARGE_TILES
         knobs1 = [{}, {"gate_up": True}]
         knobs2 = [{}, {"split_k": 2}, {"split_k": 4}] if r <= 64 else [{}]
+        if not k_scaled and max(bms) <= 32:  # fp8 few-token tiles: weights on the 64-row side
+            knobs1 += [{"swap1": True}, {"gate_up": True, "swap1": True}]
+            knobs2 += [{"swap2": True}, {"split_k": 2, "swap2": True}, {"split_k": 4, "swap2": True}]
     g1, g2 = [], {}
     for bm in bms:
         for bn, bk, warps, stages in tiles:
@@ -197,8 +211,10 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
             for kn in knobs1:
                 if kn.get("gate_up") and not gated:
                     continue
+                if kn.get("swap1") and not swap_fits(t):
+                    continue
                 if _fits(t, 2 if gated else 1, elem, k_scaled, weight_only, 2 if kn.get("gate_up") else 1):
                     g1.append((t, kn))
             if _fits(t, 1, elem, k_scaled, weight_only, 1):
-                g2.setdefault(bm, []).extend((t, kn) for kn in knobs2)
+                g2.setdefault(bm, []).extend((t, kn) for kn in knobs2 if swap_fits(t) or not kn.get("swap2"))
     return g1, g2

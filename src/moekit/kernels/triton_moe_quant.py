@@ -40,6 +40,11 @@ Modes (constexpr):
               next one launch once the products are done.
     GATE_UP   GEMM1 reads gate and up rows interleaved (column 2j gate j, 2j+1 up j) as one
               [BK, 2 BN] tile and one product, then splits the accumulator.
+    SWAP      fp8 products with scales constant along K: the accumulator is [BN, BM] and each
+              K step multiplies W tile^T by a^T, so the weight rows (BN >= 64) are the side of
+              Hopper's 64-row warpgroup fp8 product and a few tokens (BM = 16, 32) its other
+              side; with the tokens on the 64-row side, BM < 64 tiles fall back to 16-row
+              products that convert every fp8 weight to fp16 first.
 
 Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
 TK = T * k assignments, R rows of the activation buffer, S splits of GEMM2's K.
@@ -163,7 +168,7 @@ def _weight_only_product(a, a_odd, q, zero, W_INT4: tl.constexpr, HAS_ZERO: tl.c
 def _k_step(acc, a, a_odd, q, zero, ws, a_s,
             A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_INT4: tl.constexpr,
             HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr,
-            MAGIC_V: tl.constexpr):
+            MAGIC_V: tl.constexpr, SWAP: tl.constexpr):
     """acc + a [BM, BK] @ W tile (the tile's K-group scales ws [1, BN] or one for the tile, a_s [BM]
     applied to its product).
 
@@ -182,6 +187,8 @@ def _k_step(acc, a, a_odd, q, zero, ws, a_s,
         out = acc + part
     elif INT_DOT:
         out = tl.dot(a, q, acc, out_dtype=tl.int32)
+    elif SWAP:  # acc [BN, BM] += W tile^T a^T: the weight rows fill the MMA's 64-row side
+        out = tl.dot(tl.trans(q), tl.trans(a), acc)
     else:
         out = tl.dot(a, q, acc)
     return out
@@ -206,7 +213,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
               A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
               W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
               EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr):
+              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr):
     """Dequantized products over K columns [k_lo, k_hi) of rows a with one expert's weight rows
     `wrows` (and, GATED, rows wrows + up_off): returns (gate, up), fp32 [BM, BN] each (up = gate
     when not GATED).
@@ -238,6 +245,8 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     odd = (tl.arange(0, BN) % 2 == 1)[None, :]
     if INT_DOT and not (A_KSCALE or W_KSCALE):
         acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+    elif SWAP:
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = acc_g
@@ -295,7 +304,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
         if HAS_ZERO:
             zero = tl.load(wz_g + kb)
         acc_g = _k_step(acc_g, a, a_odd, q_g, zero, ws, a_s, A_QUANT, A_KSCALE, W_KSCALE, W_INT4, HAS_ZERO, INT_DOT,
-                        CONVERT, MAGIC, MAGIC_V)
+                        CONVERT, MAGIC, MAGIC_V, SWAP)
         if GATED:
             if W_KSCALE:
                 if W_SROWS == 1 or BN > W_SROWS:
@@ -305,7 +314,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
             if HAS_ZERO:
                 zero = tl.load(wz_u + kb)
             acc_u = _k_step(acc_u, a, a_odd, q_u, zero, ws, a_s, A_QUANT, A_KSCALE, W_KSCALE, W_INT4, HAS_ZERO, INT_DOT,
-                            CONVERT, MAGIC, MAGIC_V)
+                            CONVERT, MAGIC, MAGIC_V, SWAP)
         a_ptrs += BK
         if W_INT4:
             w_ptrs += BK // 2
@@ -313,6 +322,9 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
         else:
             w_ptrs += BK
             wu_ptrs += BK
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     gate = _dequant(acc_g, a_s_ptrs, a_ok, ws_g, A_QUANT, A_KSCALE, W_KSCALE)
     if GATED:
         up = _dequant(acc_u, a_s_ptrs, a_ok, ws_u, A_QUANT, A_KSCALE, W_KSCALE)
@@ -334,7 +346,7 @@ def gemm1_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
 
@@ -371,12 +383,13 @@ def gemm1_quant_kernel(
         wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
         acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
                            stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
-                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True)
+                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP)
         gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
     else:
         gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0), pid_n * BN, N,
                              0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
-                             W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False)
+                             W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False,
+                             SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ON_INPUT and A_QUANT == 0:
@@ -407,7 +420,7 @@ def gemm2_quant_kernel(
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
@@ -435,7 +448,7 @@ def gemm2_quant_kernel(
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
         pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
         A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-        False)
+        False, SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
