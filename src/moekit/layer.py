@@ -12,6 +12,7 @@ from .activations import check_activation, is_gated
 from .checks import check_float_tensor, copy_biases
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
 from .experts.base import ExpertWeights
+from .graphs import EagerGraphs
 from .parallel.config import ParallelConfig
 from .runner import MoERunner
 from .shared_experts import SharedMLP, fused_shared_weights
@@ -78,6 +79,9 @@ class FusedMoE(nn.Module):
             `expert_map` [E] int32, and every rank checks at construction that all ranks built
             the same layer. Shared experts run once per token on the token's own rank; mode
             "fused" is refused (its extra experts would need a place in the expert placement).
+        eager_graphs: eager CUDA calls of up to this many token counts replay CUDA graphs of
+            the routed step (moekit.graphs: no autograd, and a dispatcher without host syncs);
+            0 (default) launches the kernels on every call.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class FusedMoE(nn.Module):
         correction_bias: bool = False,
         name: Optional[str] = None,
         parallel: Optional[ParallelConfig] = None,
+        eager_graphs: int = 0,
     ) -> None:
         super().__init__()
         for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -167,6 +172,16 @@ class FusedMoE(nn.Module):
         )
         self._fused_cache = None
         self._side_stream = None
+        self._graphs = EagerGraphs(eager_graphs)
+
+    def _routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.runner.forward(self, x, router_logits)
+
+    def _graph_storage(self) -> tuple:
+        """What a captured step reads besides its inputs: tensors' addresses, dispatcher, backend, EPLB hook."""
+        r = self.runner
+        return (tuple(t.data_ptr() for t in self.parameters()), tuple(t.data_ptr() for t in self.buffers()),
+                id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode)
 
     def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device):
         """Check the parallel config (on every rank, against every rank) -> (Shard, Dispatcher)."""
@@ -279,7 +294,10 @@ class FusedMoE(nn.Module):
                     f"{tuple(lead)}, got {tuple(router_logits.shape)}"
                 )
             router_logits = router_logits.reshape(-1, self.num_experts)
-        out = self.runner.forward(self, x2, router_logits)
+        if self._graphs.usable((x2, router_logits)) and self.runner.dispatcher.graph_safe:
+            out = self._graphs.run(self._routed, self._graph_storage(), x2, router_logits)
+        else:
+            out = self.runner.forward(self, x2, router_logits)
         return out.reshape(*lead, self.hidden_size)
 
     def extra_repr(self) -> str:

@@ -45,6 +45,9 @@ class Dispatcher:
     """
 
     name = ""
+    # dispatch and combine make no host synchronisation: a whole layer step can be captured in
+    # a CUDA graph (FusedMoE's eager_graphs replays them only then)
+    graph_safe = False
 
     @property
     def rounds_in_dispatch(self) -> bool:
@@ -70,6 +73,7 @@ class LocalDispatcher(Dispatcher):
     """No parallelism: every expert is local."""
 
     name = "local"
+    graph_safe = True
 
     def dispatch(self, x, topk_weights, topk_ids) -> Dispatched:
         return Dispatched(x, topk_weights, topk_ids, None)

@@ -67,6 +67,7 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
     """Fixed-capacity all_to_all without host sync (see the module docstring)."""
 
     name = "static_all_to_all"
+    graph_safe = True
 
     def __init__(self, parallel: ParallelConfig, num_experts: int, top_k: int, kernels: str = "auto",
                  kernel_config=None) -> None:

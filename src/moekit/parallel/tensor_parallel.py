@@ -59,6 +59,7 @@ class AllReduceDispatcher(Dispatcher):
     """Tokens stay in place; combine sums the ranks' partial outputs with an all-reduce."""
 
     name = "all_reduce"
+    graph_safe = True
 
     def __init__(self, parallel: ParallelConfig) -> None:
         if parallel.tp_size < 2:
