@@ -13,7 +13,8 @@ the last N seen, static input tensors and a graph of the call:
     later calls                 inputs are copied into the static ones and the graph replays;
                                 the caller gets a copy of the graph's output.
 
-A graph replays what was captured, so it is used only where that is the call: CUDA tensors,
+Calls of more than max_tokens rows (1024) run directly: the GPU sets their time. A graph
+replays what was captured, so it is used only where that is the call: CUDA tensors,
 autograd off (torch.no_grad / inference_mode), no capture or torch.compile already running,
 and a dispatcher with no host synchronisation (Dispatcher.graph_safe). A graph reads the
 weights where they were at capture: in-place updates (load_weights, EPLB's rearrangement
@@ -47,24 +48,27 @@ class EagerGraphs:
 
     Args:
         max_graphs: signatures kept (least recently used dropped); 0 turns the replays off.
+        max_tokens: calls whose first input has more rows run directly (prefill: the GPU, not
+            the host, sets their time, and their static inputs would hold memory).
     """
 
-    def __init__(self, max_graphs: int) -> None:
+    def __init__(self, max_graphs: int, max_tokens: int = 1024) -> None:
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 0:
             raise ValueError(f"eager_graphs must be an int >= 0, got {max_graphs!r}")
-        self.max_graphs = max_graphs
+        self.max_graphs, self.max_tokens = max_graphs, max_tokens
         self._entries: "OrderedDict[tuple, _Entry]" = OrderedDict()
         self._storage: Optional[tuple] = None
 
     def __getstate__(self):
-        return {"max_graphs": self.max_graphs}
+        return {"max_graphs": self.max_graphs, "max_tokens": self.max_tokens}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["max_graphs"])
+        self.__init__(state["max_graphs"], state["max_tokens"])
 
     def usable(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether this call can replay a graph (module docstring); else run the call directly."""
-        return (self.max_graphs > 0 and inputs[0].device.type == "cuda" and not torch.is_grad_enabled()
+        return (self.max_graphs > 0 and inputs[0].device.type == "cuda" and inputs[0].shape[0] <= self.max_tokens
+                and not torch.is_grad_enabled()
                 and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
 
     def __len__(self) -> int:

@@ -171,3 +171,10 @@ def test_router_jitter_in_training_is_refused():
     model.train()
     with pytest.raises(RuntimeError, match="jitter"):
         model(torch.randint(3, 128, (1, 4)))
+
+
+def test_eager_graphs_reach_every_patched_layer():
+    model = build("qwen2_moe")
+    mh.patch_model(model, eager_graphs=6)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m._graphs.max_graphs == 6 for m in layers)

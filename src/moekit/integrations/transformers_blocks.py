@@ -237,12 +237,14 @@ def _shared_mlp(block: nn.Module, family: BlockFamily, owner: str):
     return config, (gate_up, mlp.down_proj.weight, gate)
 
 
-def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "auto") -> MoEBlock:
+def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "auto",
+              eager_graphs: int = 0) -> MoEBlock:
     """A MoEBlock computing what `block` computes, adopting its tensors.
 
     Args:
         block: the transformers sparse-MoE block.  family: its BlockFamily.
         name: the block's module name (used for logs).  backend: FusedMoE backend.
+        eager_graphs: FusedMoE's eager_graphs.
     """
     owner = f"{name} ({type(block).__name__})"
     router = getattr(block, family.router)
@@ -259,6 +261,7 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
         shared_experts=shared_cfg, dtype=w.w13.dtype, device="meta", backend=backend,
         activation_params=layout.activation_params, gate=True, gate_bias=family.router_bias,
         router_dtype=family.router_dtype, correction_bias=family.correction_bias, name=name,
+        eager_graphs=eager_graphs,
     )
     _adopt(moe.experts, "w13", w.w13, up)
     _adopt(moe.experts, "w2", w.w2, ex.down_proj)
@@ -298,12 +301,14 @@ def _candidates(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return found
 
 
-def patch_model(model: nn.Module, backend: str = "auto") -> List[str]:
+def patch_model(model: nn.Module, backend: str = "auto", eager_graphs: int = 0) -> List[str]:
     """Replace every sparse-MoE block of `model` by a FusedMoE-backed MoEBlock, in place.
 
     Args:
         model: a transformers model (e.g. a *ForCausalLM).
         backend: the FusedMoE backend ("auto": the oracle picks per call).
+        eager_graphs: FusedMoE's eager_graphs: decode steps of generate() (which runs eagerly)
+            replay a CUDA graph per batch size, after the first two calls of each.
     Returns:
         The module names of the replaced blocks.
     Raises:
@@ -326,7 +331,7 @@ def patch_model(model: nn.Module, backend: str = "auto") -> List[str]:
             refused.append(f"{name} ({type(block).__name__}): not a block structure moekit reproduces exactly")
             continue
         try:
-            built.append((name, build_moe(block, family, name, backend)))
+            built.append((name, build_moe(block, family, name, backend, eager_graphs)))
         except ValueError as err:
             refused.append(f"{name} ({type(block).__name__}): {err}")
     if refused:
