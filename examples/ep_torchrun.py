@@ -41,7 +41,7 @@ def parse(argv=None):
     p.add_argument("--empty-rank", action="store_true", help="the last rank passes no tokens")
     p.add_argument("--placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS,
-                   help="default: all of them on CUDA, all but p2p_all_to_all on CPU")
+                   help="default: all of them on CUDA with every rank on one host, all but p2p_all_to_all otherwise")
     p.add_argument("--peer-memory", default="auto", choices=["auto", "symmetric", "ipc"],
                    help="how p2p_all_to_all maps the peers' memory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     tol = TOLERANCE[dtype]
     rows = []
     any_bad = False
-    for name in args.dispatchers or (DISPATCHERS if device.type == "cuda" else CPU_DISPATCHERS):
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", size)) == size  # p2p_all_to_all maps peers on one host
+    for name in args.dispatchers or (DISPATCHERS if device.type == "cuda" and one_host else CPU_DISPATCHERS):
         parallel = ParallelConfig.expert_parallel(
             dispatcher=name, placement=args.placement, peer_memory=args.peer_memory,
             max_tokens_per_rank=max(max(Ts), 1) if name in CAPACITY_DISPATCHERS else None)
