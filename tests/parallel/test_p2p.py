@@ -148,6 +148,30 @@ def test_ranks_exchange_through_windows(rounds, H, k, E, C, dtype, placement):
     assert [int(w.epoch.item()) for w in wins] == [2 * len(rounds)] * P
 
 
+if IN_INTERPRETER:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=12, deadline=None)
+    @given(st.data())
+    def test_random_exchanges_through_windows(data):
+        """Random ranks, capacity, k, E, H, placement and per-round token counts (<= capacity)."""
+        P = data.draw(st.integers(2, 4), "P")
+        C = data.draw(st.integers(1, 6), "C")
+        k = data.draw(st.integers(1, 3), "k")
+        E = data.draw(st.integers(max(P, k), 10), "E")
+        H = data.draw(st.sampled_from([8, 12, 33]), "H")
+        placement = data.draw(st.sampled_from(["linear", "round_robin"]), "placement")
+        rounds = data.draw(st.lists(st.lists(st.integers(0, C), min_size=P, max_size=P), min_size=1, max_size=3),
+                           "rounds")
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1), "seed"))
+        disps = _ranks(P, E, k, C, placement)
+        layout = disps[0].layout(H, torch.float16, k)
+        wins = simulated_windows(P, regions(P, C, layout)[2], device=DEVICE)
+        for i, Ts in enumerate(rounds):
+            _play_round(disps, wins, Ts, H, k, E, C, torch.float16, placement, gen, indirect=i % 2 == 1)
+
+
 @ON_DEVICE
 def test_a_missing_peer_times_out_and_a_second_dispatch_is_refused():
     P, E, k, C, H = 2, 4, 2, 3, 8
