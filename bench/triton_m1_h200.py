@@ -1,6 +1,7 @@
 """Direct-path (M = 1) variants of the Triton experts, timed one by one with errors shown.
 
     PYTHONPATH=src python bench/triton_m1_h200.py [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--out FILE]
+    PYTHONPATH=src python bench/triton_m1_h200.py --fused [--shapes ...]   (gemm1.FUSED, against the shipped entry)
 
 For each shape: GEMM1 on tensor cores or CUDA cores (GEMV) over a few tiles, GEMM2 split over
 {1, 2, 4, 8, 16} programs per output tile, with and without PDL; every candidate is checked
@@ -21,6 +22,17 @@ from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
 from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_file_name, device_name, get_config
+
+
+def fused_candidates():
+    """(GEMM1 tiles of the fused kernel, GEMM2 knobs: w2 row block, its stages, PDL)."""
+    g1s = [TileConfig(16, bc, bk, 1, w, s, GEMV=1, FUSED=1) for bc, bk, w, s in itertools.product(
+        (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)) if bc * bk <= 64 * 32 * w]
+    g2s = [TileConfig(16, bh, 128, 1, 4, s, PDL=pdl) for bh, s, pdl in itertools.product((16, 32, 64, 128), (2, 3, 4), (0, 1))]
+    return g1s, g2s
+
+
+FUSED_BASE_G2 = TileConfig(16, 64, 128, 1, 4, 3, PDL=1)
 
 
 def candidates(wide: bool = False):
@@ -45,13 +57,20 @@ def main():
                    help="sweep GEMM1 widely against the three best GEMM2 tiles of the shipped table's M=1 entry "
                         "and of --g2-from (a results JSON of an earlier run)")
     p.add_argument("--g2-from", default="")
+    p.add_argument("--fused", action="store_true",
+                   help="sweep the fused direct kernel (GEMM1 tiles against a base w2 loop, then the w2 loop "
+                        "and PDL for the --g1-keep best); the shipped M=1 entry is timed alongside")
     p.add_argument("--write-configs", default="", help="folder: the shipped tables with each shape's M=1 winner")
     args = p.parse_args()
     result = {}
-    g1s, g2s = candidates(args.wide_g1)
+    g1s, g2s = fused_candidates() if args.fused else candidates(args.wide_g1)
     if args.wide_g1:
         earlier = json.load(open(args.g2_from)) if args.g2_from else {}
-    jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2s[0] if g2s else TileConfig(16, 16, 256, 1, 4, 4)).to_json())
+    if args.fused:
+        jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, FUSED_BASE_G2).to_json()) for g1 in g1s]
+        jobs += [(64, 64, "bfloat16", "silu", True, MoEConfig(g1s[0], g2).to_json()) for g2 in g2s]
+    else:
+        jobs = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2s[0] if g2s else TileConfig(16, 16, 256, 1, 4, 4)).to_json())
             for g1 in g1s] + [(64, 64, "bfloat16", "silu", True, MoEConfig(g1s[0], g2).to_json())
                               for g2 in g2s if g2.SPLIT_K <= 2]
     failures = precompile(jobs, max(1, (os.cpu_count() or 2) - 2))
@@ -79,7 +98,16 @@ def main():
                 errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             return times[key]
 
-        if args.wide_g1:
+        shipped = get_config(1, E, k, H, I, torch.bfloat16, device_name())
+        shipped_us = run(shipped)
+        if args.fused:
+            g1_rank = sorted(g1s, key=lambda g1: run(MoEConfig(g1, FUSED_BASE_G2)))[:args.g1_keep]
+            more = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2).to_json()) for g1 in g1_rank for g2 in g2s]
+            precompile(more, max(1, (os.cpu_count() or 2) - 2))  # the w2 loop's knobs are constexprs too
+            for g1 in g1_rank:
+                for g2 in g2s:
+                    run(MoEConfig(g1, g2))
+        elif args.wide_g1:
             tops = [MoEConfig.from_json(json.loads(key)) for key, _ in earlier.get(name, {}).get("best", [])[:3]]
             tops.append(get_config(1, E, k, H, I, torch.bfloat16, device_name()))
             for g2 in dict.fromkeys(c.gemm2 for c in tops):
@@ -92,7 +120,7 @@ def main():
                 for g2 in g2s:
                     run(MoEConfig(g1, g2))
         best = sorted(times.items(), key=lambda kv: kv[1])
-        print(f"== {name} M=1: {len(times)} tried, {len(errors)} failed; best:")
+        print(f"== {name} M=1: {len(times)} tried, {len(errors)} failed; shipped entry {shipped_us:.1f} us; best:")
         for key, us in best[:10]:
             print(f"   {us:7.1f} us  {key}")
         seen_err = set()
@@ -101,7 +129,8 @@ def main():
                 seen_err.add(msg)
                 print(f"   FAIL {msg} <- {key}")
         sys.stdout.flush()
-        result[name] = {"best": best[:20], "errors": errors}
+        result[name] = {"best": best[:20], "errors": errors, "shipped": [json.dumps(shipped.to_json(), sort_keys=True),
+                                                                          shipped_us]}
         if args.write_configs:
             os.makedirs(args.write_configs, exist_ok=True)
             fname = config_file_name(E, I, device_name())

@@ -31,6 +31,13 @@ def test_knobs_round_trip_and_gemm2_does_not_inherit_gemm1s():
     assert parse_configs(json.dumps({"1": entry}), "f.json")[1] == cfg
 
 
+def test_fused_knob_round_trips_and_engine_style_entries_stay_valid():
+    cfg = MoEConfig(TileConfig(16, 64, 128, 1, 8, 4, GEMV=1, FUSED=1), TileConfig(16, 64, 128, 1, 4, 3, PDL=1))
+    entry = cfg.to_json()
+    assert entry["FUSED"] == 1 and "FUSED" not in entry["gemm2"]
+    assert parse_configs(json.dumps({"1": entry}), "f.json")[1] == cfg
+
+
 def test_engine_style_entry_shares_its_knobs_with_gemm2():
     table = parse_configs(json.dumps({"1": dict(BASE, GEMV=1)}), "f.json")
     assert table[1].gemm1.GEMV == table[1].gemm2.GEMV == 1
@@ -52,6 +59,10 @@ def test_shipped_files_carry_only_known_keys():
     (lambda: MoEConfig(TileConfig(16, 16, 16, SPLIT_K=2), TileConfig(16, 16, 16)), "gemm1.SPLIT_K must be 1"),
     (lambda: MoEConfig(TileConfig(16, 16, 16, PDL=1), TileConfig(16, 16, 16)), "gemm1.PDL must be 0"),
     (lambda: parse_configs(json.dumps({"1": dict(BASE, gemm2={"SPLITK": 2})}), "f.json"), "gemm2 must hold"),
+    (lambda: TileConfig(16, 16, 16, FUSED=2), "FUSED must be 0 or 1"),
+    (lambda: MoEConfig(TileConfig(16, 16, 16), TileConfig(16, 16, 16, FUSED=1)), "gemm2.FUSED must be 0"),
+    (lambda: MoEConfig(TileConfig(16, 16, 16, FUSED=1), TileConfig(16, 16, 16, SPLIT_K=2)),
+     "gemm1.FUSED=1 has no GEMM2 launch to split"),
 ])
 def test_bad_knobs_are_errors_naming_them(build, match):
     with pytest.raises(ValueError, match=match):

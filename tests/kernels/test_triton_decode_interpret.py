@@ -138,6 +138,53 @@ else:
         x, wts, w, ids, emap = _problem(T, 4, 2, 32, 16, torch.float32, gen, n_remote=1)
         _check(x, wts, w, ids, emap, None, direct=False)
 
+    def _fused(bc=16, bk=16, bh=16):
+        return MoEConfig(TileConfig(16, bc, bk, 1, 4, 2, GEMV=1, FUSED=1), TileConfig(16, bh, 16, 1, 4, 2))
+
+    # Fused direct path: I = 24 is two I blocks of 16 (the second half empty), H = 40 three
+    # w2 row blocks of 16 (the last partial); with a map, biases and remote slots.
+    @pytest.mark.parametrize("bc,bh", [(16, 16), (32, 32), (16, 64)])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_fused_direct_with_map_and_bias(bc, bh, dtype, gen):
+        x, wts, w, ids, emap = _problem(3, 5, 3, 40, 24, dtype, gen, bias=True, n_remote=3)
+        _check(x, wts, w, ids, emap, _fused(bc=bc, bh=bh), direct=True)
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+    @pytest.mark.parametrize("activation", ACTIVATIONS)
+    def test_every_activation_on_the_fused_direct_kernel(activation, gen):
+        x, wts, w, ids, emap = _problem(2, 4, 2, 32, 20, torch.float32, gen, activation=activation, bias=True,
+                                        scale=3.0)
+        _check(x, wts, w, ids, emap, _fused(), direct=True, activation=activation)
+
+    @pytest.mark.parametrize("b13,b2", [(True, False), (False, True)])
+    def test_fused_direct_with_one_bias(b13, b2, gen):
+        x, wts, w, ids, emap = _problem(2, 4, 2, 32, 16, torch.float32, gen, bias=True)
+        wts = ExpertWeights(wts.w13, wts.w2, wts.b13 if b13 else None, wts.b2 if b2 else None)
+        _check(x, wts, w, ids, emap, _fused(), direct=True)
+
+    def test_fused_direct_router_weight_on_input_and_odd_sizes(gen):
+        x, wts, w, ids, emap = _problem(3, 5, 1, 33, 17, torch.float32, gen, bias=True)
+        _check(x, wts, w, ids, emap, _fused(), direct=True, on_input=True)
+        x, wts, w, ids, emap = _problem(1, 3, 1, 33, 17, torch.float16, gen)
+        _check(x, wts, w, ids, emap, _fused(), direct=True)
+
+    def test_fused_direct_remote_slots_zero_and_repeat_bit_identical(gen):
+        x, wts, w, ids, emap = _problem(1, 4, 2, 32, 16, torch.float32, gen, bias=True, n_remote=4)
+        ids = (emap < 0).nonzero().flatten()[:2].to(torch.int32).reshape(1, 2)
+        out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=_fused(), direct=True)
+        assert torch.equal(out, torch.zeros_like(out))
+        x, wts, w, ids, emap = _problem(4, 6, 2, 48, 48, torch.float16, gen)
+        runs = [fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=_fused(), direct=True,
+                          out_dtype=dt) for dt in (torch.float32, torch.float32, torch.float16)]
+        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[2], runs[0].to(torch.float16))
+        unfused = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=_config(1, 1, 1),
+                            direct=True)
+        assert rel_err(runs[0], unfused) <= 1e-3  # same math, other fp32 summation order
+
+    def test_fused_is_ignored_on_the_sorted_path(gen):
+        x, wts, w, ids, emap = _problem(9, 4, 2, 32, 40, torch.float16, gen, n_remote=2)
+        _check(x, wts, w, ids, emap, _fused(), direct=False)
+
     def test_pdl_needs_an_sm90_gpu(gen):
         x, wts, w, ids, emap = _problem(1, 4, 2, 32, 16, torch.float32, gen)
         cfg = MoEConfig(TileConfig(16, 16, 16), TileConfig(16, 16, 16, PDL=1))

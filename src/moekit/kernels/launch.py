@@ -32,6 +32,8 @@ __all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SM
 ALIGN_SMALL_MAX = align.SMALL
 # Up to this many tokens the sum over k runs one token row per program, its slot loads pipelined.
 SUM_K_ROW_MAX = 256
+# Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
+_FUSED_SUM_RB, _FUSED_SUM_BN = 16, 64
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,9 @@ def fused_moe(
         counters, partials = topk_ids, x  # unused
     stride_b13 = bias13.stride(0) if b13 is not None else 0
     n_cnt = tiles2 if split > 1 else 0
+    if direct and g1.FUSED:
+        return _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit,
+                             on_input, g1, g2, out_dtype)
     chain = dict(PDL=bool(g2.PDL))
     if direct and g1.GEMV:
         dec.gemv1_kernel[(TK * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
@@ -255,4 +260,33 @@ def fused_moe(
     moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
         out2, out, topk_ids, emap, T, H, k, out2.stride(0), out.stride(0),
         BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, num_warps=4)
+    return out
+
+
+def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit, on_input,
+                  g1: TileConfig, g2: TileConfig, out_dtype):
+    """The direct path in one GEMM launch (gemm1.FUSED): fp32 partial rows per (assignment, I block),
+    then their fixed-order sum per token."""
+    T, H = x.shape
+    I = w2.shape[2]
+    k = topk_ids.shape[1]
+    dev = x.device
+    n_c = triton.cdiv(I, g1.BLOCK_SIZE_N)
+    part = torch.empty(T * k * n_c, H, dtype=torch.float32, device=dev)
+    bias13 = b13 if b13 is not None else x
+    bias2 = b2 if b2 is not None else x
+    pdl = bool(g2.PDL)
+    dec.fused_gemv_kernel[(T * k * n_c,)](
+        x, w13, bias13, w2, bias2, part, topk_weights, topk_ids, emap, H, I, k,
+        x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0,
+        w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, part.stride(0),
+        float(alpha), float(limit),
+        BC=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, BH=g2.BLOCK_SIZE_N, STAGES1=g1.num_stages, STAGES2=g2.num_stages,
+        GATED=is_gated(activation), ACT=activation, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
+        HAS_MAP=has_map, ON_INPUT=on_input, PDL=pdl, num_warps=g1.num_warps, num_stages=g1.num_stages)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
+    bn = min(_FUSED_SUM_BN, _pow2(H))
+    dec.partial_sum_kernel[(T, triton.cdiv(H, bn))](
+        part, out, k * n_c, H, part.stride(0), out.stride(0), RB=_FUSED_SUM_RB, BN=bn, STAGES=3, PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out

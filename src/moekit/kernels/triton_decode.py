@@ -11,6 +11,11 @@ Nothing but the weights passes through shared memory (when tl.range pipelines th
     gemv2_kernel: out[t, n] = sum_j w[t, j] * (act[t*k+j] W2[e_j]^T + b2[e_j])[n], one program
         per (token t, BN columns) and split; with SPLIT the slots x K blocks of a token are
         shared by n_split programs and reduced in split order (triton_moe.split_sum).
+    fused_gemv_kernel: both GEMMs of one (assignment a, BC columns of I) in one program: the
+        activation block stays in registers and multiplies its w2 columns over all of H into an
+        fp32 partial row; so GEMM2's weights stream in the same launch as GEMM1's and no
+        program waits for another.  `partial_sum_kernel` (a second, small launch) adds each
+        token's k * cdiv(I, BC) partial rows in order: deterministic, no atomics.
 
 Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token.
 """
@@ -23,7 +28,7 @@ import triton.language as tl
 from .triton_align import local_expert
 from .triton_moe import MAX_TOP_K, _apply_act, _expert_of, split_sum, zero_counters
 
-__all__ = ["gemv1_kernel", "gemv2_kernel"]
+__all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_kernel"]
 
 _MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
 
@@ -147,3 +152,102 @@ def gemv2_kernel(
                            mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
             acc += bias * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def fused_gemv_kernel(
+    x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, part_ptr, topk_w_ptr, ids_ptr, map_ptr,
+    H, I, top_k,
+    stride_xm, stride_w13e, stride_w13n, stride_b13e, stride_w2e, stride_w2n, stride_b2e, stride_pr,
+    alpha, limit,
+    BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, STAGES1: tl.constexpr, STAGES2: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr,
+    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, PDL: tl.constexpr,
+):
+    """part[a * cdiv(I, BC) + c, :H] = w_a * act(x[a // k] W13[e_a, block c]^T + b13)_c W2[e_a][:, block c]^T
+    (+ w_a b2[e_a] in block 0), for program pid = (assignment a, I block c).
+
+    The activation is rounded to x's dtype before GEMM2, as the two-launch path stores it.
+    Non-local assignments (expert -1) write zero rows.  part [T*k*cdiv(I, BC), H] fp32.
+    PDL: let the partial sum launch early (it waits for this grid to finish).
+    """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    num_c = tl.cdiv(I, BC)
+    assign = pid // num_c
+    c = pid - assign * num_c
+    e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
+    part_row = part_ptr + pid.to(tl.int64) * stride_pr
+    hs = tl.arange(0, BH)
+    if e < 0:  # not a local expert: its share of the sum is zero
+        for n0 in range(0, H, BH):
+            tl.store(part_row + n0 + hs, tl.zeros([BH], dtype=tl.float32), mask=n0 + hs < H)
+        return
+    cols = c * BC + tl.arange(0, BC)
+    col_ok = cols < I
+    ks = tl.arange(0, BK)
+    x_row = x_ptr + (assign // top_k).to(tl.int64) * stride_xm
+    w_rows = w13_ptr + e.to(tl.int64) * stride_w13e + cols.to(tl.int64)[:, None] * stride_w13n  # [BC, 1]
+    acc_g = tl.zeros([BC], dtype=tl.float32)
+    acc_u = tl.zeros([BC], dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=STAGES1):
+        k_ok = ks + k0 < H
+        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_rows + k0 + ks[None, :], mask=w_mask, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
+        if GATED:
+            wu = tl.load(w_rows + I * stride_w13n + k0 + ks[None, :], mask=w_mask, other=0.0)
+            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+    w_a = tl.load(topk_w_ptr + assign)
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias; GEMM2 is unweighted.
+        acc_g = acc_g * w_a
+        acc_u = acc_u * w_a
+        w_a = 1.0
+    if HAS_B13:
+        b_row = b13_ptr + e.to(tl.int64) * stride_b13e
+        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += tl.load(b_row + I + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GATED:
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
+    else:
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    h = tl.where(col_ok, h.to(x_ptr.dtype.element_ty).to(tl.float32) * w_a, 0.0)
+    w2_cols = w2_ptr + e.to(tl.int64) * stride_w2e + cols[None, :]  # [1, BC]
+    b_scale = tl.where(c == 0, w_a, 0.0)
+    for n0 in tl.range(0, H, BH, num_stages=STAGES2):
+        rows = n0 + hs
+        row_ok = rows < H
+        wt = tl.load(w2_cols + rows.to(tl.int64)[:, None] * stride_w2n, mask=row_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        y = tl.sum(wt.to(tl.float32) * h[None, :], axis=1)
+        if HAS_B2:
+            bias = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + rows, mask=row_ok & (rows * 0 + c == 0), other=0.0)
+            y += bias.to(tl.float32) * b_scale
+        tl.store(part_row + rows, y, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def partial_sum_kernel(
+    part_ptr, out_ptr, n_rows, N, stride_pr, stride_o,
+    RB: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[t, n] = the sum of part[t * n_rows + r, n] over r < n_rows in a fixed order (RB-row
+    tiles added row-wise, then their RB rows); one program per (token t, BN columns).
+    part fp32; out fp32 or x's dtype.  PDL: wait for the producing grid."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    rs = tl.arange(0, RB)
+    base = part_ptr + (t.to(tl.int64) * n_rows) * stride_pr + n[None, :]
+    acc = tl.zeros([RB, BN], dtype=tl.float32)
+    for r0 in tl.range(0, n_rows, RB, num_stages=STAGES):
+        r = r0 + rs
+        acc += tl.load(base + r.to(tl.int64)[:, None] * stride_pr, mask=(r < n_rows)[:, None] & n_ok[None, :],
+                       other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -66,6 +66,12 @@ class TileConfig:
         GEMV: 1 runs the direct path's GEMM on CUDA cores (its one live row, no 16-row tl.dot tile).
         PDL: 1 (GEMM2 only, SM90+) launches GEMM2 as a programmatic dependent of GEMM1: its
             programs start while GEMM1's last ones run and wait for GEMM1's output.
+        FUSED: 1 (GEMM1 only, direct path; the sorted path ignores it as it does GEMV) runs both
+            GEMMs in one launch (triton_decode.fused_gemv_kernel): a program per assignment and
+            BLOCK_SIZE_N columns of I (GEMM1's K tile, warps and stages for the w13 loop) keeps its
+            activation block in registers and streams the matching w2 columns in gemm2's
+            BLOCK_SIZE_N rows of H (gemm2's stages) into an fp32 partial row; a small second
+            launch adds a token's partial rows in order (gemm2.PDL: as a programmatic dependent).
     """
 
     BLOCK_SIZE_M: int
@@ -77,13 +83,14 @@ class TileConfig:
     SPLIT_K: int = 1
     GEMV: int = 0
     PDL: int = 0
+    FUSED: int = 0
 
     def __post_init__(self) -> None:
         for name in _KEYS + ("SPLIT_K",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("GEMV", "PDL"):
+        for name in ("GEMV", "PDL", "FUSED"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
@@ -167,6 +174,11 @@ class MoEConfig:
             if getattr(self.gemm1, name) != _OPTIONAL[name]:
                 raise ValueError(f"gemm1.{name} must be {_OPTIONAL[name]} (a GEMM2 knob), "
                                  f"got {getattr(self.gemm1, name)}")
+        if self.gemm2.FUSED:
+            raise ValueError("gemm2.FUSED must be 0 (fusing both GEMMs is gemm1's knob)")
+        if self.gemm1.FUSED and self.gemm2.SPLIT_K != 1:
+            raise ValueError(f"gemm1.FUSED=1 has no GEMM2 launch to split: gemm2.SPLIT_K must be 1, "
+                             f"got {self.gemm2.SPLIT_K}")
         if self.prefill is not None:
             if self.row_granule < 16:
                 raise ValueError(f"prefill tail={self.prefill.tail} needs BLOCK_SIZE_M >= {16 * self.prefill.tail} "
@@ -204,8 +216,8 @@ class MoEConfig:
             raise ValueError(f"{where} lacks {missing}")
         g1 = TileConfig(**{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
         prefill = PrefillConfig.from_json(entry["prefill"], f"{where}.prefill") if "prefill" in entry else None
-        if "gemm2" not in entry:
-            return cls(g1, g1, prefill)
+        if "gemm2" not in entry:  # one config for both GEMMs (fusing them is GEMM1's knob alone)
+            return cls(g1, replace(g1, FUSED=0), prefill)
         down = entry["gemm2"]
         allowed = _KEYS[1:] + tuple(_OPTIONAL)
         if not isinstance(down, dict) or set(down) - set(allowed):

@@ -1,0 +1,93 @@
+"""Where a call's time goes: device time per kernel of the Triton experts at a few points.
+
+    PYTHONPATH=src python bench/profile_h200.py --points qwen3-30b-a3b:fp8_w8a8:16:static,olmoe-1b-7b:bf16:256
+        [--out FILE]
+
+A point is shape:scheme:M[:static] ("bf16" for unquantized weights; static: per-expert
+activation scales). Each point is timed in a CUDA graph (as the benchmark does) and profiled
+over eager calls with fresh routing (torch.profiler): the JSON and the printout give each
+kernel's device time per call next to the graph time, so launch gaps show as the difference.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from moekit.benchmarks.gpu import (
+    PERF_TABLE_CEILINGS, _quant_call, graph_time_us, quant_floor_terms, quantized_weights, routing_sets,
+    shape_by_name,
+)
+from moekit.benchmarks.floors import floor_seconds
+from moekit.experts.api import fused_experts
+
+
+def _device_us(event) -> float:
+    for name in ("device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def profile_point(spec: str, calls: int = 8) -> dict:
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    parts = spec.split(":")
+    name, scheme, M = parts[0], parts[1], int(parts[2])
+    static = len(parts) > 3 and parts[3] == "static"
+    _, E, k, H, I = shape_by_name(name)
+    if scheme == "bf16":
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
+        fn = lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton")  # noqa: E731
+        bpw, fscale = 2.0, 1.0
+    else:
+        wts = quantized_weights(scheme, E, H, I, static, "cuda")
+        fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
+        bpw, fscale = quant_floor_terms(scheme)
+    sets = routing_sets(M, E, k, H, calls, torch.bfloat16, "cuda")
+    with torch.inference_mode():
+        graph_us = graph_time_us(fn, sets, replays=5)
+        for args in sets:
+            fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for args in sets:
+                fn(*args)
+            torch.cuda.synchronize()
+    kernels = []
+    for ev in prof.key_averages():
+        us = _device_us(ev)
+        if us > 0:
+            kernels.append({"kernel": ev.key[:120], "us_per_call": us / calls, "launches_per_call": ev.count / calls})
+    kernels.sort(key=lambda r: -r["us_per_call"])
+    floor = floor_seconds(M, E, k, H, I, bpw, PERF_TABLE_CEILINGS, fscale) * 1e6
+    row = {"point": spec, "graph_us": graph_us, "floor_us": floor, "pct_of_floor": 100 * floor / graph_us,
+           "kernel_us_sum": sum(r["us_per_call"] for r in kernels), "kernels": kernels}
+    print(f"== {spec}: graph {graph_us:.1f} us ({row['pct_of_floor']:.1f}% of floor {floor:.1f}); "
+          f"kernels {row['kernel_us_sum']:.1f} us per call", flush=True)
+    for r in kernels:
+        print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--points", required=True)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    args = p.parse_args()
+    rows = []
+    for spec in args.points.split(","):
+        try:
+            rows.append(profile_point(spec))
+        except Exception as err:  # noqa: BLE001 - a point that fails is reported, not fatal
+            print(f"== {spec}: failed: {type(err).__name__}: {err}", flush=True)
+            rows.append({"point": spec, "error": f"{type(err).__name__}: {err}"})
+        torch.cuda.empty_cache()
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
