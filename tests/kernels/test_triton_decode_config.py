@@ -98,8 +98,11 @@ def test_no_decode_knobs_above_decode_sizes(T):
 
 def test_late_variants_and_compile_variants():
     cfg = MoEConfig(TileConfig(16, 32, 256), TileConfig(16, 16, 512, SPLIT_K=8))
-    (pdl,) = late_variants(cfg, 1, 128, 8)
-    assert pdl.gemm2.PDL == 1 and pdl.gemm1 == cfg.gemm1 and late_variants(pdl, 1, 128, 8) == []
+    pdl, *fused = late_variants(cfg, 1, 128, 8)
+    assert pdl.gemm2.PDL == 1 and pdl.gemm1 == cfg.gemm1
+    assert len(fused) == 8 and all(c.gemm1.FUSED and c.gemm2.SPLIT_K == 1 for c in fused)
+    assert {c.gemm2.PDL for c in fused} == {0, 1}
+    assert late_variants(pdl, 1, 128, 8) == fused and late_variants(fused[0], 1, 128, 8) == []
     assert late_variants(cfg, 16, 128, 8) == []  # the sorted path: four launches, PDL not searched
     assert compile_variant(cfg).gemm2.SPLIT_K == 2 and compile_variant(pdl).gemm2.PDL == 1
     plain = MoEConfig(cfg.gemm1, TileConfig(16, 16, 512))

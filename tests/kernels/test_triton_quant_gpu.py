@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, rea
 
 SCHEMES = [
     ("fp8_w8a8", {}),
-    ("fp8_w8a8", {"static": True}),
+    ("fp8_w8a8", {"static": True}),          # one scale shared by the experts: x quantized once per token
+    ("fp8_w8a8", {"static": "per_expert"}),  # a scale per expert: a row per assignment
     ("fp8_w8a8_channel", {}),
     ("fp8_w8a8_block128", {}),
     ("int8_w8a8", {}),
@@ -47,9 +48,11 @@ def _weights(scheme, opts, E, H, I, gen, bias=False, dtype=torch.bfloat16):
     w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5
     w2 = torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5
     opts = dict(opts)
-    if opts.pop("static", False):  # about amax / 448 of the inputs each GEMM sees
-        opts.update(a13_scale=torch.full((E,), 4.5 / 448, device="cuda"),
-                    a2_scale=torch.full((E,), 4.0 / 448, device="cuda"))
+    static = opts.pop("static", False)
+    if static:  # about amax / 448 of the inputs each GEMM sees
+        spread = 1.0 if static is True else 1.0 + 0.25 * torch.rand(E, device="cuda", generator=gen)
+        opts.update(a13_scale=torch.full((E,), 4.5 / 448, device="cuda") * spread,
+                    a2_scale=torch.full((E,), 4.0 / 448, device="cuda") * spread)
     b13 = torch.randn(E, 2 * I, device="cuda", generator=gen).to(dtype) if bias else None
     b2 = torch.randn(E, H, device="cuda", generator=gen).to(dtype) if bias else None
     return quantize_experts(w13, w2, scheme, b13=b13, b2=b2, **opts)
@@ -84,7 +87,7 @@ def test_schemes_match_emulated_reference(scheme, opts, T, n_remote, cuda_gen):
     _check(torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids, emap)
 
 
-@pytest.mark.parametrize("scheme,opts", [SCHEMES[i] for i in (1, 2, 9)], ids=[IDS[i] for i in (1, 2, 9)])
+@pytest.mark.parametrize("scheme,opts", [SCHEMES[i] for i in (1, 2, 3, 10)], ids=[IDS[i] for i in (1, 2, 3, 10)])
 def test_fp16_bias_and_weight_on_input(scheme, opts, cuda_gen):
     wts = _weights(scheme, opts, 8, 256, 128, cuda_gen, bias=True, dtype=torch.float16)
     w, ids = _routing(50, 8, 1, cuda_gen)

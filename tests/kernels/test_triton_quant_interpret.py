@@ -23,7 +23,7 @@ else:
     from moekit.experts.base import ExpertsProblem
     from moekit.experts.triton_experts import TritonBackend, triton_quant_experts
     from moekit.kernels.launch_quant import quant_config, quant_unsupported
-    from moekit.kernels.quant_rows import modes_of, quantize_rows
+    from moekit.kernels.quant_rows import align_and_quantize, modes_of, quant_rows, quantize_rows
     from moekit.kernels.tuning import MoEConfig, TileConfig
     from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_activation, quantize_experts
 
@@ -95,6 +95,49 @@ else:
         x = torch.randn(6, H, generator=gen).half()
         _check(x, wts, w, ids, activation="gelu_no_mul", on_input=True)
         _check(x, wts, w, ids, activation="gelu_no_mul")
+
+    @pytest.mark.parametrize("shared", ["all", "some"])
+    @pytest.mark.parametrize("fuse", [True, False])
+    def test_static_scales_shared_by_experts_quantize_x_once_per_token(shared, fuse, gen):
+        # Experts with one input scale: a token whose local experts all share it is quantized
+        # once and its slots read that row (others: a row per slot). Same bits either way.
+        from moekit.kernels.launch_quant import fused_moe_quant
+        from moekit.kernels.quant_tuning import QuantKnobs
+        from moekit.quant import scheme_of
+
+        E, H, I = 6, 48, 40
+        wts = _weights("fp8_w8a8", {"static": True}, E, H, I, gen)
+        a13 = wts.scales["a13_scale"]
+        if shared == "all":
+            a13.fill_(0.01)
+        else:
+            a13[: E // 2] = 0.01  # tokens routed within the first half share; the rest do not
+        emap = _expert_map(E, 2, gen)
+        w, ids = _routing(9, E + 2, 2, gen)
+        x = torch.randn(9, H, generator=gen).half()
+        _check(x, wts, w, ids, emap)
+        # The rows themselves: every local slot reads a row holding x[t] quantized with its
+        # expert's scale; slots of a token whose experts share a scale read one row.
+        modes = modes_of(get_scheme("fp8_w8a8"))
+        q = torch.zeros(ids.numel(), H, dtype=torch.float8_e4m3fn)
+        src = torch.full((ids.numel(),), -1, dtype=torch.int32)
+        if fuse:
+            align_and_quantize(ids, emap, E, 16, x, q, a13, modes, 4, 0, None, 512, src=src)
+        else:
+            quant_rows(x, q, a13, modes, 4, 0, topk_ids=ids, expert_map=emap, src=src)
+        local = emap[ids.long()]
+        for t in range(ids.shape[0]):
+            slots = [j for j in range(ids.shape[1]) if local[t, j] >= 0]
+            for j in slots:
+                a = t * ids.shape[1] + j
+                want = quantize_activation(x[t:t + 1].float(), get_scheme("fp8_w8a8"), a13[local[t, j]])[0]
+                assert torch.equal(q[src[a]].float(), want[0].float())
+            if len({float(a13[local[t, j]]) for j in slots}) == 1:
+                assert {int(src[t * ids.shape[1] + j]) for j in slots} == {t * ids.shape[1] + slots[0]}
+            else:
+                assert [int(src[t * ids.shape[1] + j]) for j in slots] == [t * ids.shape[1] + j for j in slots]
+        if shared == "all":
+            assert len(set(src[local.flatten() >= 0].tolist())) <= ids.shape[0]
 
     def test_every_local_slot_counts_in_the_per_tensor_scale(gen):
         # Token 0 reaches no local expert and is 100x larger: a dynamic per-tensor scale that

@@ -6,7 +6,7 @@ parallel processes; time each GEMM1 candidate with the default GEMM2 tiles of it
 block, and the complete configs on the prefill kernels (kernels.tuning.prefill_space: every
 knob over a few tile pairs); then, unless a prefill config won, time the GEMM2 candidates
 with the winning GEMM1; last, the winner's late variants (kernels.tuning.late_variants:
-GEMM2 launched with PDL on the direct path). Each timing is a CUDA graph
+GEMM2 launched with PDL and both GEMMs fused into one launch, on the direct path). Each timing is a CUDA graph
 of calls with fresh routing (benchmarks/gpu.py), so it includes the alignment and the
 sum over k at that row block.
 """

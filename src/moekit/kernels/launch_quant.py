@@ -232,6 +232,9 @@ def fused_moe_quant(
         raise ValueError(f"w2 holds {E} experts; the Triton kernels take at most {moe.MAX_EXPERTS}")
     if on_input and k != 1:
         raise ValueError(f"on_input needs top_k == 1, got {k}")
+    if a13_scale is not None and k > moe.MAX_TOP_K:
+        raise ValueError(f"static activation scales take top_k <= {moe.MAX_TOP_K} (a token's slots are held "
+                         f"in registers), got {k}")
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
     if config is None:
@@ -275,19 +278,22 @@ def fused_moe_quant(
         gran = 4 if static else GRAN[modes.act_gran]
         group = scheme.activation_group if gran == 3 else 0
         a1 = torch.empty(TK if static else T, H, dtype=modes.act_dtype, device=dev)
+        # Static scales: the row each assignment reads (x quantized once per token when its
+        # experts share a scale; see triton_quant_rows, GRAN 4).
+        src = torch.empty(TK, dtype=torch.int32, device=dev) if static else None
         if gran in (2, 3):
             a1_s = torch.empty(T, 1 if gran == 2 else H // group, dtype=torch.float32, device=dev)
         else:
             a1_s = a13_scale  # gran 1: replaced by the dynamic scale below
         if knobs.fuse_x_quant and gran != 1:
             al = align_and_quantize(topk_ids, expert_map, E, config.block_m, x, a1, a1_s, modes, gran, group, w_in,
-                                    small_max, pdl=knobs.pdl)
+                                    small_max, pdl=knobs.pdl, src=src)
         else:
             al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=small_max)
             if gran == 1:
                 a1_s = tensor_scale(x, modes, topk_weights, topk_ids, expert_map, None, al.expert_end, on_input)
             quant_rows(x, a1, a1_s, modes, gran, group, topk_weights=w_in, topk_ids=topk_ids if static else None,
-                       expert_map=expert_map if static else None)
+                       expert_map=expert_map if static else None, src=src)
         a1_mode, a1_sm, a1_se = 1, (a1_s.stride(0) if gran in (2, 3) else 0), (1 if static else 0)
     R = al.max_blocks * al.block_m
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
@@ -301,7 +307,7 @@ def fused_moe_quant(
     gated = is_gated(activation)
     qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
         a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
-        topk_weights, al.sorted_ids, al.expert_end,
+        topk_weights, al.sorted_ids, al.expert_end, src if static else al.sorted_ids,
         I, H, TK, k, al.max_blocks, E,
         a1.stride(0), a1_sm, a1_se, q13.stride(0), q13.stride(1), s13_e, s13_n,
         bias13.stride(0) if b13 is not None else 0, act.stride(0),

@@ -77,12 +77,13 @@ def _chunks(gran: int, K: int, group: int) -> Tuple[int, int]:
     return block, triton.cdiv(K, block)
 
 
-def _quant_args(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights, topk_ids, expert_map):
-    """(pointer and size arguments, constexpr arguments, programs per row) of one row quantization."""
+def _quant_args(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights, topk_ids, expert_map, src=None):
+    """(pointer and size arguments, constexpr arguments, programs per row) of one row quantization
+    (src: GRAN 4's [T*k] int32 row each slot reads)."""
     block, n_chunks = _chunks(gran, x.shape[1], group)
     w = topk_weights if topk_weights is not None else s
     ids = topk_ids if topk_ids is not None else s
-    args = (x, q, s, w, ids, expert_map if expert_map is not None else ids)
+    args = (x, q, s, w, src if src is not None else s, ids, expert_map if expert_map is not None else ids)
     sizes = (x.shape[1], topk_ids.shape[1] if topk_ids is not None else 1, x.stride(0), q.stride(0),
              s.stride(0) if gran in (2, 3) else 0)
     meta = dict(BC=block, G=max(group, 1), GRAN=gran, QMAX=modes.qmax, INT8=modes.act_dtype == torch.int8,
@@ -120,20 +121,20 @@ def quantize_rows(x: torch.Tensor, scheme: QuantScheme, modes: Optional[QuantMod
 
 
 def quant_rows(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights=None, expert_end=None,
-               topk_ids=None, expert_map=None, pdl: bool = False) -> None:
-    """Launch quant_rows_kernel over the rows of q (triton_quant_rows' docstring: gran)."""
-    (xx, qq, ss, w, ids, emap), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
-                                                                    topk_ids, expert_map)
+               topk_ids=None, expert_map=None, pdl: bool = False, src=None) -> None:
+    """Launch quant_rows_kernel over the rows of x (triton_quant_rows' docstring: gran; 4 needs src)."""
+    (xx, qq, ss, w, sr, ids, emap), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
+                                                                        topk_ids, expert_map, src)
     end = expert_end if expert_end is not None else s
-    qr.quant_rows_kernel[(q.shape[0], n_chunks)](
-        xx, qq, ss, w, end, ids, emap, sizes[0], end.shape[0] if expert_end is not None else 1, *sizes[1:],
+    qr.quant_rows_kernel[(x.shape[0], n_chunks)](
+        xx, qq, ss, w, sr, end, ids, emap, sizes[0], end.shape[0] if expert_end is not None else 1, *sizes[1:],
         SORTED=expert_end is not None, **meta, PDL=pdl, launch_pdl=pdl, num_warps=4)
 
 
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
-                       group: int, topk_weights, small_max: int, pdl: bool = False) -> Alignment:
-    """kernels.launch.moe_align with the quantization of x (gran 2-4) in the alignment's first launch
-    (pdl: its last launch lets a programmatic dependent start)."""
+                       group: int, topk_weights, small_max: int, pdl: bool = False, src=None) -> Alignment:
+    """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src) in the alignment's
+    first launch (pdl: its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     sorted_ids, expert_end = al.sorted_ids, al.expert_end
@@ -142,10 +143,10 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
     small = TK <= small_max
     n_align = 1 if small else triton.cdiv(TK, align.CHUNK)
     counts = expert_end if small else torch.zeros(e_pad, dtype=torch.int32, device=dev)
-    (xx, qq, ss, w, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights, topk_ids,
-                                                               expert_map)
-    qr.align_quant_kernel[(n_align + q.shape[0] * n_chunks,)](
-        topk_ids, emap, sorted_ids, expert_end, counts, xx, qq, ss, w, TK, E, *sizes, n_align, n_chunks,
+    (xx, qq, ss, w, sr, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
+                                                                   topk_ids, expert_map, src)
+    qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](
+        topk_ids, emap, sorted_ids, expert_end, counts, xx, qq, ss, w, sr, TK, E, *sizes, n_align, n_chunks,
         BM=block_m, N=_pow2(TK) if small else align.CHUNK, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small,
         num_warps=4)
     if not small:

@@ -336,7 +336,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
 def gemm1_quant_kernel(
     a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-    topk_w_ptr, sorted_ptr, expert_end_ptr,
+    topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
     N, K, TK, top_k, NUM_M, E,
     stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
     alpha, limit,
@@ -350,8 +350,8 @@ def gemm1_quant_kernel(
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
 
-    a [T, K=H] (float, or quantized with a_s), or [T*k, K] one row per assignment
-    (A_BY_ASSIGN); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
+    a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
+    reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
     out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
     PDL: launched as a programmatic dependent: waits for the previous kernels before reading
     anything they wrote, and lets the next kernel launch once its products are done.
@@ -371,7 +371,7 @@ def gemm1_quant_kernel(
     col_ok = cols < N
     e64 = e.to(tl.int64)
     if A_BY_ASSIGN:
-        a_rows = tl.where(live, assign, 0).to(tl.int64)
+        a_rows = tl.load(src_ptr + assign, mask=live, other=0).to(tl.int64)
     else:
         a_rows = token
     a_row_ptrs = a_ptr + a_rows * stride_am

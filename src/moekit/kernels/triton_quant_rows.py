@@ -9,8 +9,12 @@ Modes of the quantized rows (GRAN):
     1  one scale for all rows, read from s[0] (per tensor, dynamic: computed beforehand);
     2  one dynamic scale per row (amax / QMAX, 1 for an all-zero row), written to s[r];
     3  one dynamic scale per row and G columns, written to s[r, c];
-    4  rows are assignments r = t * k + j: q[r] = x[t] quantized with the static scale of
-       its local expert (non-local assignments are left alone).
+    4  static per-expert scales, one program per token t: when its local slots' experts share
+       one scale (checkpoints often give every expert the same input scale), x[t] is
+       quantized once, into the row of its first local slot, and every slot reads that row;
+       otherwise each local slot j gets its own row t * k + j. src[t * k + j] records the
+       row slot j reads (non-local slots: left alone), so GEMM1 gathers rows through it.
+       Either way a slot's row holds x[t] quantized with its expert's scale: the same bits.
 
 Letters: T tokens, H hidden, E local experts, k slots per token, TK = T * k assignments,
 S splits of GEMM2's K range.
@@ -22,12 +26,15 @@ import triton
 import triton.language as tl
 
 from . import triton_align as align
+from .triton_moe import MAX_TOP_K
 
 __all__ = ["FP8_MAX", "INT8_MAX", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
+# Slots per token GRAN 4 holds in registers (kernels/launch_quant.py checks top_k against it).
+MAX_SLOTS: tl.constexpr = tl.constexpr(MAX_TOP_K)
 
 
 @triton.jit
@@ -101,18 +108,50 @@ def row_amax_kernel(
 
 
 @triton.jit
-def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x, stride_q, stride_s,
+def _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, t, c, K, top_k, stride_x,
+                       stride_q, BC: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr, ON_INPUT: tl.constexpr,
+                       HAS_MAP: tl.constexpr):
+    """GRAN 4 for columns [c * BC, (c + 1) * BC) of token t (see the module docstring). ON_INPUT
+    (k = 1): the slot's routed weight multiplies the row first."""
+    slots = tl.arange(0, MAX_SLOTS)
+    assign = t * top_k + slots
+    e = align.local_expert(ids_ptr, map_ptr, assign, slots < top_k, HAS_MAP)
+    local = e >= 0
+    scale = tl.load(s_ptr + tl.maximum(e, 0), mask=local, other=0.0)
+    first = tl.min(tl.where(local, slots, MAX_SLOTS), axis=0)
+    if first < MAX_SLOTS:
+        s0 = tl.sum(tl.where(slots == first, scale, 0.0), axis=0)
+        shared = tl.max(tl.where(local & (scale != s0), 1, 0), axis=0) == 0
+        if c == 0:
+            src = tl.where(shared, t * top_k + first, assign)
+            tl.store(src_ptr + assign, src.to(tl.int32), mask=local)
+        ks = c * BC + tl.arange(0, BC)
+        ok = ks < K
+        v = tl.load(x_ptr + t.to(tl.int64) * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
+        if ON_INPUT:
+            v = v * tl.load(topk_w_ptr + t * top_k + first)
+        if shared:
+            tl.store(q_ptr + (t * top_k + first).to(tl.int64) * stride_q + ks, to_quant(v / s0, QMAX, INT8), mask=ok)
+        else:
+            for j in range(0, top_k):
+                s_j = tl.sum(tl.where(slots == j, scale, 0.0), axis=0)
+                if s_j > 0.0:  # local (static scales are > 0)
+                    tl.store(q_ptr + (t * top_k + j).to(tl.int64) * stride_q + ks, to_quant(v / s_j, QMAX, INT8),
+                             mask=ok)
+
+
+@triton.jit
+def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x, stride_q,
+                 stride_s,
                  BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
                  ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr):
     """Quantize columns [c * BC, (c + 1) * BC) of row r (GRAN 3: BC / G groups of G columns;
-    GRAN 2: the whole row, c = 0, in chunks of BC). See the module docstring for GRAN."""
-    x_r = r
-    e = r * 0
+    GRAN 2: the whole row, c = 0, in chunks of BC; GRAN 4: r is a token). See the module docstring."""
     if GRAN == 4:
-        e = _expert_of(ids_ptr, map_ptr, r, HAS_MAP)
-        x_r = r // top_k
-    if e >= 0:
-        row = x_ptr + x_r.to(tl.int64) * stride_x
+        _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x,
+                           stride_q, BC, QMAX, INT8, ON_INPUT, HAS_MAP)
+    else:
+        row = x_ptr + r.to(tl.int64) * stride_x
         q_row = q_ptr + r.to(tl.int64) * stride_q
         w_r = 1.0
         if ON_INPUT:
@@ -130,8 +169,6 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, c, K, top
             ks = tl.arange(0, BC)
             if GRAN == 1:
                 s = tl.load(s_ptr)
-            elif GRAN == 4:
-                s = tl.load(s_ptr + e)
             else:
                 amax = tl.zeros([BC], dtype=tl.float32)
                 for k0 in range(0, K, BC):
@@ -152,7 +189,7 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, c, K, top
 
 @triton.jit(do_not_specialize=["E", "top_k"])
 def quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, topk_w_ptr, expert_end_ptr, ids_ptr, map_ptr,
+    x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, expert_end_ptr, ids_ptr, map_ptr,
     K, E, top_k, stride_x, stride_q, stride_s,
     BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
     ON_INPUT: tl.constexpr, SORTED: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
@@ -171,14 +208,14 @@ def quant_rows_kernel(
     if SORTED:
         if r >= tl.load(expert_end_ptr + E - 1):
             return
-    _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, r, tl.program_id(1), K, top_k,
+    _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, tl.program_id(1), K, top_k,
                  stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
 
 
 @triton.jit(do_not_specialize=["TK", "top_k"])
 def align_quant_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, counts_ptr,
-    x_ptr, q_ptr, s_ptr, topk_w_ptr,
+    x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr,
     TK, E, K, top_k, stride_x, stride_q, stride_s, NA, NCH,
     BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SMALL: tl.constexpr,
     BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
@@ -188,7 +225,7 @@ def align_quant_kernel(
 
     Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
     NA = 1; else the histogram of chunk pid of N assignments into counts, NA chunks); the
-    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4).
+    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
     PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
     if PDL:
@@ -201,7 +238,7 @@ def align_quant_kernel(
             align.align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N, E_PAD, HAS_MAP)
     else:
         j = pid - NA
-        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
+        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
                      stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
 
 

@@ -408,13 +408,25 @@ def _with_decode_knobs(T: int, E: int, k: int, elem_bytes: int, g1: list, g2: Di
     return gemv1 + g1, {16: [replace(c, SPLIT_K=s) for s in _SPLITS_DIRECT for c in tiles] + tiles}
 
 
+# Fused direct-path tiles the tuner times last: (columns of I per program, GEMM1's K tile, warps,
+# stages; w2 rows per tile, stages), the winners of an H200 sweep over PERF.md's five shapes at
+# M = 1 (bench/triton_m1_h200.py --fused; bench/NOTES-triton.md).
+_FUSED_TILES = ((128, 64, 4, 4, 64, 4), (128, 128, 8, 3, 128, 4), (128, 64, 8, 4, 128, 4), (64, 128, 8, 4, 128, 4))
+
+
 def late_variants(cfg: MoEConfig, T: int, E: int, k: int) -> list:
-    """Variants of the tuner's winner at T tokens that it times last: on the direct path (two
-    launches, where a launch's gap weighs most) GEMM2 launched as a programmatic dependent of
-    GEMM1 (PDL)."""
-    if not use_direct(T, k, E) or cfg.gemm2.PDL:
+    """Variants the tuner times last at T tokens, on the direct path only (two launches, where a
+    launch's gap weighs most): the winner with GEMM2 launched as a programmatic dependent of
+    GEMM1 (PDL), and both GEMMs fused into one launch (gemm1.FUSED) over a few tiles, with and
+    without PDL for the partial sum."""
+    if not use_direct(T, k, E) or cfg.gemm1.FUSED:
         return []
-    return [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1))]
+    out = [] if cfg.gemm2.PDL else [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1))]
+    for bc, bk, warps, stages, bh, stages2 in _FUSED_TILES:
+        for pdl in (1, 0):
+            out.append(MoEConfig(TileConfig(16, bc, bk, 1, warps, stages, GEMV=1, FUSED=1),
+                                 TileConfig(16, bh, 128, 1, 4, stages2, PDL=pdl)))
+    return out
 
 
 def compile_variant(cfg: MoEConfig) -> MoEConfig:
