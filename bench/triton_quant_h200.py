@@ -15,8 +15,8 @@ winning tiles and knobs.
 
 Search per point (kernels/quant_tuning.quant_search_space): GEMM1 candidates with the first
 GEMM2 candidate of their BLOCK_SIZE_M, then GEMM2 candidates (split_k among them) with the
-winning GEMM1, then the winner with one knob flipped: pdl, warm_l2 (with pdl), fuse_x_quant
-(fp8), w_convert (int4). Candidates compile beforehand in parallel processes, the flips while the sweep runs.
+winning GEMM1, then the winner with one knob flipped: pdl, fuse_x_quant (fp8), w_convert
+(int4). Candidates compile beforehand in parallel processes, the flips while the sweep runs.
 """
 
 import argparse
@@ -258,10 +258,10 @@ def sweep_point(pt, wts, compiled, budget, device="cuda", dtype=torch.bfloat16):
 
 
 def toggles(pt, rec):
-    """Variants of a point's winner, one knob flipped each: PDL; GEMM2's L2 warm-up (with PDL); x
-    quantized in its own launch (fp8); the other int4 weight conversions."""
+    """Variants of a point's winner, one knob flipped each: PDL; x quantized in its own launch (fp8);
+    the other int4 weight conversions."""
     cfg, kn = gpu.parse_quant_entry(rec["best"])
-    flips = [dict(pdl=not kn.pdl, warm_l2=False), dict(pdl=True, warm_l2=not (kn.pdl and kn.warm_l2))]
+    flips = [dict(pdl=not kn.pdl)]
     if pt["scheme"].startswith("fp8"):
         flips.append(dict(fuse_x_quant=not kn.fuse_x_quant))
     if pt["scheme"].startswith("int4"):

@@ -38,13 +38,6 @@ def test_fused_knob_round_trips_and_engine_style_entries_stay_valid():
     assert parse_configs(json.dumps({"1": entry}), "f.json")[1] == cfg
 
 
-def test_warm_l2_round_trips():
-    cfg = MoEConfig(TileConfig(16, 32, 256, GEMV=1), TileConfig(16, 16, 256, SPLIT_K=4, GEMV=1, PDL=1, WARM_L2=1))
-    entry = cfg.to_json()
-    assert entry["gemm2"]["WARM_L2"] == 1 and "WARM_L2" not in entry
-    assert parse_configs(json.dumps({"1": entry}), "f.json")[1] == cfg
-
-
 def test_engine_style_entry_shares_its_knobs_with_gemm2():
     table = parse_configs(json.dumps({"1": dict(BASE, GEMV=1)}), "f.json")
     assert table[1].gemm1.GEMV == table[1].gemm2.GEMV == 1
@@ -67,10 +60,6 @@ def test_shipped_files_carry_only_known_keys():
     (lambda: MoEConfig(TileConfig(16, 16, 16, PDL=1), TileConfig(16, 16, 16)), "gemm1.PDL must be 0"),
     (lambda: parse_configs(json.dumps({"1": dict(BASE, gemm2={"SPLITK": 2})}), "f.json"), "gemm2 must hold"),
     (lambda: TileConfig(16, 16, 16, FUSED=2), "FUSED must be 0 or 1"),
-    (lambda: MoEConfig(TileConfig(16, 16, 16), TileConfig(16, 16, 16, WARM_L2=1)), "WARM_L2=1 .* needs gemm2.PDL=1"),
-    (lambda: MoEConfig(TileConfig(16, 16, 16, WARM_L2=1), TileConfig(16, 16, 16)), "gemm1.WARM_L2 must be 0"),
-    (lambda: MoEConfig(TileConfig(16, 16, 16, GEMV=1, FUSED=1), TileConfig(16, 16, 16, PDL=1, WARM_L2=1)),
-     "no GEMM2 launch whose weights"),
     (lambda: MoEConfig(TileConfig(16, 16, 16), TileConfig(16, 16, 16, FUSED=1)), "gemm2.FUSED must be 0"),
     (lambda: MoEConfig(TileConfig(16, 16, 16, FUSED=1), TileConfig(16, 16, 16, SPLIT_K=2)),
      "gemm1.FUSED=1 has no GEMM2 launch to split"),

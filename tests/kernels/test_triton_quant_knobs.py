@@ -42,9 +42,6 @@ if not IN_INTERPRETER:
             QuantKnobs(prefetch1=1)
         with pytest.raises(ValueError, match="quant"):
             QuantKnobs.from_json({"split": 2})
-        with pytest.raises(ValueError, match="warm_l2 .* needs pdl=True"):
-            QuantKnobs(warm_l2=True)
-        assert QuantKnobs.from_json({"pdl": True, "warm_l2": True}) == QuantKnobs(pdl=True, warm_l2=True)
 
     def test_file_names_follow_the_large_engines():
         names = {s: quant_file_name(8, 14336, "NVIDIA_H200", get_scheme(s)) for s in

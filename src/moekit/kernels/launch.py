@@ -234,8 +234,7 @@ def fused_moe(
     flags.pop("HAS_BIAS")
     stride_b2 = bias2.stride(0) if b2 is not None else 0
     stride_ps = partials.stride(0) if split > 1 else 0
-    chain = dict(SPLIT=split > 1, PDL=bool(g2.PDL), WARM=bool(g2.WARM_L2),
-                 LINE=min(g2.BLOCK_SIZE_K, 128 // w2.element_size()))  # WARM_L2: a prefetch per 128-byte line
+    chain = dict(SPLIT=split > 1, PDL=bool(g2.PDL))
     pdl = {"launch_pdl": True} if g2.PDL else {}
     if direct and g2.GEMV:
         dec.gemv2_kernel[(tiles2, split)](

@@ -340,8 +340,7 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, WARM=knobs.warm_l2,
-        LINE=min(g2.BLOCK_SIZE_K // scheme.pack, 128), **chain, **flags, **_tile_kwargs(g2))
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
     has_map = expert_map is not None

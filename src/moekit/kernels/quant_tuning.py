@@ -46,8 +46,6 @@ class QuantKnobs:
         scales, or static per-expert ones).
     pdl: GEMM1, the quantization of its output, GEMM2 and the sum are launched as programmatic
         dependents of the kernel before (SM90+): each starts while the one before finishes.
-    warm_l2: with pdl (CUDA), each GEMM2 program prefetches the w2 tiles it will read into L2
-        before it waits for the kernel before it, so the weights stream while that one runs.
     swap1, swap2: GEMM1 / GEMM2 multiply W^T a^T into a [BLOCK_SIZE_N, BLOCK_SIZE_M]
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
@@ -63,7 +61,6 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
-    warm_l2: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,8 +73,6 @@ class QuantKnobs:
                     raise ValueError(f"w_convert must be one of {list(W_CONVERT)}, got {value!r}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
-        if self.warm_l2 and not self.pdl:
-            raise ValueError("warm_l2 prefetches while GEMM2 waits for the kernel before it: it needs pdl=True")
 
     def to_json(self) -> Dict:
         """The fields that differ from the defaults."""

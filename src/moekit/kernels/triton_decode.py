@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_align import local_expert
-from .triton_moe import MAX_TOP_K, _apply_act, _expert_of, split_sum, warm_slot_tiles, zero_counters
+from .triton_moe import MAX_TOP_K, _apply_act, _expert_of, split_sum, zero_counters
 
 __all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_kernel"]
 
@@ -97,14 +97,13 @@ def gemv2_kernel(
     stride_am, stride_we, stride_wn, stride_be, stride_om, stride_ps,
     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr = False, LINE: tl.constexpr = 64,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] for n < N (= H) of token t = pid // cdiv(N, BN), summed over its k slots in order.
 
     act [T*k, K=I] (x's dtype); w2 [E, N, K]; b2 [E, N]; out [T, N] (fp32 or x's dtype).
     SPLIT: program_id(1) takes its share of the token's slots x K blocks; partials
     [n_split, T, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
-    WARM (with PDL, CUDA): prefetch this program's w2 tiles into L2 before waiting for GEMM1.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -121,6 +120,8 @@ def gemv2_kernel(
         slot_w = tl.where(slots < top_k, 1.0, 0.0)
     else:
         slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     num_k = tl.cdiv(K, BK)
     it_lo = 0
     it_hi = top_k * num_k
@@ -128,10 +129,6 @@ def gemv2_kernel(
         per = tl.cdiv(it_hi, n_split)
         it_lo = tl.program_id(1) * per
         it_hi = tl.minimum(it_lo + per, it_hi)
-    if PDL:
-        if WARM:
-            warm_slot_tiles(w_ptr, slot_e, slots, cols, col_ok, it_lo, it_hi, num_k, K, stride_we, stride_wn, BK, LINE)
-        tl.extra.cuda.gdc_wait()
     w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros([BN], dtype=tl.float32)
     for it in tl.range(it_lo, it_hi, num_stages=STAGES):

@@ -33,8 +33,7 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "warm_l2", "warm_slot_tiles",
-           "warm_expert_tiles", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
 MAX_EXPERTS = 1024
@@ -114,37 +113,6 @@ def split_sum(acc, part_ptr, cnt_ptr, tile, n_split, offs, mask, stride_split):
             total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             ptrs += stride_split
     return last, total
-
-
-@triton.jit
-def warm_l2(ptrs):
-    """Prefetch the cache lines holding ptrs into L2 and keep them there (evict_last). CUDA only."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def warm_slot_tiles(w_ptr, slot_e, slots, cols, col_ok, it_lo, it_hi, num_k, K, stride_we, stride_wn,
-                    BK: tl.constexpr, LINE: tl.constexpr):
-    """warm_l2 over the direct path's w2 tiles [BN cols, BK] of iterations [it_lo, it_hi) (slot j =
-    it // num_k, K block it % num_k), one prefetch per LINE elements of a row; non-local slots skipped."""
-    ls = tl.arange(0, BK // LINE) * LINE
-    rows = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wn
-    for it in range(it_lo, it_hi):
-        j = it // num_k
-        k0 = (it - j * num_k) * BK
-        e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
-        if e >= 0:
-            warm_l2(rows + e.to(tl.int64) * stride_we + tl.minimum(k0 + ls, K - 1)[None, :])
-
-
-@triton.jit
-def warm_expert_tiles(w_e, cols, col_ok, k_lo, k_hi, stride_wn, BK: tl.constexpr, LINE: tl.constexpr):
-    """warm_l2 over one expert's w2 rows `cols`, columns [k_lo, k_hi), one prefetch per LINE elements."""
-    ls = tl.arange(0, BK // LINE) * LINE
-    rows = w_e + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wn
-    for k0 in range(k_lo, k_hi, BK):
-        warm_l2(rows + tl.minimum(k0 + ls, k_hi - 1)[None, :])
 
 
 @triton.jit
@@ -254,7 +222,6 @@ def gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
     ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-    WARM: tl.constexpr = False, LINE: tl.constexpr = 64,
 ):
     """Down projection with the routed weight (unless it went on the input).
 
@@ -263,8 +230,6 @@ def gemm2_kernel(
     act [R, K=I]; w2 [E, N, K]; b2 [E, N].
     SPLIT: program_id(1) is this program's share of n_split (see split_sum); partials
     [n_split, rows, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
-    WARM (with PDL, CUDA): before waiting for GEMM1, prefetch this program's w2 tiles into L2
-    (a line per LINE elements), so the weights stream while GEMM1 still runs.
     """
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     rows = tl.arange(0, BM)
@@ -283,6 +248,8 @@ def gemm2_kernel(
             slot_w = tl.where(slots < top_k, 1.0, 0.0)
         else:
             slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         num_k = tl.cdiv(K, BK)
         it_lo = 0
         it_hi = top_k * num_k
@@ -290,11 +257,6 @@ def gemm2_kernel(
             per = tl.cdiv(it_hi, n_split)
             it_lo = tl.program_id(1) * per
             it_hi = tl.minimum(it_lo + per, it_hi)
-        if PDL:
-            if WARM:
-                warm_slot_tiles(w_ptr, slot_e, slots, cols, col_ok, it_lo, it_hi, num_k, K, stride_we, stride_wn,
-                                BK, LINE)
-            tl.extra.cuda.gdc_wait()
         for it in range(it_lo, it_hi):
             j = it // num_k
             k0 = (it - j * num_k) * BK
@@ -330,16 +292,14 @@ def gemm2_kernel(
             return
         assign = tl.load(sorted_ptr + pid_m * BM + rows)
         live = assign < TK
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         k_lo = 0
         k_hi = K
         if SPLIT:
             per = tl.cdiv(tl.cdiv(K, BK), n_split) * BK
             k_lo = tl.program_id(1) * per
             k_hi = tl.minimum(k_lo + per, K)
-        if PDL:
-            if WARM:
-                warm_expert_tiles(w_ptr + e.to(tl.int64) * stride_we, cols, col_ok, k_lo, k_hi, stride_wn, BK, LINE)
-            tl.extra.cuda.gdc_wait()
         a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + k_lo + ks[None, :]
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + k_lo + ks[:, None]
         for k0 in range(k_lo, k_hi, BK):

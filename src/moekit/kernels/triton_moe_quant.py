@@ -36,7 +36,6 @@ Modes (constexpr):
               Triton's bit-operation conversion; uint8 with zero points, int16 arithmetic).
     PREFETCH  the next K tile's weights and activations are loaded before the current tile
               is multiplied (register double buffering; needs EVEN_K).
-    WARM      GEMM2 with PDL (CUDA): prefetch its w2 tiles into L2 before waiting for GEMM1.
     PDL       programmatic dependent launch (SM90+): wait for the previous kernel first, let the
               next one launch once the products are done.
     GATE_UP   GEMM1 reads gate and up rows interleaved (column 2j gate j, 2j+1 up j) as one
@@ -56,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _tile_ids, warm_expert_tiles
+from .triton_moe import _apply_act, _block_expert, _tile_ids
 from .triton_quant_rows import to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
@@ -422,16 +421,15 @@ def gemm2_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-    WARM: tl.constexpr = False, LINE: tl.constexpr = 128,
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
 
     act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
-    y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's; the
-    row blocks (the alignment's, done before GEMM1) are read before the wait. WARM (with PDL,
-    CUDA): prefetch this program's w2 tiles into L2 (a line per LINE stored bytes) before waiting.
+    y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     pid_s = tl.program_id(1)
     e = _block_expert(expert_end_ptr, pid_m, E, BM)
@@ -445,14 +443,6 @@ def gemm2_quant_kernel(
     col_ok = cols < N
     e64 = e.to(tl.int64)
     k_lo = pid_s * K_SPLIT
-    if PDL:
-        if WARM:
-            k_hi = tl.minimum(K, k_lo + K_SPLIT)
-            if W_INT4:  # two weights a byte along K
-                warm_expert_tiles(w_ptr + e64 * stride_we, cols, col_ok, k_lo // 2, k_hi // 2, stride_wn, BK // 2, LINE)
-            else:
-                warm_expert_tiles(w_ptr + e64 * stride_we, cols, col_ok, k_lo, k_hi, stride_wn, BK, LINE)
-        tl.extra.cuda.gdc_wait()
     acc, _ = _mainloop(
         a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),

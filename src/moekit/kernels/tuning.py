@@ -72,9 +72,6 @@ class TileConfig:
             activation block in registers and streams the matching w2 columns in gemm2's
             BLOCK_SIZE_N rows of H (gemm2's stages) into an fp32 partial row; a small second
             launch adds a token's partial rows in order (gemm2.PDL: as a programmatic dependent).
-        WARM_L2: 1 (GEMM2 only, with PDL=1; CUDA) has each GEMM2 program, launched early as GEMM1's
-            dependent, prefetch the w2 tiles it will read into L2 before it waits for GEMM1, so
-            GEMM2's weights stream while GEMM1's last programs run.
     """
 
     BLOCK_SIZE_M: int
@@ -87,14 +84,13 @@ class TileConfig:
     GEMV: int = 0
     PDL: int = 0
     FUSED: int = 0
-    WARM_L2: int = 0
 
     def __post_init__(self) -> None:
         for name in _KEYS + ("SPLIT_K",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("GEMV", "PDL", "FUSED", "WARM_L2"):
+        for name in ("GEMV", "PDL", "FUSED"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
@@ -174,16 +170,12 @@ class MoEConfig:
             raise ValueError(
                 f"gemm2.BLOCK_SIZE_M must equal gemm1.BLOCK_SIZE_M={self.gemm1.BLOCK_SIZE_M}, "
                 f"got {self.gemm2.BLOCK_SIZE_M}")
-        for name in ("SPLIT_K", "PDL", "WARM_L2"):  # GEMM1's activation needs the whole sum; PDL is GEMM2's launch
+        for name in ("SPLIT_K", "PDL"):  # GEMM1's activation needs the whole sum; PDL is GEMM2's launch
             if getattr(self.gemm1, name) != _OPTIONAL[name]:
                 raise ValueError(f"gemm1.{name} must be {_OPTIONAL[name]} (a GEMM2 knob), "
                                  f"got {getattr(self.gemm1, name)}")
-        if self.gemm2.WARM_L2 and not self.gemm2.PDL:
-            raise ValueError("gemm2.WARM_L2=1 prefetches while GEMM2 waits for GEMM1: it needs gemm2.PDL=1")
         if self.gemm2.FUSED:
             raise ValueError("gemm2.FUSED must be 0 (fusing both GEMMs is gemm1's knob)")
-        if self.gemm1.FUSED and self.gemm2.WARM_L2:
-            raise ValueError("gemm1.FUSED=1 has no GEMM2 launch whose weights gemm2.WARM_L2 could prefetch")
         if self.gemm1.FUSED and self.gemm2.SPLIT_K != 1:
             raise ValueError(f"gemm1.FUSED=1 has no GEMM2 launch to split: gemm2.SPLIT_K must be 1, "
                              f"got {self.gemm2.SPLIT_K}")
