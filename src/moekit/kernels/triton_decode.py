@@ -33,6 +33,37 @@ __all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_ker
 _MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
 
 
+@triton.jit
+def _act_block(x_row, w_rows, b_row, w_a, cols, col_ok, N, K, stride_wn, alpha, limit,
+               BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr):
+    """act(x W^T + b)[cols] in fp32 for one row x_row [K] and weight rows w_rows [BN, 1] (gate; up N
+    rows further when GATED) on CUDA cores; ON_INPUT scales the product by w_a before the bias."""
+    ks = tl.arange(0, BK)
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k_ok = ks + k0 < K
+        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_rows + k0 + ks[None, :], mask=w_mask, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
+        if GATED:
+            wu = tl.load(w_rows + N * stride_wn + k0 + ks[None, :], mask=w_mask, other=0.0)
+            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias.
+        acc_g = acc_g * w_a
+        acc_u = acc_u * w_a
+    if HAS_BIAS:
+        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GATED:
+        return _apply_act(acc_g, acc_u, ACT, alpha, limit)
+    return _apply_act(acc_g, acc_g, ACT, alpha, limit)
+
+
 @triton.jit(do_not_specialize=["top_k", "n_cnt"])
 def gemv1_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, ids_ptr, map_ptr, cnt_ptr,
@@ -59,34 +90,11 @@ def gemv1_kernel(
         return
     cols = (pid - assign * num_n) * BN + tl.arange(0, BN)
     col_ok = cols < N
-    ks = tl.arange(0, BK)
     x_row = x_ptr + (assign // top_k).to(tl.int64) * stride_xm
     w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        k_ok = ks + k0 < K
-        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        wg = tl.load(w_rows + k0 + ks[None, :], mask=w_mask, other=0.0)
-        acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
-        if GATED:
-            wu = tl.load(w_rows + N * stride_wn + k0 + ks[None, :], mask=w_mask, other=0.0)
-            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
-    if ON_INPUT:
-        # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        w_a = tl.load(topk_w_ptr + assign)
-        acc_g = acc_g * w_a
-        acc_u = acc_u * w_a
-    if HAS_BIAS:
-        b_row = b_ptr + e.to(tl.int64) * stride_be
-        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            acc_u += tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GATED:
-        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
-    else:
-        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    w_a = tl.load(topk_w_ptr + assign)  # used when the weight goes on the input
+    h = _act_block(x_row, w_rows, b_ptr + e.to(tl.int64) * stride_be, w_a, cols, col_ok, N, K, stride_wn, alpha, limit,
+                   BN, BK, STAGES, GATED, ACT, HAS_BIAS, ON_INPUT)
     tl.store(out_ptr + assign.to(tl.int64) * stride_om + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -186,35 +194,13 @@ def fused_gemv_kernel(
         return
     cols = c * BC + tl.arange(0, BC)
     col_ok = cols < I
-    ks = tl.arange(0, BK)
     x_row = x_ptr + (assign // top_k).to(tl.int64) * stride_xm
     w_rows = w13_ptr + e.to(tl.int64) * stride_w13e + cols.to(tl.int64)[:, None] * stride_w13n  # [BC, 1]
-    acc_g = tl.zeros([BC], dtype=tl.float32)
-    acc_u = tl.zeros([BC], dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=STAGES1):
-        k_ok = ks + k0 < H
-        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        wg = tl.load(w_rows + k0 + ks[None, :], mask=w_mask, other=0.0)
-        acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
-        if GATED:
-            wu = tl.load(w_rows + I * stride_w13n + k0 + ks[None, :], mask=w_mask, other=0.0)
-            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
     w_a = tl.load(topk_w_ptr + assign)
-    if ON_INPUT:
-        # (w x) W^T = w (x W^T): scale the product, then add the bias; GEMM2 is unweighted.
-        acc_g = acc_g * w_a
-        acc_u = acc_u * w_a
+    h = _act_block(x_row, w_rows, b13_ptr + e.to(tl.int64) * stride_b13e, w_a, cols, col_ok, I, H, stride_w13n,
+                   alpha, limit, BC, BK, STAGES1, GATED, ACT, HAS_B13, ON_INPUT)
+    if ON_INPUT:  # the weight went on the input: GEMM2 is unweighted
         w_a = 1.0
-    if HAS_B13:
-        b_row = b13_ptr + e.to(tl.int64) * stride_b13e
-        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            acc_u += tl.load(b_row + I + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GATED:
-        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
-    else:
-        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
     h = tl.where(col_ok, h.to(x_ptr.dtype.element_ty).to(tl.float32) * w_a, 0.0)
     w2_cols = w2_ptr + e.to(tl.int64) * stride_w2e + cols[None, :]  # [1, BC]
     b_scale = tl.where(c == 0, w_a, 0.0)
