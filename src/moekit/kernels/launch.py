@@ -188,6 +188,9 @@ def fused_moe(
     g1, g2 = config.gemm1, config.gemm2
     if g2.PDL:
         _check_pdl(dev)
+    if direct and g1.FUSED:  # its own buffers: none of the two-launch path's below
+        return _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit,
+                             on_input, g1, g2, out_dtype)
     if direct:
         # One live row per program: the smallest tile tl.dot takes, no L2 grouping needed.
         g1 = replace(g1, BLOCK_SIZE_M=16, GROUP_SIZE_M=1)
@@ -214,9 +217,6 @@ def fused_moe(
         counters, partials = topk_ids, x  # unused
     stride_b13 = bias13.stride(0) if b13 is not None else 0
     n_cnt = tiles2 if split > 1 else 0
-    if direct and g1.FUSED:
-        return _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit,
-                             on_input, g1, g2, out_dtype)
     chain = dict(PDL=bool(g2.PDL))
     if direct and g1.GEMV:
         dec.gemv1_kernel[(TK * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
