@@ -45,6 +45,11 @@ DIRECT = {
                                       dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_warps=8, SPLIT_K=3, GEMV=1)),
     "dot-split16-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_stages=4),
                                     dict(BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, SPLIT_K=16, PDL=_pdl())),
+    # GEMM2's first weight tiles loaded before it waits for GEMM1.
+    "gemv-split4-pre2-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=16, BLOCK_SIZE_K=128, GEMV=1),
+                                         dict(BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, SPLIT_K=4, GEMV=1, PDL=_pdl(), PRE=2)),
+    "dot-split4-pre1-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=16, BLOCK_SIZE_K=128, GEMV=1),
+                                        dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, SPLIT_K=4, PDL=_pdl(), PRE=1)),
     # Both GEMMs in one launch, the partial sum as its dependent.
     "fused-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_stages=4, GEMV=1, FUSED=1),
                               dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, PDL=_pdl())),
@@ -116,6 +121,7 @@ def test_sorted_split_on_perf_shapes(shape, variant, M, cuda_gen):
 
 
 @pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "dot-split16-pdl"), (1, "fused-pdl"),
+                                       (1, "gemv-split4-pre2-pdl"), (1, "dot-split4-pre1-pdl"),
                                        (256, "bm64-split4-pdl")])
 def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
     # Partials arrive in a different order on every run; the last arriver sums them in split order.
@@ -129,7 +135,8 @@ def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
         assert torch.equal(_run(x, wts, w, ids, cfg, M == 1), first)
 
 
-@pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "fused-pdl"), (64, "bm64-split4-pdl")])
+@pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "fused-pdl"), (1, "gemv-split4-pre2-pdl"),
+                                       (64, "bm64-split4-pdl")])
 def test_cuda_graph_replays_with_fresh_routing(M, variant, cuda_gen):
     name, E, k, H, I = SHAPES[3]
     wts = _weights(name, E, H, I, cuda_gen)

@@ -6,6 +6,8 @@ last split here; the GPU tests (test_triton_decode_gpu.py) cover the arrival rac
 only (tl.dot on bf16 operands is wrong in the interpreter).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,6 +69,23 @@ else:
     def test_direct_variants_with_map_and_bias(gemv1, gemv2, split, dtype, gen):
         x, wts, w, ids, emap = _problem(3, 5, 3, 40, 24, dtype, gen, bias=True, n_remote=3)
         _check(x, wts, w, ids, emap, _config(gemv1, gemv2, split), direct=True)
+
+    # PRE peels a program's first one or two (slot, K block) iterations: splits of 6 iterations
+    # into 1, 3 (2 each), 4 (2, 2, 2, 0) and 7 (fewer iterations than PRE) programs.
+    @pytest.mark.parametrize("split", [1, 3, 4, 7])
+    @pytest.mark.parametrize("pre", [1, 2])
+    @pytest.mark.parametrize("gemv2", [0, 1])
+    def test_gemm2_weights_loaded_ahead_are_bit_identical(split, pre, gemv2, gen):
+        x, wts, w, ids, emap = _problem(3, 5, 3, 40, 24, torch.float32, gen, bias=True, n_remote=3)
+        base = _config(1, gemv2, split)
+        out = _check(x, wts, w, ids, emap, base, direct=True)
+        ahead = MoEConfig(base.gemm1, replace(base.gemm2, PRE=pre))
+        assert torch.equal(_check(x, wts, w, ids, emap, ahead, direct=True), out)  # same order of sums
+        # The sorted path ignores PRE.
+        assert torch.equal(fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=ahead,
+                                     direct=False),
+                           fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=base,
+                                     direct=False))
 
     # Sorted path: I = 40 is 3 K blocks of 16 for GEMM2's split.
     @pytest.mark.parametrize("split,bm", [

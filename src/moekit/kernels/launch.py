@@ -240,13 +240,15 @@ def fused_moe(
         dec.gemv2_kernel[(tiles2, split)](
             act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, H, I, k, split,
             act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
-            HAS_BIAS=b2 is not None, HAS_MAP=has_map, ON_INPUT=on_input, **chain, **_gemv_kwargs(g2), **pdl)
+            HAS_BIAS=b2 is not None, HAS_MAP=has_map, ON_INPUT=on_input, PRE=g2.PRE, **chain, **_gemv_kwargs(g2),
+            **pdl)
     else:
         moe.gemm2_kernel[(tiles2, split)](
             act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, sorted_ids, expert_end,
             H, I, TK, k, rows2, E, split,
             act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
-            DIRECT=direct, HAS_BIAS=b2 is not None, **flags, **chain, **_launch_kwargs(g2), **pdl)
+            DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0, **flags, **chain,
+            **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
     out = torch.empty(T, H, dtype=out_dtype, device=dev)

@@ -98,6 +98,31 @@ def gemv1_kernel(
     tl.store(out_ptr + assign.to(tl.int64) * stride_om + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _gemv2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr):
+    """GEMM2's weight tile [BN, BK] of iteration `it` (slot it // num_k, K block it % num_k);
+    zeros past it_hi and for a non-local slot."""
+    j = it // num_k
+    k0 = (it - j * num_k) * BK
+    e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+    k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
+    return tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[None, :],
+                   mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv2_step(acc, wt, a_row, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK: tl.constexpr):
+    """acc + wt [BN, BK] times the weighted activation block of iteration `it` (a_row: the token's
+    first activation row)."""
+    j = it // num_k
+    k0 = (it - j * num_k) * BK
+    e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+    k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
+    av = tl.load(a_row + j.to(tl.int64) * stride_am + k0 + ks, mask=k_ok, other=0.0)
+    av = av.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)
+    return acc + tl.sum(wt.to(tl.float32) * av[None, :], axis=1)
+
+
 @triton.jit(do_not_specialize=["top_k", "n_split"])
 def gemv2_kernel(
     a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, topk_w_ptr, ids_ptr, map_ptr,
@@ -105,13 +130,15 @@ def gemv2_kernel(
     stride_am, stride_we, stride_wn, stride_be, stride_om, stride_ps,
     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
 ):
     """out[t, n] for n < N (= H) of token t = pid // cdiv(N, BN), summed over its k slots in order.
 
     act [T*k, K=I] (x's dtype); w2 [E, N, K]; b2 [E, N]; out [T, N] (fp32 or x's dtype).
     SPLIT: program_id(1) takes its share of the token's slots x K blocks; partials
     [n_split, T, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
+    PRE (0-2): the weight tiles of the program's first PRE iterations are loaded into registers
+    before it waits for GEMM1 (PDL), so they stream while GEMM1's last programs run.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -128,8 +155,6 @@ def gemv2_kernel(
         slot_w = tl.where(slots < top_k, 1.0, 0.0)
     else:
         slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     num_k = tl.cdiv(K, BK)
     it_lo = 0
     it_hi = top_k * num_k
@@ -138,17 +163,21 @@ def gemv2_kernel(
         it_lo = tl.program_id(1) * per
         it_hi = tl.minimum(it_lo + per, it_hi)
     w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    if PRE >= 1:  # weights only: nothing GEMM1 writes
+        w_pre0 = _gemv2_tile(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+    if PRE >= 2:
+        w_pre1 = _gemv2_tile(w_cols, it_lo + 1, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    a_row = a_ptr + (t * top_k).to(tl.int64) * stride_am
     acc = tl.zeros([BN], dtype=tl.float32)
-    for it in tl.range(it_lo, it_hi, num_stages=STAGES):
-        j = it // num_k
-        k0 = (it - j * num_k) * BK
-        e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
-        k_ok = (ks + k0 < K) & (ks * 0 + e >= 0)
-        av = tl.load(a_ptr + (t * top_k + j).to(tl.int64) * stride_am + k0 + ks, mask=k_ok, other=0.0)
-        av = av.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)
-        wt = tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[None, :],
-                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * av[None, :], axis=1)
+    if PRE >= 1:
+        acc = _gemv2_step(acc, w_pre0, a_row, it_lo, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK)
+    if PRE >= 2:
+        acc = _gemv2_step(acc, w_pre1, a_row, it_lo + 1, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK)
+    for it in tl.range(it_lo + PRE, it_hi, num_stages=STAGES):
+        wt = _gemv2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+        acc = _gemv2_step(acc, wt, a_row, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK)
     o_mask = col_ok
     if SPLIT:
         last, acc = split_sum(acc, part_ptr, cnt_ptr, pid, n_split, t.to(tl.int64) * N + cols, col_ok, stride_ps)

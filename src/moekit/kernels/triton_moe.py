@@ -213,6 +213,34 @@ def gemm1_kernel(
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _direct_w2(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr):
+    """The direct GEMM2's weight tile [BK, BN] of iteration `it` (slot it // num_k, K block
+    it % num_k); zeros past it_hi and for a non-local slot."""
+    j = it // num_k
+    k0 = (it - j * num_k) * BK
+    e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+    k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
+    return tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[:, None],
+                   mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _direct_step2(acc, wt, a_row, live, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK: tl.constexpr,
+                  ON_INPUT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + the (weighted) activation block of iteration `it` times wt, on tensor cores (row 0 live)."""
+    j = it // num_k
+    k0 = (it - j * num_k) * BK
+    e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
+    k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
+    a = tl.load(a_row + j.to(tl.int64) * stride_am + k0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+    if not ON_INPUT:
+        a = (a.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)).to(a.dtype)
+    if IEEE:
+        return tl.dot(a, wt, acc, input_precision="ieee")
+    return tl.dot(a, wt, acc)
+
+
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_split"])
 def gemm2_kernel(
     a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -221,7 +249,7 @@ def gemm2_kernel(
     stride_am, stride_we, stride_wn, stride_be, stride_om, stride_ps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr = 0,
 ):
     """Down projection with the routed weight (unless it went on the input).
 
@@ -230,6 +258,8 @@ def gemm2_kernel(
     act [R, K=I]; w2 [E, N, K]; b2 [E, N].
     SPLIT: program_id(1) is this program's share of n_split (see split_sum); partials
     [n_split, rows, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
+    PRE (direct only, 0-2): the weight tiles of the first PRE iterations are loaded before the
+    program waits for GEMM1 (PDL).
     """
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     rows = tl.arange(0, BM)
@@ -248,8 +278,6 @@ def gemm2_kernel(
             slot_w = tl.where(slots < top_k, 1.0, 0.0)
         else:
             slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         num_k = tl.cdiv(K, BK)
         it_lo = 0
         it_hi = top_k * num_k
@@ -257,21 +285,24 @@ def gemm2_kernel(
             per = tl.cdiv(it_hi, n_split)
             it_lo = tl.program_id(1) * per
             it_hi = tl.minimum(it_lo + per, it_hi)
-        for it in range(it_lo, it_hi):
-            j = it // num_k
-            k0 = (it - j * num_k) * BK
-            e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
-            k_ok = (ks + k0 < K) & (ks * 0 + e >= 0)
-            a = tl.load(a_ptr + (pid_m * top_k + j).to(tl.int64) * stride_am + k0 + rows[:, None] * 0 + ks[None, :],
-                        mask=live[:, None] & k_ok[None, :], other=0.0)
-            if not ON_INPUT:
-                a = (a.to(tl.float32) * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0)).to(a_ptr.dtype.element_ty)
-            wt = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
-                         + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, wt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, wt, acc)
+        w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # [1, BN]
+        if PRE >= 1:  # weights only: nothing GEMM1 writes
+            w_pre0 = _direct_w2(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+        if PRE >= 2:
+            w_pre1 = _direct_w2(w_cols, it_lo + 1, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        a_row = a_ptr + (pid_m * top_k).to(tl.int64) * stride_am + rows[:, None] * 0  # [BM, 1], row 0 live
+        if PRE >= 1:
+            acc = _direct_step2(acc, w_pre0, a_row, live, it_lo, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am,
+                                BK, ON_INPUT, IEEE)
+        if PRE >= 2:
+            acc = _direct_step2(acc, w_pre1, a_row, live, it_lo + 1, it_hi, num_k, slots, slot_e, slot_w, ks, K,
+                                stride_am, BK, ON_INPUT, IEEE)
+        for it in range(it_lo + PRE, it_hi):
+            wt = _direct_w2(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+            acc = _direct_step2(acc, wt, a_row, live, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK,
+                                ON_INPUT, IEEE)
         o_mask = live[:, None] & col_ok[None, :]
         if SPLIT:
             tile = pid_m * tl.cdiv(N, BN) + pid_n

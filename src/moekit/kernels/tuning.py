@@ -72,6 +72,9 @@ class TileConfig:
             activation block in registers and streams the matching w2 columns in gemm2's
             BLOCK_SIZE_N rows of H (gemm2's stages) into an fp32 partial row; a small second
             launch adds a token's partial rows in order (gemm2.PDL: as a programmatic dependent).
+        PRE: 0-2 (GEMM2 only, direct path) loads the weight tiles of a program's first PRE
+            iterations into registers before it waits for GEMM1 (under PDL they stream while
+            GEMM1's last programs run); the sorted path ignores it as it does GEMV.
     """
 
     BLOCK_SIZE_M: int
@@ -84,6 +87,7 @@ class TileConfig:
     GEMV: int = 0
     PDL: int = 0
     FUSED: int = 0
+    PRE: int = 0
 
     def __post_init__(self) -> None:
         for name in _KEYS + ("SPLIT_K",):
@@ -93,6 +97,8 @@ class TileConfig:
         for name in ("GEMV", "PDL", "FUSED"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
+        if self.PRE not in (0, 1, 2) or isinstance(self.PRE, bool):
+            raise ValueError(f"PRE must be 0, 1 or 2, got {self.PRE!r}")
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -170,7 +176,7 @@ class MoEConfig:
             raise ValueError(
                 f"gemm2.BLOCK_SIZE_M must equal gemm1.BLOCK_SIZE_M={self.gemm1.BLOCK_SIZE_M}, "
                 f"got {self.gemm2.BLOCK_SIZE_M}")
-        for name in ("SPLIT_K", "PDL"):  # GEMM1's activation needs the whole sum; PDL is GEMM2's launch
+        for name in ("SPLIT_K", "PDL", "PRE"):  # GEMM1's activation needs the whole sum; PDL, PRE: GEMM2's launch
             if getattr(self.gemm1, name) != _OPTIONAL[name]:
                 raise ValueError(f"gemm1.{name} must be {_OPTIONAL[name]} (a GEMM2 knob), "
                                  f"got {getattr(self.gemm1, name)}")
@@ -417,11 +423,13 @@ _FUSED_TILES = ((128, 64, 4, 4, 64, 4), (128, 128, 8, 3, 128, 4), (128, 64, 8, 4
 def late_variants(cfg: MoEConfig, T: int, E: int, k: int) -> list:
     """Variants the tuner times last at T tokens, on the direct path only (two launches, where a
     launch's gap weighs most): the winner with GEMM2 launched as a programmatic dependent of
-    GEMM1 (PDL), and both GEMMs fused into one launch (gemm1.FUSED) over a few tiles, with and
-    without PDL for the partial sum."""
+    GEMM1 (PDL), also loading its first one or two weight tiles before it waits (PRE), and both GEMMs fused into one launch (gemm1.FUSED) over a few tiles, with
+    and without PDL for the partial sum."""
     if not use_direct(T, k, E) or cfg.gemm1.FUSED:
         return []
     out = [] if cfg.gemm2.PDL else [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1))]
+    if not cfg.gemm2.PRE:
+        out += [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1, PRE=pre)) for pre in (1, 2)]
     for bc, bk, warps, stages, bh, stages2 in _FUSED_TILES:
         for pdl in (1, 0):
             out.append(MoEConfig(TileConfig(16, bc, bk, 1, warps, stages, GEMV=1, FUSED=1),
