@@ -7,6 +7,10 @@
 `tune` writes one E=..,N=..,device_name=...json per shape into DIR (ship them in
 src/moekit/kernels/configs/) and DIR/tune_log.json; `bench` writes the results JSON that
 bench/results/h200-triton-experts.json holds; `align` times the two alignment variants.
+
+M = 1 depends on where the weights land in physical memory (bench/results/h200-m1-state.json:
+up to 10 % after the process freed a large block); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+in the environment removes that spread, and `bench` records the setting it ran under.
 """
 
 import argparse
@@ -90,6 +94,7 @@ def bench(args) -> None:
           sep="\n", flush=True)
     result = run_gpu_bench(shapes, Ms, None, progress=lambda line: print(line, flush=True))
     result["measured_ceilings"] = ceilings
+    result["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     result["tuned_config_dir"] = os.environ.get("MOEKIT_TUNED_CONFIG_DIR")
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=1)
