@@ -142,7 +142,6 @@ else:
         import moekit.kernels.launch as launch
 
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
-        monkeypatch.setattr(launch, "ALIGN_MEDIUM_MAX", 0)  # the four-launch path (medium: its own file)
         x, wts, w, ids, emap = _problem(70, 9, 3, 32, 16, torch.float32, gen, n_remote=2)
         _check(x, wts, w, ids, emap, direct=False)
 

@@ -154,7 +154,6 @@ else:
         import moekit.kernels.launch as launch
 
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
-        monkeypatch.setattr(launch, "ALIGN_MEDIUM_MAX", 0)  # the four-launch path (medium: its own file)
         wts = _weights("int4_w4a16", {"group_size": 32, "symmetric": False}, 6, 64, 32, gen)
         w, ids = _routing(70, 6, 3, gen)
         _check(torch.randn(70, 64, generator=gen).half(), wts, w, ids)

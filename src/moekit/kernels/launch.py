@@ -2,7 +2,7 @@
 
 Every size here is known from tensor shapes, never read from the device, so a call can be
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
-(4 launches; 7 above ALIGN_MEDIUM_MAX assignments); direct path (few tokens): GEMM1 ->
+(4 launches; 6 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
 GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
 A config with prefill knobs (MoEConfig.prefill) runs the sorted path's GEMMs on
 kernels/triton_prefill.py instead (rows padded to its row granule).
@@ -26,13 +26,10 @@ from . import triton_moe as moe
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX", "ALIGN_MEDIUM_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
-# Up to this many assignments one program aligns them (one launch); up to ALIGN_MEDIUM_MAX,
-# one launch of a program per triton_align.MCHUNK of them; above, four launches (counts
-# cleared, histograms, scan, scatter). moe_align reads ALIGN_MEDIUM_MAX when called.
+# Up to this many assignments one program aligns them (one launch); above, three launches.
 ALIGN_SMALL_MAX = align.SMALL
-ALIGN_MEDIUM_MAX = 8192
 # Up to this many tokens the sum over k runs one token row per program, its slot loads pipelined.
 SUM_K_ROW_MAX = 256
 # Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
@@ -67,42 +64,24 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
-              small_max: int = ALIGN_SMALL_MAX, medium_max: Optional[int] = None,
-              mchunk: int = align.MCHUNK) -> Alignment:
+              small_max: int = ALIGN_SMALL_MAX) -> Alignment:
     """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
-
-    Three regimes of TK = T*k (triton_align's docstring), each a host-known choice: up to
-    small_max one program sorts them (one launch); up to medium_max one launch of
-    cdiv(TK, mchunk) programs, each reading all TK ids (the same rows as the one program:
-    assignment order within an expert); above, counts cleared, histograms, a scan and an
-    atomic scatter (four launches; arrival order within an expert).
 
     Args:
         topk_ids: [T, k] int32, contiguous (global ids when expert_map is given).
         expert_map: [E_global] int32 global -> local id or -1, or None.
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
         small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
-        medium_max: largest T*k aligned by the one-launch medium kernel (every program reads
-            all T*k ids); None: ALIGN_MEDIUM_MAX as it is at the call.
-        mchunk: assignments per program of the medium kernel (a power of two).
     """
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     sorted_ids, expert_end = al.sorted_ids, al.expert_end
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
-    if medium_max is None:
-        medium_max = ALIGN_MEDIUM_MAX
     if TK <= small_max:
         n = _pow2(TK)
         align.align_small_kernel[(1,)](topk_ids, emap, sorted_ids, expert_end, TK, E,
                                        BM=block_m, N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=4)
-    elif TK <= medium_max:
-        if mchunk & (mchunk - 1) or mchunk < 16:
-            raise ValueError(f"mchunk must be a power of two >= 16, got {mchunk}")
-        align.align_medium_kernel[(max(1, triton.cdiv(TK, mchunk)),)](
-            topk_ids, emap, sorted_ids, expert_end, TK, E, BM=block_m, MCHUNK=mchunk, E_PAD=e_pad,
-            HAS_MAP=has_map, num_warps=4)
     else:
         NC = triton.cdiv(TK, align.CHUNK)
         counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)

@@ -132,35 +132,24 @@ def quant_rows(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights=N
 
 
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
-                       group: int, topk_weights, small_max: int, pdl: bool = False, src=None,
-                       medium_max: Optional[int] = None, mchunk: int = align.MCHUNK) -> Alignment:
+                       group: int, topk_weights, small_max: int, pdl: bool = False, src=None) -> Alignment:
     """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src) in the alignment's
-    first launch: its only one up to medium_max assignments (None: launch.ALIGN_MEDIUM_MAX at the
-    call; mchunk as moe_align's), the first of three above (pdl: the last launch lets a
-    programmatic dependent start)."""
+    first launch (pdl: its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     sorted_ids, expert_end = al.sorted_ids, al.expert_end
     has_map = expert_map is not None
     emap = expert_map if has_map else topk_ids
-    if medium_max is None:
-        from .launch import ALIGN_MEDIUM_MAX as medium_max  # as it is at the call (tests patch it)
-    if TK <= small_max:
-        regime, n, n_align = align.REGIME_SMALL, _pow2(TK), 1
-    elif TK <= medium_max:
-        if mchunk & (mchunk - 1) or mchunk < 16:
-            raise ValueError(f"mchunk must be a power of two >= 16, got {mchunk}")
-        regime, n, n_align = align.REGIME_MEDIUM, mchunk, max(1, triton.cdiv(TK, mchunk))
-    else:
-        regime, n, n_align = align.REGIME_CHUNKED, align.CHUNK, triton.cdiv(TK, align.CHUNK)
-    chunked = regime == align.REGIME_CHUNKED
-    counts = torch.zeros(e_pad, dtype=torch.int32, device=dev) if chunked else expert_end
+    small = TK <= small_max
+    n_align = 1 if small else triton.cdiv(TK, align.CHUNK)
+    counts = expert_end if small else torch.zeros(e_pad, dtype=torch.int32, device=dev)
     (xx, qq, ss, w, sr, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
                                                                    topk_ids, expert_map, src)
     qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](
         topk_ids, emap, sorted_ids, expert_end, counts, xx, qq, ss, w, sr, TK, E, *sizes, n_align, n_chunks,
-        BM=block_m, N=n, E_PAD=e_pad, ALIGN=regime, **meta, PDL=pdl and not chunked, num_warps=4)
-    if chunked:
+        BM=block_m, N=_pow2(TK) if small else align.CHUNK, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small,
+        num_warps=4)
+    if not small:
         cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
         align.align_scan_kernel[(1,)](counts, cursor, expert_end, sorted_ids, E, TK, BM=block_m, E_PAD=e_pad,
                                       num_warps=4)

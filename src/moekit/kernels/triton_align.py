@@ -3,32 +3,19 @@
 Output layout (no host synchronisation: every size is a bound known from the shapes):
     sorted_ids [max_blocks * BM] int32: assignment index a = t * k + j of each GEMM row,
         grouped by expert, each expert's rows padded to a multiple of BM with the
-        sentinel T * k. Within an expert the rows are in assignment order on the one-launch
-        paths (small and medium below: the same bits either way), in arrival order on the
-        chunked path above the medium bound (see align_scatter_kernel).
+        sentinel T * k; in assignment order within an expert up to SMALL assignments,
+        in arrival order above (see align_scatter_kernel).
     expert_end [E] int32: cumulative padded row counts; row block b belongs to the expert
         whose rows [end[e-1], end[e]) hold b * BM, and blocks at or past end[E-1] are unused.
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
 Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local and
-out-of-range lanes. Three regimes, chosen by the launcher (kernels/launch.py's moe_align)
-from host-known bounds on T * k:
-    small (up to SMALL): one program does it all (one launch): a bitonic sort of keys
-        (bin * n + index) puts each expert's assignments together in order, a histogram
-        gives the counts, and a row's place is its expert's padded start plus its rank.
-    medium (one launch, no atomics, no communication between programs): a program per
-        chunk of MCHUNK assignments reads all T * k ids; histograms of the chunks before
-        its own and of all of them give the padded extents and where its chunk's rows of
-        each expert start, and an assignment's row adds its rank among its expert's
-        assignments of the chunk (running sums of one-hot tiles, no sort). Every program
-        derives the same extents, so program p alone writes the sentinel rows and
-        expert_end of the experts e with e mod programs = p.
-    chunked (above): four launches over chunks of CHUNK assignments: counts cleared,
-        histograms added into them, a one-program scan, then each assignment claims a row
-        with an atomic increment.
-A sort of thousands of keys in one program costs tens of microseconds, and every medium
-program reads all T * k ids (the medium path's work grows as (T * k)^2 / MCHUNK): hence
-the bounds.
+out-of-range lanes. Up to SMALL assignments one program does it all (one launch): a
+bitonic sort of keys (bin * n + index) puts each expert's assignments together in order,
+a histogram gives the counts, and a row's place is its expert's padded start plus its
+rank. Above, three launches over chunks of CHUNK assignments: histograms added into global
+counts, a one-program scan, then each assignment claims a row with an atomic increment
+(a sort of thousands of keys in one program costs tens of microseconds).
 """
 
 from __future__ import annotations
@@ -36,22 +23,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_medium", "align_medium_kernel", "align_count_kernel", "align_scan_kernel",
-           "align_scatter_kernel", "local_expert", "SMALL", "MCHUNK", "CHUNK", "REGIME_SMALL", "REGIME_MEDIUM",
-           "REGIME_CHUNKED"]
+__all__ = ["align_small_kernel", "align_count_kernel", "align_scan_kernel", "align_scatter_kernel",
+           "local_expert", "SMALL", "CHUNK"]
 
-# Largest T*k aligned by the one-program sort; assignments per program of the medium
-# alignment (a power of two); assignments per program of the chunked alignment.
+# Largest T*k aligned by the one-program sort; assignments per program above it.
 SMALL = 512
-MCHUNK = 256
 CHUNK = 1024
-# The regimes as triton_quant_rows.align_quant_kernel's ALIGN constexpr takes them.
-REGIME_SMALL, REGIME_MEDIUM, REGIME_CHUNKED = 0, 1, 2
-# Elements of the medium alignment's one-hot tiles: MEDIUM_TILE // E_PAD assignments ranked
-# per step, so a step's registers do not grow with the experts (sm_90, 4 warps, E_PAD 128:
-# about 70-110 registers, against 140-230 at 8192, which align_quant_kernel's quantization
-# programs would pay as well).
-MEDIUM_TILE: tl.constexpr = tl.constexpr(4096)
 
 
 @triton.jit
@@ -110,63 +87,6 @@ def align_small_kernel(
     tl.store(sorted_ptr + rows, sidx, mask=sbin < E)
     _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
     tl.store(expert_end_ptr + experts, ends, mask=experts < E)
-
-
-@triton.jit
-def align_medium(
-    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, pid, NP,
-    BM: tl.constexpr, MCHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """Program pid of NP = max(1, cdiv(TK, MCHUNK)) of the one-launch medium alignment.
-
-    Reads all TK assignments in chunks of MCHUNK: `before` counts each bin over the chunks
-    before chunk pid, `counts` over all of them, so every program derives the same padded
-    extents (as align_small_kernel does) and expert e's rows for chunk pid start at
-    start[e] + before[e]. Chunk pid's assignments are then ranked in steps of
-    RS = min(MCHUNK, MEDIUM_TILE // E_PAD): a one-hot tile [RS, E_PAD] summed down its rows
-    (inclusive) gives each assignment's rank among its expert's assignments of the step, and
-    `base` carries each expert's next free row from step to step. Rows within an expert are
-    therefore in assignment order: the bits of align_small_kernel. Sentinel rows and
-    expert_end of expert e are written by program e % NP alone, so no location is written
-    twice and nothing waits on another program.
-    """
-    experts = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, MCHUNK)
-    lo = pid * MCHUNK
-    before = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, lo, MCHUNK):
-        before += tl.histogram(_bins(ids_ptr, map_ptr, c0 + lanes, TK, E_PAD, HAS_MAP), E_PAD)
-    counts = before
-    for c0 in range(lo, TK, MCHUNK):
-        counts += tl.histogram(_bins(ids_ptr, map_ptr, c0 + lanes, TK, E_PAD, HAS_MAP), E_PAD)
-    local = tl.where(experts < E, counts, 0)
-    padded = (local + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    mine = experts % NP == pid
-    tl.store(expert_end_ptr + experts, ends, mask=(experts < E) & mine)
-    _sentinels(sorted_ptr, starts, local, tl.where(mine, padded, local), TK, BM, E_PAD)
-    RS: tl.constexpr = min(MCHUNK, MEDIUM_TILE // E_PAD)
-    steps = tl.arange(0, RS)
-    hi = tl.minimum(lo + MCHUNK, TK)
-    base = starts + before
-    for r0 in range(lo, hi, RS):
-        bins = _bins(ids_ptr, map_ptr, r0 + steps, hi, E_PAD, HAS_MAP)
-        hit = bins[:, None] == experts[None, :]
-        one = hit.to(tl.int32)
-        rows = tl.sum(tl.where(hit, tl.cumsum(one, axis=0) + base[None, :], 0), axis=1) - 1
-        tl.store(sorted_ptr + rows, r0 + steps, mask=bins < E)
-        base += tl.sum(one, axis=0)
-
-
-@triton.jit(do_not_specialize=["TK"])
-def align_medium_kernel(
-    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
-    BM: tl.constexpr, MCHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """The whole alignment in one launch of grid (max(1, cdiv(TK, MCHUNK)),) (see align_medium)."""
-    align_medium(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, tl.program_id(0), tl.num_programs(0),
-                 BM, MCHUNK, E_PAD, HAS_MAP)
 
 
 @triton.jit(do_not_specialize=["TK"])

@@ -217,28 +217,23 @@ def align_quant_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, counts_ptr,
     x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr,
     TK, E, K, top_k, stride_x, stride_q, stride_s, NA, NCH,
-    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, ALIGN: tl.constexpr,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SMALL: tl.constexpr,
     BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
     ON_INPUT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The alignment (or its first step) and the quantization of x in one launch (grid NA + rows * NCH).
+    """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
-    Programs below NA align, by ALIGN (triton_align's regimes: REGIME_SMALL, _MEDIUM, _CHUNKED):
-        0  the whole one-program alignment of N >= TK assignments, NA = 1;
-        1  the whole medium alignment, program pid of NA = max(1, cdiv(TK, N));
-        2  the histogram of chunk pid of N assignments into counts, NA chunks (the chunked
-           path's scan and scatter launches follow).
-    The others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4;
-    GRAN 4: token rows). PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
+    Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
+    NA = 1; else the histogram of chunk pid of N assignments into counts, NA chunks); the
+    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
+    PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < NA:
-        if ALIGN == 0:
+        if SMALL:
             align.align_small_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, E_PAD, HAS_MAP)
-        elif ALIGN == 1:
-            align.align_medium(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, pid, NA, BM, N, E_PAD, HAS_MAP)
         else:
             align.align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N, E_PAD, HAS_MAP)
     else:
