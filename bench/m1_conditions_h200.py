@@ -30,25 +30,31 @@ def t(tag):
         out.append(round(graph_time_us(lambda a, b, c: fused_experts(a, w13, w2, b, c, backend="triton"), sets, 5), 1))
     print(f"{tag:34s} qwen3/olmoe {out}  | {smi()}", flush=True)
 
-alloc(); t("fresh"); t("fresh again")
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-t0 = time.time()
-while time.time() - t0 < 6:
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-t("right after 6 s of 8192^3 GEMMs")
-time.sleep(1); t("+1 s")
-time.sleep(8); t("+9 s")
-del a, b
-junk = torch.empty(25 * 2**30, dtype=torch.uint8, device="cuda"); junk.fill_(1); torch.cuda.synchronize()
-del junk; torch.cuda.empty_cache()
-alloc(); t("after 25 GB alloc/free, new weights")
-src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16); dst = torch.empty_like(src)
-t0 = time.time()
-while time.time() - t0 < 6:
-    for _ in range(20):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-t("right after 6 s of 1 GB copies")
-time.sleep(9); t("+9 s")
+
+def main():
+    alloc(); t("fresh"); t("fresh again")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+    t0 = time.time()
+    while time.time() - t0 < 6:
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+    t("right after 6 s of 8192^3 GEMMs")
+    time.sleep(1); t("+1 s")
+    time.sleep(8); t("+9 s")
+    del a, b
+    junk = torch.empty(25 * 2**30, dtype=torch.uint8, device="cuda"); junk.fill_(1); torch.cuda.synchronize()
+    del junk; torch.cuda.empty_cache()
+    alloc(); t("after 25 GB alloc/free, new weights")
+    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16); dst = torch.empty_like(src)
+    t0 = time.time()
+    while time.time() - t0 < 6:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+    t("right after 6 s of 1 GB copies")
+    time.sleep(9); t("+9 s")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,23 +6,15 @@ empty_cache (the weights carved from the cached block), (e) with the 25 GB still
     PYTHONPATH=src python bench/m1_state_h200.py [--out FILE]
 Run it again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to see the allocator's part.
 """
-import argparse, json, os, time
+import argparse, json, os, sys, time
 import torch
-from moekit.benchmarks.gpu import graph_time_us, routing_sets, shape_by_name
+from moekit.benchmarks.gpu import graph_time_us
 from moekit.experts.api import fused_experts
 
-W = {}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from m1_conditions_h200 import W, alloc  # noqa: E402 - the same two weight sets and routings
+
 ROWS = []
-
-
-def alloc():
-    W.clear()
-    for name in ("qwen3-30b-a3b", "olmoe-1b-7b"):
-        _, E, k, H, I = shape_by_name(name)
-        W[name] = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5,
-                   torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5,
-                   routing_sets(1, E, k, H, 8, torch.bfloat16, "cuda"))
-    torch.cuda.synchronize()
 
 
 def t(tag):

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .triton_align import local_expert
-from .triton_moe import MAX_TOP_K, _apply_act, _expert_of, split_sum, zero_counters
+from .triton_moe import (MAX_TOP_K, _apply_act, _expert_of, direct_w2_ahead, direct_w2_tile, split_iters, split_sum,
+                         zero_counters)
 
 __all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_kernel"]
 
@@ -99,18 +100,6 @@ def gemv1_kernel(
 
 
 @triton.jit
-def _gemv2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr):
-    """GEMM2's weight tile [BN, BK] of iteration `it` (slot it // num_k, K block it % num_k);
-    zeros past it_hi and for a non-local slot."""
-    j = it // num_k
-    k0 = (it - j * num_k) * BK
-    e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
-    k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
-    return tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[None, :],
-                   mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
 def _gemv2_step(acc, wt, a_row, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK: tl.constexpr):
     """acc + wt [BN, BK] times the weighted activation block of iteration `it` (a_row: the token's
     first activation row)."""
@@ -156,19 +145,10 @@ def gemv2_kernel(
     else:
         slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
     num_k = tl.cdiv(K, BK)
-    it_lo = 0
-    it_hi = top_k * num_k
-    if SPLIT:
-        per = tl.cdiv(it_hi, n_split)
-        it_lo = tl.program_id(1) * per
-        it_hi = tl.minimum(it_lo + per, it_hi)
+    it_lo, it_hi = split_iters(top_k, num_k, n_split, SPLIT)
     w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    if PRE >= 1:  # weights only: nothing GEMM1 writes
-        w_pre0 = _gemv2_tile(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
-    if PRE >= 2:
-        w_pre1 = _gemv2_tile(w_cols, it_lo + 1, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    w_pre0, w_pre1 = direct_w2_ahead(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK, BN,
+                                     False, PRE, PDL)
     a_row = a_ptr + (t * top_k).to(tl.int64) * stride_am
     acc = tl.zeros([BN], dtype=tl.float32)
     if PRE >= 1:
@@ -176,7 +156,7 @@ def gemv2_kernel(
     if PRE >= 2:
         acc = _gemv2_step(acc, w_pre1, a_row, it_lo + 1, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK)
     for it in tl.range(it_lo + PRE, it_hi, num_stages=STAGES):
-        wt = _gemv2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+        wt = direct_w2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK, False)
         acc = _gemv2_step(acc, wt, a_row, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK)
     o_mask = col_ok
     if SPLIT:

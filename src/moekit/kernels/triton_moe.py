@@ -214,15 +214,55 @@ def gemm1_kernel(
 
 
 @triton.jit
-def _direct_w2(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr):
-    """The direct GEMM2's weight tile [BK, BN] of iteration `it` (slot it // num_k, K block
-    it % num_k); zeros past it_hi and for a non-local slot."""
+def direct_w2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr,
+                   KMAJOR: tl.constexpr):
+    """The direct GEMM2's weight tile of iteration `it` (slot it // num_k, K block it % num_k):
+    [BK, BN] for tl.dot (KMAJOR; w_cols [1, BN]) or [BN, BK] on CUDA cores (w_cols [BN, 1]);
+    zeros past it_hi and for a non-local slot."""
     j = it // num_k
     k0 = (it - j * num_k) * BK
     e = tl.sum(tl.where(slots == j, slot_e, 0), axis=0)
     k_ok = (ks + k0 < K) & (ks * 0 + e >= 0) & (ks * 0 + it < it_hi)
-    return tl.load(w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0 + ks[:, None],
-                   mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    w_e = w_cols + tl.maximum(e, 0).to(tl.int64) * stride_we + k0
+    if KMAJOR:
+        tile = tl.load(w_e + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(w_e + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def direct_w2_ahead(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK: tl.constexpr,
+                    BN: tl.constexpr, KMAJOR: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    """Load the weight tiles of the first PRE (0-2) iterations, then wait for GEMM1 (PDL): they
+    depend on nothing GEMM1 writes, so they stream during its tail. Returns two tiles; those
+    past PRE are placeholders the caller does not use."""
+    if PRE >= 1:
+        w0 = direct_w2_tile(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK, KMAJOR)
+    elif KMAJOR:
+        w0 = tl.zeros([BK, BN], dtype=w_cols.dtype.element_ty)
+    else:
+        w0 = tl.zeros([BN, BK], dtype=w_cols.dtype.element_ty)
+    if PRE >= 2:
+        w1 = direct_w2_tile(w_cols, it_lo + 1, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK, KMAJOR)
+    else:
+        w1 = w0
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    return w0, w1
+
+
+@triton.jit
+def split_iters(top_k, num_k, n_split, SPLIT: tl.constexpr):
+    """[lo, hi) of the direct GEMM2's (slot, K block) iterations this program takes: all top_k *
+    num_k, or its share when SPLIT (program_id(1) of n_split)."""
+    it_lo = 0
+    it_hi = top_k * num_k
+    if SPLIT:
+        per = tl.cdiv(it_hi, n_split)
+        it_lo = tl.program_id(1) * per
+        it_hi = tl.minimum(it_lo + per, it_hi)
+    return it_lo, it_hi
 
 
 @triton.jit
@@ -279,19 +319,10 @@ def gemm2_kernel(
         else:
             slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
         num_k = tl.cdiv(K, BK)
-        it_lo = 0
-        it_hi = top_k * num_k
-        if SPLIT:
-            per = tl.cdiv(it_hi, n_split)
-            it_lo = tl.program_id(1) * per
-            it_hi = tl.minimum(it_lo + per, it_hi)
+        it_lo, it_hi = split_iters(top_k, num_k, n_split, SPLIT)
         w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # [1, BN]
-        if PRE >= 1:  # weights only: nothing GEMM1 writes
-            w_pre0 = _direct_w2(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
-        if PRE >= 2:
-            w_pre1 = _direct_w2(w_cols, it_lo + 1, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+        w_pre0, w_pre1 = direct_w2_ahead(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK,
+                                         BN, True, PRE, PDL)
         a_row = a_ptr + (pid_m * top_k).to(tl.int64) * stride_am + rows[:, None] * 0  # [BM, 1], row 0 live
         if PRE >= 1:
             acc = _direct_step2(acc, w_pre0, a_row, live, it_lo, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am,
@@ -300,7 +331,7 @@ def gemm2_kernel(
             acc = _direct_step2(acc, w_pre1, a_row, live, it_lo + 1, it_hi, num_k, slots, slot_e, slot_w, ks, K,
                                 stride_am, BK, ON_INPUT, IEEE)
         for it in range(it_lo + PRE, it_hi):
-            wt = _direct_w2(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK)
+            wt = direct_w2_tile(w_cols, it, it_hi, num_k, slots, slot_e, ks, col_ok, K, stride_we, BK, True)
             acc = _direct_step2(acc, wt, a_row, live, it, it_hi, num_k, slots, slot_e, slot_w, ks, K, stride_am, BK,
                                 ON_INPUT, IEEE)
         o_mask = live[:, None] & col_ok[None, :]
