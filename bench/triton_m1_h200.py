@@ -28,8 +28,11 @@ from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_fil
 
 def fused_candidates():
     """(GEMM1 tiles of the fused kernel, GEMM2 knobs: w2 row block, its stages, PDL)."""
+    # Column blocks up to 256 (one program per SM or fewer for the widest experts); pipelined
+    # gate and up tiles kept within 200 KB of shared memory.
     g1s = [TileConfig(16, bc, bk, 1, w, s, GEMV=1, FUSED=1) for bc, bk, w, s in itertools.product(
-        (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)) if bc * bk <= 64 * 32 * w]
+        (16, 32, 64, 128, 256), (32, 64, 128, 256), (4, 8), (2, 3, 4, 5))
+        if bc * bk <= 64 * 32 * w and s * bc * bk * 4 <= 200 * 1024 and (bk >= 64 or bc == 256)]
     g2s = [TileConfig(16, bh, 128, 1, 4, s, PDL=pdl) for bh, s, pdl in itertools.product((16, 32, 64, 128), (2, 3, 4), (0, 1))]
     return g1s, g2s
 
