@@ -132,7 +132,6 @@ def main():
             shipped_us = times[json.dumps(shipped.to_json(), sort_keys=True)]
         elif args.fused:
             g1_rank = sorted(g1s, key=lambda g1: run(MoEConfig(g1, FUSED_BASE_G2)))[:args.g1_keep]
-            g1_rank += [replace(g1, BALANCE=1) for g1 in g1_rank]  # column blocks filling whole waves
             more = [(64, 64, "bfloat16", "silu", True, MoEConfig(g1, g2).to_json()) for g1 in g1_rank for g2 in g2s]
             precompile(more, max(1, (os.cpu_count() or 2) - 2))  # the w2 loop's knobs are constexprs too
             for g1 in g1_rank:

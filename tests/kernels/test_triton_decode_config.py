@@ -65,7 +65,6 @@ def test_shipped_files_carry_only_known_keys():
      "gemm1.FUSED=1 has no GEMM2 launch to split"),
     (lambda: TileConfig(16, 16, 16, GEMV=1, PRE=3), "PRE must be 0, 1 or 2"),
     (lambda: MoEConfig(TileConfig(16, 16, 16, GEMV=1, PRE=1), TileConfig(16, 16, 16)), "gemm1.PRE must be 0"),
-    (lambda: TileConfig(16, 16, 16, GEMV=1, BALANCE=1), "BALANCE=1 .* needs FUSED=1"),
 ])
 def test_bad_knobs_are_errors_naming_them(build, match):
     with pytest.raises(ValueError, match=match):
@@ -108,9 +107,7 @@ def test_late_variants_and_compile_variants():
     assert len(fused) == 10 and all(c.gemm1.FUSED and c.gemm2.SPLIT_K == 1 for c in fused)
     assert {c.gemm2.PDL for c in fused} == {0, 1}
     assert late_variants(pdl, 1, 128, 8) == [pre1, pre2] + fused and late_variants(pre1, 1, 128, 8) == fused
-    # A fused winner: its column blocks balanced over the multiprocessors, then nothing more.
-    balanced, = late_variants(fused[0], 1, 128, 8)
-    assert balanced.gemm1 == replace(fused[0].gemm1, BALANCE=1) and late_variants(balanced, 1, 128, 8) == []
+    assert late_variants(fused[0], 1, 128, 8) == []
     assert late_variants(cfg, 16, 128, 8) == []  # the sorted path: four launches, PDL not searched
     assert compile_variant(cfg).gemm2.SPLIT_K == 2 and compile_variant(pdl).gemm2.PDL == 1
     plain = MoEConfig(cfg.gemm1, TileConfig(16, 16, 512))

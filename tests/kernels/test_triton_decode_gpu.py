@@ -53,8 +53,6 @@ DIRECT = {
     # Both GEMMs in one launch, the partial sum as its dependent.
     "fused-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, num_stages=4, GEMV=1, FUSED=1),
                               dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, PDL=_pdl())),
-    "fused-balanced": lambda: _cfg(dict(BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, num_warps=8, num_stages=3, GEMV=1, FUSED=1,
-                                        BALANCE=1), dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_stages=3, PDL=_pdl())),
     "fused-8warps": lambda: _cfg(dict(BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, num_warps=8, GEMV=1, FUSED=1),
                                  dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, num_stages=2)),
 }
@@ -124,7 +122,7 @@ def test_sorted_split_on_perf_shapes(shape, variant, M, cuda_gen):
 
 @pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "dot-split16-pdl"), (1, "fused-pdl"),
                                        (1, "gemv-split4-pre2-pdl"), (1, "dot-split4-pre1-pdl"),
-                                       (1, "fused-balanced"), (256, "bm64-split4-pdl")])
+                                       (256, "bm64-split4-pdl")])
 def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
     # Partials arrive in a different order on every run; the last arriver sums them in split order.
     name, E, k, H, I = SHAPES[1]
@@ -138,7 +136,6 @@ def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
 
 
 @pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "fused-pdl"), (1, "gemv-split4-pre2-pdl"),
-                                       (1, "fused-balanced"),
                                        (64, "bm64-split4-pdl")])
 def test_cuda_graph_replays_with_fresh_routing(M, variant, cuda_gen):
     name, E, k, H, I = SHAPES[3]

@@ -168,18 +168,6 @@ else:
         x, wts, w, ids, emap = _problem(3, 5, 3, 40, 24, dtype, gen, bias=True, n_remote=3)
         _check(x, wts, w, ids, emap, _fused(bc=bc, bh=bh), direct=True)
 
-    # BALANCE narrows the column blocks (the interpreter balances over 3 multiprocessors): T*k = 2
-    # assignments of I = 72 in 64-column tiles are 4 programs; 24 columns each (lanes 24-63 masked)
-    # fill 2 waves of 3. I = 44 in 32-column tiles: 16-column blocks, the last holding 12.
-    @pytest.mark.parametrize("I,bc,columns", [(72, 64, 24), (44, 32, 16)])
-    def test_fused_direct_balanced_columns(I, bc, columns, gen):
-        assert launch.fused_columns(I, 2, bc, 3) == columns
-        x, wts, w, ids, emap = _problem(1, 4, 2, 40, I, torch.float32, gen, bias=True, n_remote=1)
-        plain = _fused(bc=bc, bh=16)
-        balanced = MoEConfig(replace(plain.gemm1, BALANCE=1), plain.gemm2)
-        out = _check(x, wts, w, ids, emap, balanced, direct=True)
-        assert rel_err(out, _check(x, wts, w, ids, emap, plain, direct=True)) <= 1e-6
-
     @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
     @pytest.mark.parametrize("activation", ACTIVATIONS)
     def test_every_activation_on_the_fused_direct_kernel(activation, gen):

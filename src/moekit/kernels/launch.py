@@ -26,7 +26,7 @@ from . import triton_moe as moe
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "fused_columns", "ALIGN_SMALL_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
 ALIGN_SMALL_MAX = align.SMALL
@@ -265,26 +265,6 @@ def fused_moe(
     return out
 
 
-def fused_columns(I: int, assignments: int, block: int, multiprocessors: int) -> int:
-    """Columns of I per program of the fused direct kernel with gemm1.BALANCE: the fewest
-    multiples of 8 (at most `block`, the tile's width) that spread assignments * cdiv(I, columns)
-    programs over whole waves of the GPU's multiprocessors (one wave of 112 programs on 132
-    multiprocessors leaves 20 idle; 128 columns fewer per program fill them)."""
-    waves = triton.cdiv(assignments * triton.cdiv(I, block), multiprocessors)
-    columns = triton.cdiv(triton.cdiv(assignments * I, waves * multiprocessors), 8) * 8
-    return max(8, min(block, columns))
-
-
-# Multiprocessors the interpreter's (CPU) launches are balanced over, so its tests narrow the blocks.
-_INTERPRETER_MULTIPROCESSORS = 3
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit, on_input,
                   g1: TileConfig, g2: TileConfig, out_dtype):
     """The direct path in one GEMM launch (gemm1.FUSED): fp32 partial rows per (assignment, I block),
@@ -293,14 +273,13 @@ def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, ac
     I = w2.shape[2]
     k = topk_ids.shape[1]
     dev = x.device
-    cw = fused_columns(I, T * k, g1.BLOCK_SIZE_N, _multiprocessors(dev)) if g1.BALANCE else g1.BLOCK_SIZE_N
-    n_c = triton.cdiv(I, cw)
+    n_c = triton.cdiv(I, g1.BLOCK_SIZE_N)
     part = torch.empty(T * k * n_c, H, dtype=torch.float32, device=dev)
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
     pdl = bool(g2.PDL)
     dec.fused_gemv_kernel[(T * k * n_c,)](
-        x, w13, bias13, w2, bias2, part, topk_weights, topk_ids, emap, H, I, k, cw,
+        x, w13, bias13, w2, bias2, part, topk_weights, topk_ids, emap, H, I, k,
         x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0,
         w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, part.stride(0),
         float(alpha), float(limit),

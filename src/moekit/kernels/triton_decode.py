@@ -174,24 +174,24 @@ def gemv2_kernel(
 @triton.jit(do_not_specialize=["top_k"])
 def fused_gemv_kernel(
     x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, part_ptr, topk_w_ptr, ids_ptr, map_ptr,
-    H, I, top_k, CW,
+    H, I, top_k,
     stride_xm, stride_w13e, stride_w13n, stride_b13e, stride_w2e, stride_w2n, stride_b2e, stride_pr,
     alpha, limit,
     BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, STAGES1: tl.constexpr, STAGES2: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr,
     HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """part[a * cdiv(I, CW) + c, :H] = w_a * act(x[a // k] W13[e_a, block c]^T + b13)_c W2[e_a][:, block c]^T
-    (+ w_a b2[e_a] in block 0), for program pid = (assignment a, I block c of CW <= BC columns).
+    """part[a * cdiv(I, BC) + c, :H] = w_a * act(x[a // k] W13[e_a, block c]^T + b13)_c W2[e_a][:, block c]^T
+    (+ w_a b2[e_a] in block 0), for program pid = (assignment a, I block c).
 
     The activation is rounded to x's dtype before GEMM2, as the two-launch path stores it.
-    Non-local assignments (expert -1) write zero rows.  part [T*k*cdiv(I, CW), H] fp32.
+    Non-local assignments (expert -1) write zero rows.  part [T*k*cdiv(I, BC), H] fp32.
     PDL: let the partial sum launch early (it waits for this grid to finish).
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    num_c = tl.cdiv(I, CW)
+    num_c = tl.cdiv(I, BC)
     assign = pid // num_c
     c = pid - assign * num_c
     e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
@@ -201,9 +201,8 @@ def fused_gemv_kernel(
         for n0 in range(0, H, BH):
             tl.store(part_row + n0 + hs, tl.zeros([BH], dtype=tl.float32), mask=n0 + hs < H)
         return
-    lanes = tl.arange(0, BC)
-    cols = c * CW + lanes
-    col_ok = (lanes < CW) & (cols < I)
+    cols = c * BC + tl.arange(0, BC)
+    col_ok = cols < I
     x_row = x_ptr + (assign // top_k).to(tl.int64) * stride_xm
     w_rows = w13_ptr + e.to(tl.int64) * stride_w13e + cols.to(tl.int64)[:, None] * stride_w13n  # [BC, 1]
     w_a = tl.load(topk_w_ptr + assign)

@@ -72,9 +72,6 @@ class TileConfig:
             activation block in registers and streams the matching w2 columns in gemm2's
             BLOCK_SIZE_N rows of H (gemm2's stages) into an fp32 partial row; a small second
             launch adds a token's partial rows in order (gemm2.PDL: as a programmatic dependent).
-        BALANCE: 1 (GEMM1 with FUSED) narrows the fused kernel's column blocks (multiples of 8 up
-            to BLOCK_SIZE_N; kernels/launch.fused_columns) so its programs fill whole waves of the
-            GPU's multiprocessors.
         PRE: 0-2 (GEMM2 only, direct path) loads the weight tiles of a program's first PRE
             iterations into registers before it waits for GEMM1 (under PDL they stream while
             GEMM1's last programs run); the sorted path ignores it as it does GEMV.
@@ -90,7 +87,6 @@ class TileConfig:
     GEMV: int = 0
     PDL: int = 0
     FUSED: int = 0
-    BALANCE: int = 0
     PRE: int = 0
 
     def __post_init__(self) -> None:
@@ -98,11 +94,9 @@ class TileConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("GEMV", "PDL", "FUSED", "BALANCE"):
+        for name in ("GEMV", "PDL", "FUSED"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
-        if self.BALANCE and not self.FUSED:
-            raise ValueError("BALANCE=1 narrows the fused kernel's column blocks: it needs FUSED=1")
         if self.PRE not in (0, 1, 2) or isinstance(self.PRE, bool):
             raise ValueError(f"PRE must be 0, 1 or 2, got {self.PRE!r}")
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
@@ -229,7 +223,7 @@ class MoEConfig:
         g1 = TileConfig(**{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
         prefill = PrefillConfig.from_json(entry["prefill"], f"{where}.prefill") if "prefill" in entry else None
         if "gemm2" not in entry:  # one config for both GEMMs (fusing them is GEMM1's knob alone)
-            return cls(g1, replace(g1, FUSED=0, BALANCE=0), prefill)
+            return cls(g1, replace(g1, FUSED=0), prefill)
         down = entry["gemm2"]
         allowed = _KEYS[1:] + tuple(_OPTIONAL)
         if not isinstance(down, dict) or set(down) - set(allowed):
@@ -430,14 +424,10 @@ _FUSED_TILES = ((128, 64, 4, 4, 64, 4), (128, 128, 8, 3, 128, 4), (128, 64, 8, 4
 def late_variants(cfg: MoEConfig, T: int, E: int, k: int) -> list:
     """Variants the tuner times last at T tokens, on the direct path only (two launches, where a
     launch's gap weighs most): the winner with GEMM2 launched as a programmatic dependent of
-    GEMM1 (PDL), also loading its first one or two weight tiles before it waits (PRE), and both
-    GEMMs fused into one launch (gemm1.FUSED) over a few tiles, with and without PDL for the
-    partial sum; a fused winner with its column blocks balanced over the multiprocessors
-    (BALANCE)."""
-    if not use_direct(T, k, E):
+    GEMM1 (PDL), also loading its first one or two weight tiles before it waits (PRE), and both GEMMs fused into one launch (gemm1.FUSED) over a few tiles, with
+    and without PDL for the partial sum."""
+    if not use_direct(T, k, E) or cfg.gemm1.FUSED:
         return []
-    if cfg.gemm1.FUSED:
-        return [] if cfg.gemm1.BALANCE else [replace(cfg, gemm1=replace(cfg.gemm1, BALANCE=1))]
     out = [] if cfg.gemm2.PDL else [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1))]
     if not cfg.gemm2.PRE:
         out += [replace(cfg, gemm2=replace(cfg.gemm2, PDL=1, PRE=pre)) for pre in (1, 2)]
