@@ -28,11 +28,12 @@ from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, TileConfig, config_fil
 
 def fused_candidates():
     """(GEMM1 tiles of the fused kernel, GEMM2 knobs: w2 row block, its stages, PDL)."""
-    # Column blocks up to 256 (one program per SM or fewer for the widest experts); pipelined
-    # gate and up tiles kept within 200 KB of shared memory.
+    # Column blocks up to 256 (one program per SM or fewer for the widest experts), up to 16 warps
+    # (more loads in flight per SM: the CUDA-core loops stage nothing in shared memory); at most
+    # 64 weights of a gate (and an up) tile per thread.
     g1s = [TileConfig(16, bc, bk, 1, w, s, GEMV=1, FUSED=1) for bc, bk, w, s in itertools.product(
-        (16, 32, 64, 128, 256), (32, 64, 128, 256), (4, 8), (2, 3, 4, 5))
-        if bc * bk <= 64 * 32 * w and s * bc * bk * 4 <= 200 * 1024 and (bk >= 64 or bc == 256)]
+        (32, 64, 128, 256), (32, 64, 128, 256), (4, 8, 16), (2, 3, 4))
+        if bc * bk <= 64 * 32 * w and (bk >= 64 or bc == 256)]
     g2s = [TileConfig(16, bh, 128, 1, 4, s, PDL=pdl) for bh, s, pdl in itertools.product((16, 32, 64, 128), (2, 3, 4), (0, 1))]
     return g1s, g2s
 
@@ -42,8 +43,8 @@ FUSED_BASE_G2 = TileConfig(16, 64, 128, 1, 4, 3, PDL=1)
 
 def pre_candidates():
     """CUDA-core GEMM2 tiles under PDL with 0, 1 or 2 weight tiles loaded before the wait."""
-    return [TileConfig(16, bn, bk, 1, 4, 4, SPLIT_K=sp, GEMV=1, PDL=1, PRE=pre) for bn, bk, sp, pre in
-            itertools.product((16, 32, 64), (128, 256), (2, 4, 8), (0, 1, 2))]
+    return [TileConfig(16, bn, bk, 1, w, 4, SPLIT_K=sp, GEMV=1, PDL=1, PRE=pre) for bn, bk, w, sp, pre in
+            itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 4, 8), (0, 2)) if bn * bk <= 64 * 32 * w]
 
 
 def candidates(wide: bool = False):
