@@ -418,7 +418,7 @@ def _with_decode_knobs(T: int, E: int, k: int, elem_bytes: int, g1: list, g2: Di
 # stages; w2 rows per tile, stages), the winners of an H200 sweep over PERF.md's five shapes at
 # M = 1 (bench/triton_m1_h200.py --fused; bench/NOTES-triton.md).
 _FUSED_TILES = ((128, 64, 4, 4, 64, 4), (128, 128, 8, 3, 128, 4), (128, 64, 8, 4, 128, 4), (64, 128, 8, 4, 128, 4),
-                (256, 64, 8, 3, 128, 3))
+                (256, 128, 16, 2, 128, 3))
 
 
 def late_variants(cfg: MoEConfig, T: int, E: int, k: int) -> list:
