@@ -50,7 +50,7 @@ def pre_candidates():
 def candidates(wide: bool = False):
     if wide:  # GEMM1 on CUDA cores over warps and pipeline depths too
         g1s = [TileConfig(16, bn, bk, 1, w, s, GEMV=1) for bn, bk, w, s in itertools.product(
-            (16, 32), (64, 128, 256, 512), (2, 4, 8), (2, 3, 4, 5, 6))]
+            (16, 32, 64), (64, 128, 256, 512), (4, 8, 16), (3, 4, 5, 6)) if bn * bk <= 64 * 32 * w]
         g1s += [TileConfig(16, bn, bk, 1, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))]
         return g1s, []
     g1s = [TileConfig(16, bn, bk, 1, w, 4, GEMV=gv) for gv, bn, bk, w in itertools.product(
