@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "split_iters", "direct_w2_tile",
+           "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
 MAX_EXPERTS = 1024
