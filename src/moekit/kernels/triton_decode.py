@@ -25,13 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_align import local_expert
-from .triton_moe import (MAX_TOP_K, _apply_act, _expert_of, direct_w2_ahead, direct_w2_tile, split_iters, split_sum,
-                         zero_counters)
+from .triton_moe import (_apply_act, _expert_of, direct_slots, direct_w2_ahead, direct_w2_tile, split_iters,
+                         split_sum, zero_counters)
 
 __all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_kernel"]
-
-_MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
 
 
 @triton.jit
@@ -136,14 +133,7 @@ def gemv2_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < N
     ks = tl.arange(0, BK)
-    # The slots' experts and weights sit in registers: every weight address of the loop is
-    # known without a dependent load, so the loads stream on across expert boundaries.
-    slots = tl.arange(0, _MAX_TOP_K)
-    slot_e = local_expert(ids_ptr, map_ptr, t * top_k + slots, slots < top_k, HAS_MAP)
-    if ON_INPUT:
-        slot_w = tl.where(slots < top_k, 1.0, 0.0)
-    else:
-        slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
+    slots, slot_e, slot_w = direct_slots(ids_ptr, map_ptr, topk_w_ptr, t, top_k, HAS_MAP, ON_INPUT)
     num_k = tl.cdiv(K, BK)
     it_lo, it_hi = split_iters(top_k, num_k, n_split, SPLIT)
     w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1]

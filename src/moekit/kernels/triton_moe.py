@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "split_iters", "direct_w2_tile",
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "split_iters", "direct_slots", "direct_w2_tile",
            "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
@@ -254,6 +254,20 @@ def direct_w2_ahead(w_cols, it_lo, it_hi, num_k, slots, slot_e, ks, col_ok, K, s
 
 
 @triton.jit
+def direct_slots(ids_ptr, map_ptr, topk_w_ptr, t, top_k, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr):
+    """(slots, their local experts, their routed weights: 1 when the weight went on the input) of
+    token t, held in registers: every weight address of the direct GEMM2's loop is then known
+    without a dependent load, so the loads stream on across expert boundaries."""
+    slots = tl.arange(0, _MAX_TOP_K)
+    slot_e = local_expert(ids_ptr, map_ptr, t * top_k + slots, slots < top_k, HAS_MAP)
+    if ON_INPUT:
+        slot_w = tl.where(slots < top_k, 1.0, 0.0)
+    else:
+        slot_w = tl.load(topk_w_ptr + t * top_k + slots, mask=slots < top_k, other=0.0)
+    return slots, slot_e, slot_w
+
+
+@triton.jit
 def split_iters(top_k, num_k, n_split, SPLIT: tl.constexpr):
     """[lo, hi) of the direct GEMM2's (slot, K block) iterations this program takes: all top_k *
     num_k, or its share when SPLIT (program_id(1) of n_split)."""
@@ -309,16 +323,9 @@ def gemm2_kernel(
     ks = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if DIRECT:
-        # Token pid_m; iteration it covers slot j = it // num_k, K-block it % num_k. The
-        # slots' experts and weights sit in registers, so every weight address is known
-        # ahead of time and the pipeline streams on across expert boundaries.
+        # Token pid_m; iteration it covers slot j = it // num_k, K-block it % num_k.
         live = rows == 0
-        slots = tl.arange(0, _MAX_TOP_K)
-        slot_e = local_expert(ids_ptr, map_ptr, pid_m * top_k + slots, slots < top_k, HAS_MAP)
-        if ON_INPUT:
-            slot_w = tl.where(slots < top_k, 1.0, 0.0)
-        else:
-            slot_w = tl.load(topk_w_ptr + pid_m * top_k + slots, mask=slots < top_k, other=0.0)
+        slots, slot_e, slot_w = direct_slots(ids_ptr, map_ptr, topk_w_ptr, pid_m, top_k, HAS_MAP, ON_INPUT)
         num_k = tl.cdiv(K, BK)
         it_lo, it_hi = split_iters(top_k, num_k, n_split, SPLIT)
         w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # [1, BN]
