@@ -1,4 +1,4 @@
-"""Shared test helpers: tolerances (PERF.md), relative error, GPU skipping."""
+"""Shared test helpers: tolerances (PERF.md), relative error, GPU skipping, generators, expert maps."""
 
 import pytest
 import torch
@@ -34,3 +34,22 @@ def gen():
     g = torch.Generator()
     g.seed()
     return g
+
+
+@pytest.fixture
+def cuda_gen():
+    """A CUDA torch.Generator with a fresh seed per test."""
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def random_expert_map(E: int, n_remote: int, gen: torch.Generator, device="cpu"):
+    """None without remote experts; else a map [E + n_remote] int32 placing the E local ids at
+    random global positions, -1 elsewhere (drawn on the generator's device)."""
+    if not n_remote:
+        return None
+    emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device=device)
+    emap[torch.randperm(E + n_remote, device=device, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32,
+                                                                                          device=device)
+    return emap

@@ -81,13 +81,6 @@ def _routing(T, E, k, gen):
     return torch.rand(T, k, device="cuda", generator=gen) + 0.05, ids
 
 
-@pytest.fixture
-def cuda_gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
-
-
 def _run(x, wts, w, ids, cfg, direct):
     return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=direct,
                      out_dtype=x.dtype)

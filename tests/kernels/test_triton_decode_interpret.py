@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import TOL, rel_err
+from conftest import TOL, rel_err, random_expert_map
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
@@ -35,10 +35,7 @@ else:
         w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
         b13 = torch.randn(E, rows, generator=gen).to(dtype) if bias else None
         b2 = torch.randn(E, H, generator=gen).to(dtype) if bias else None
-        emap = None
-        if n_remote:
-            emap = torch.full((E + n_remote,), -1, dtype=torch.int32)
-            emap[torch.randperm(E + n_remote, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        emap = random_expert_map(E, n_remote, gen)
         ids = torch.stack([torch.randperm(E + n_remote, generator=gen)[:k] for _ in range(T)]) if T else \
             torch.zeros(0, k, dtype=torch.long)
         return x, ExpertWeights(w13, w2, b13, b2), torch.rand(T, k, generator=gen) + 0.05, ids.to(torch.int32), emap

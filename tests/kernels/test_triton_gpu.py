@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import TOL, rel_err
+from conftest import TOL, rel_err, random_expert_map
 
 pytest.importorskip("triton")
 
@@ -51,13 +51,6 @@ def _routing(T, E_global, k, gen):
     return torch.rand(T, k, device="cuda", generator=gen) + 0.05, ids
 
 
-@pytest.fixture
-def cuda_gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
-
-
 def _check(x, wts, w, ids, emap=None, activation="silu", on_input=False):
     _poison_allocator()
     out = fused_experts(x, wts, None, w, ids, activation=activation, apply_router_weight_on_input=on_input,
@@ -96,10 +89,7 @@ def test_random_shapes(seed):
     activation = rng.choice(ACTIVATIONS)
     n_remote = rng.choice([0, 0, rng.randint(1, 6)])
     wts = _weights(E, H, I, dtype, gen, activation, bias=rng.random() < 0.3)
-    emap = None
-    if n_remote:
-        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
-        emap[torch.randperm(E + n_remote, device="cuda", generator=gen)[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
+    emap = random_expert_map(E, n_remote, gen, "cuda")
     w, ids = _routing(T, E + n_remote, k, gen)
     x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
     _check(x, wts, w, ids, emap, activation, on_input=k == 1 and rng.random() < 0.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import library
 
-from conftest import TOL, rel_err
+from conftest import TOL, rel_err, random_expert_map
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
@@ -41,11 +41,7 @@ else:
         w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
         b13 = torch.randn(E, rows, generator=gen).to(dtype) if bias else None
         b2 = torch.randn(E, H, generator=gen).to(dtype) if bias else None
-        emap = None
-        if n_remote:
-            Eg = E + n_remote
-            emap = torch.full((Eg,), -1, dtype=torch.int32)
-            emap[torch.randperm(Eg, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        emap = random_expert_map(E, n_remote, gen)
         w, ids = _routing(T, E + n_remote, k, gen)
         return x, ExpertWeights(w13, w2, b13, b2), w, ids, emap
 

@@ -5,7 +5,7 @@ map, CUDA-graph capture and replay. Run with `pytest -m gpu tests/kernels`."""
 import pytest
 import torch
 
-from conftest import TOL, rel_err
+from conftest import TOL, rel_err, random_expert_map
 
 pytest.importorskip("triton")
 
@@ -47,21 +47,11 @@ def _problem(E, k, H, I, T, gen, bias=False, n_remote=0):
     b13 = torch.randn(E, 2 * I, device="cuda", generator=gen).bfloat16() if bias else None
     b2 = torch.randn(E, H, device="cuda", generator=gen).bfloat16() if bias else None
     Eg = E + n_remote
-    emap = None
-    if n_remote:
-        emap = torch.full((Eg,), -1, dtype=torch.int32, device="cuda")
-        emap[torch.randperm(Eg, device="cuda", generator=gen)[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
+    emap = random_expert_map(E, n_remote, gen, "cuda")
     ids = torch.rand(T, Eg, device="cuda", generator=gen).topk(k, dim=1).indices.int()
     w = torch.rand(T, k, device="cuda", generator=gen) + 0.05
     x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
     return x, ExpertWeights(w13, w2, b13, b2), w, ids, emap
-
-
-@pytest.fixture
-def cuda_gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
 
 
 @pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])

@@ -11,7 +11,7 @@ bf16 is wrong in the interpreter).
 import pytest
 import torch
 
-from conftest import TOL, rel_err
+from conftest import TOL, rel_err, random_expert_map
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
@@ -111,10 +111,7 @@ else:
         n_remote, tma = case.pop("n_remote", 0), case.pop("tma", 1)
         wts = _weights(E, H, I, torch.float32, gen, bias=case.pop("bias", False))
         Eg = E + n_remote
-        emap = None
-        if n_remote:
-            emap = torch.full((Eg,), -1, dtype=torch.int32)
-            emap[torch.randperm(Eg, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        emap = random_expert_map(E, n_remote, gen)
         ids = torch.stack([torch.randperm(Eg, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=gen) + 0.05
         x = torch.randn(T, H, generator=gen)

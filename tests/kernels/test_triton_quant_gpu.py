@@ -4,7 +4,7 @@ CUDA-graph capture, determinism and the oracle's choice. Run with `pytest -m gpu
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, random_expert_map
 
 pytest.importorskip("triton")
 
@@ -30,13 +30,6 @@ SCHEMES = [
     ("int4_w4a16", {"group_size": 64, "symmetric": False}),
 ]
 IDS = [f"{s}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for s, o in SCHEMES]
-
-
-@pytest.fixture
-def cuda_gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
 
 
 def _poison_allocator():
@@ -78,11 +71,7 @@ def _check(x, wts, w, ids, emap=None, on_input=False):
 def test_schemes_match_emulated_reference(scheme, opts, T, n_remote, cuda_gen):
     E, k, H, I = 16, 4, 384, 256
     wts = _weights(scheme, opts, E, H, I, cuda_gen)
-    emap = None
-    if n_remote:
-        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
-        emap[torch.randperm(E + n_remote, device="cuda", generator=cuda_gen)[:E]] = torch.arange(
-            E, dtype=torch.int32, device="cuda")
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
     w, ids = _routing(T, E + n_remote, k, cuda_gen)
     _check(torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids, emap)
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, random_expert_map
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 pytest.importorskip("triton")
@@ -170,10 +170,7 @@ else:
 
     def _case(scheme, opts, H, I, T, E, k, config, knobs, gen, n_remote=0):
         wts = _weights(scheme, opts, E, H, I, gen)
-        emap = None
-        if n_remote:
-            emap = torch.full((E + n_remote,), -1, dtype=torch.int32)
-            emap[torch.randperm(E + n_remote, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        emap = random_expert_map(E, n_remote, gen)
         ids = torch.stack([torch.randperm(E + n_remote, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=gen) + 0.05
         x = torch.randn(T, H, generator=gen).half()

@@ -5,7 +5,7 @@ to run. Run with `pytest -m gpu tests/kernels`."""
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, random_expert_map
 
 pytest.importorskip("triton")
 
@@ -16,13 +16,6 @@ from moekit.kernels.tuning import MoEConfig, TileConfig  # noqa: E402
 from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_experts, scheme_of  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, reason="TRITON_INTERPRET=1 is set")]
-
-
-@pytest.fixture
-def cuda_gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
 
 
 def _weights(scheme, opts, E, H, I, gen):
@@ -85,11 +78,7 @@ IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}=
 def test_variant_matches_emulated_reference(scheme, opts, tiles, knobs, T, n_remote, cuda_gen):
     E, k, H, I = 16, 4, 512, 384
     wts = _weights(scheme, opts, E, H, I, cuda_gen)
-    emap = None
-    if n_remote:
-        emap = torch.full((E + n_remote,), -1, dtype=torch.int32, device="cuda")
-        emap[torch.randperm(E + n_remote, device="cuda", generator=cuda_gen)[:E]] = torch.arange(
-            E, dtype=torch.int32, device="cuda")
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
     w, ids = _routing(T, E + n_remote, k, cuda_gen)
     x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
     torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # an unwritten element would show

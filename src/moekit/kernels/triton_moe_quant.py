@@ -104,19 +104,11 @@ _PTX_FP16_SUB: tl.constexpr = tl.constexpr(_nibbles_ptx_source(False, True))
 def _nibbles_ptx(q, SUB: tl.constexpr, dtype: tl.constexpr):
     """(low, high) nibbles u of uint8 q [BK/2, BN] as dtype floats: MAGIC_V + u, or u - 8 when SUB."""
     if dtype == tl.bfloat16:
-        if SUB:
-            lo, hi = tl.inline_asm_elementwise(_PTX_BF16_SUB, "=r,=r,=r,=r,r", [q],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r", [q],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_PTX_BF16_SUB if SUB else _PTX_BF16, "=r,=r,=r,=r,r", [q],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        if SUB:
-            lo, hi = tl.inline_asm_elementwise(_PTX_FP16_SUB, "=r,=r,=r,=r,r", [q],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_PTX_FP16, "=r,=r,=r,=r,r", [q],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_PTX_FP16_SUB if SUB else _PTX_FP16, "=r,=r,=r,=r,r", [q],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return lo, hi
 
 
