@@ -4,6 +4,7 @@ kernels.tuning.prefill_space at M in {1024, 4096, 16384} against the current tun
 the plain torch grouped-GEMM layer (same process, CUDA graphs, fresh routing per call).
 
     PYTHONPATH=src python bench/triton_prefill_h200.py [--out DIR] [--workers N] [--shapes a,b] [--ms 1024,4096]
+        [--only act_tma=1,x_tma=1]
 
 Writes DIR/prefill_results.json (every timing, errors, padding waste, the winners) and
 DIR/configs/E=..,N=..,device_name=NVIDIA_H200.json: the shipped table with the measured M
@@ -75,13 +76,15 @@ def _compile(job) -> str:
 class Bench:
     """Shapes, device and dtype of one run (cuda/bf16, or the cpu/fp32 dry run)."""
 
-    def __init__(self, shapes, Ms, device: str, limit: int):
-        self.shapes, self.Ms, self.dev, self.limit = shapes, Ms, torch.device(device), limit
+    def __init__(self, shapes, Ms, device: str, limit: int, only: dict):
+        self.shapes, self.Ms, self.dev, self.limit, self.only = shapes, Ms, torch.device(device), limit, only
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.name = DEVICE_NAME if device == "cuda" else None
 
     def candidates(self, shape, M) -> list:
         cands = prefill_space(M, shape[1], shape[2])  # bf16 tiles (the dry run's interpreter has no smem limit)
+        if self.only:  # candidates with any of these knob values
+            cands = [c for c in cands if any(getattr(c.prefill, k) == v for k, v in self.only.items())]
         return cands[:self.limit] if self.limit else cands
 
     def current(self, shape, M) -> MoEConfig:
@@ -237,7 +240,7 @@ def knob_table(rows) -> list:
         best = min(r["us"] for r in pre)
         parts = []
         for knob, values in (("tma", (1, 2, 0)), ("programs_per_sm", (2, 1, 0)), ("tail", (1, 2, 4)),
-                             ("flatten", (1, 0))):
+                             ("flatten", (1, 0)), ("act_tma", (1, 0)), ("x_tma", (1, 0))):
             for v in values:
                 ts = [r["us"] for r in pre if dict(defaults, **r["config"]["prefill"])[knob] == v]
                 parts.append(f"{knob[:4]}={v}:{min(ts) / best:.2f}" if ts else f"{knob[:4]}={v}:-")
@@ -276,6 +279,8 @@ def main() -> None:
     p.add_argument("--shapes", default="", help="comma-separated names of benchmarks.gpu.GPU_SHAPES (default: all)")
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--limit", type=int, default=0, help="time only the first N prefill candidates of a point")
+    p.add_argument("--only", default="", help="time only candidates with any of these prefill knob values, "
+                                              "e.g. act_tma=1,x_tma=1 (the current config is always timed)")
     p.add_argument("--deadline", type=float, default=320.0, help="seconds from the start; later points are skipped")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
@@ -285,7 +290,8 @@ def main() -> None:
     shapes = [s for s in GPU_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     if args.device == "cpu":  # tiny stand-ins: the shapes' E and k, H = 64, I = 32
         shapes = [(name, min(E, 16), min(k, 4), 64, 32) for name, E, k, H, I in shapes]
-    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit)
+    only = {k: int(v) for k, v in (kv.split("=") for kv in args.only.split(",") if kv)}
+    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit, only)
     import triton  # noqa: PLC0415
 
     cuda = args.device == "cuda"

@@ -19,6 +19,9 @@ def test_json_holds_only_knobs_off_their_defaults_and_round_trips():
     entry = cfg.to_json()
     assert entry["prefill"] == {"tma": 0, "tail": 4}
     assert parse_configs(json.dumps({"4096": entry}), "f.json")[4096] == cfg
+    both = MoEConfig(G1, G2, PrefillConfig(tma=2, tail=1, flatten=1, act_tma=1))
+    assert both.to_json()["prefill"] == {"tma": 2, "tail": 1, "flatten": 1, "act_tma": 1}
+    assert parse_configs(json.dumps({"4096": both.to_json()}), "f.json")[4096] == both
     default = MoEConfig(G1, G2, PrefillConfig())
     assert default.to_json()["prefill"] == {}
     assert parse_configs(json.dumps({"1": default.to_json()}), "f.json")[1] == default
@@ -37,6 +40,9 @@ def test_entries_without_prefill_keep_the_sorted_kernels():
     (dict(programs_per_sm=-1), "programs_per_sm must be an int >= 0"),
     (dict(flatten=1), "flatten=1 needs tail=1"),                       # tail 2 has a loop per tile size
     (dict(flatten=1, tail=1, programs_per_sm=0), "programs_per_sm >= 1"),  # nothing to flatten
+    (dict(act_tma=1, tma=1), "act_tma=1 .* needs tma=2"),             # descriptors per tile height
+    (dict(act_tma=2, tma=2), "act_tma must be one of"),
+    (dict(x_tma=1, tma=0), "x_tma=1 .* needs tma=2"),
 ])
 def test_bad_knobs_are_errors(knobs, match):
     with pytest.raises(ValueError, match=match):
@@ -71,7 +77,11 @@ def test_candidates_by_rows_per_expert():
     assert {c.block_m for c in mid} == {64, 128}
     knobs = {(c.prefill.tma, c.prefill.programs_per_sm, c.prefill.tail) for c in mid}
     assert knobs == {(t, p, tail) for t in (0, 1) for p in (0, 1, 2) for tail in (1, 2, 4)} | \
-        {(2, p, tail) for p in (1, 2) for tail in (1, 2, 4)}  # descriptors built in the kernel: persistent only
+        {(2, p, tail) for p in (0, 1, 2) for tail in (1, 2, 4)}
+    # descriptors built in the kernel: weights alone on persistent grids; rows by TMA on both grids
+    assert all(c.prefill.programs_per_sm for c in mid if c.prefill.tma == 2 and not c.prefill.act_tma)
+    rows = {(c.prefill.act_tma, c.prefill.x_tma, c.prefill.flatten) for c in mid if c.prefill.tma == 2}
+    assert rows == {(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)}
     flat = [c.prefill for c in mid if c.prefill.flatten]
     assert flat and all(f.tail == 1 and f.programs_per_sm >= 1 for f in flat)
     assert {c.prefill.programs_per_sm for c in mid if c.gemm1.num_warps == 4 and c.block_m == 128} == {0, 2}

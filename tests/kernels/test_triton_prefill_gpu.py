@@ -27,7 +27,10 @@ PERF_SHAPES = [
 ]
 # One config per knob family over every tile pair of the search space.
 FAMILIES = [dict(tma=1, programs_per_sm=1, tail=4), dict(tma=0, programs_per_sm=0, tail=2),
-            dict(tma=2, programs_per_sm=1, tail=1), dict(tma=1, programs_per_sm=1, tail=1, flatten=1)]
+            dict(tma=2, programs_per_sm=1, tail=1), dict(tma=1, programs_per_sm=1, tail=1, flatten=1),
+            dict(tma=2, programs_per_sm=1, tail=4, act_tma=1, x_tma=1),
+            dict(tma=2, programs_per_sm=0, tail=2, act_tma=1, x_tma=1),
+            dict(tma=2, programs_per_sm=1, tail=1, flatten=1, act_tma=1, x_tma=1)]
 
 
 def _configs():
@@ -78,7 +81,20 @@ def test_bias_expert_map_and_weight_on_input(cuda_gen):
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("family", [0, 2], ids=["host_descriptors", "kernel_descriptors"])
+@pytest.mark.parametrize("tail,flatten", [(4, 0), (1, 1)])
+def test_row_descriptors_give_the_pointer_loads_bits(tail, flatten, cuda_gen):
+    # Rows read by TMA past an expert's rows (the next expert's, never-written rows) only
+    # reach rows that are not stored: same bits as gathering each tile's rows by pointers.
+    x, wts, w, ids, _ = _problem(16, 8, 2048, 768, 1500, cuda_gen)
+    first = prefill_space(4096, 128, 8)[0]
+    outs = [fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=False, out_dtype=x.dtype,
+                      config=MoEConfig(first.gemm1, first.gemm2,
+                                       PrefillConfig(2, 1, tail, flatten=flatten, act_tma=a, x_tma=xt)))
+            for a, xt in ((0, 0), (1, 0), (0, 1), (1, 1))]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("family", [0, 2, 6], ids=["host_descriptors", "kernel_descriptors", "row_descriptors"])
 def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     cfg = _configs()[family]
     x, wts, w, ids, _ = _problem(16, 8, 2048, 768, 1024, cuda_gen)

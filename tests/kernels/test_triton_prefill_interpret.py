@@ -30,8 +30,8 @@ else:
     # BM = 64: granules 64 / 32 / 16 for tail 1 / 2 / 4.
     TILES = (TileConfig(64, 32, 32, 2, 4, 2), TileConfig(64, 16, 16, 3, 4, 2))
 
-    def _config(tma=1, per_sm=1, tail=2, tiles=TILES):
-        return MoEConfig(tiles[0], tiles[1], PrefillConfig(tma, per_sm, tail))
+    def _config(tma=1, per_sm=1, tail=2, tiles=TILES, act_tma=0, x_tma=0):
+        return MoEConfig(tiles[0], tiles[1], PrefillConfig(tma, per_sm, tail, act_tma=act_tma, x_tma=x_tma))
 
     def _routing_with_counts(counts, k, gen):
         """ids [T, k] (distinct experts per token) giving expert e counts[e] assignments."""
@@ -82,6 +82,29 @@ else:
         x = torch.randn(ids.shape[0], 48, generator=gen).to(dtype)
         _check(x, wts, w, ids, config=_config(tma, per_sm, tail))
 
+    @pytest.mark.parametrize("tail,per_sm", [(1, 1), (2, 0), (4, 1)])
+    @pytest.mark.parametrize("act_tma,x_tma", [(1, 0), (0, 1), (1, 1)])
+    def test_row_descriptors_match_pointer_loads_bit_for_bit(tail, per_sm, act_tma, x_tma, gen, monkeypatch):
+        # GEMM2's act tiles and GEMM1's gathered x tiles by TMA read whole BM, BM/2, BM/4 row
+        # blocks: rows past an expert's (the next expert's, or zeros past R) must not reach a
+        # stored row. Poison them: buffers hold whatever the allocator left, so fill with NaN.
+        w, ids = _routing_with_counts(COUNTS, 2, gen)
+        wts = _weights(len(COUNTS), 48, 40, torch.float32, gen, bias=True)
+        x = torch.randn(ids.shape[0], 48, generator=gen)
+        real_empty = torch.empty
+
+        def nan_empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        ptrs = _check(x, wts, w, ids, config=_config(2, per_sm, tail))
+        monkeypatch.setattr(torch, "empty", nan_empty)
+        desc = _check(x, wts, w, ids, config=_config(2, per_sm, tail, act_tma=act_tma, x_tma=x_tma))
+        assert torch.equal(ptrs, desc)
+        if tail == 1:
+            flat = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, flatten=1, act_tma=act_tma, x_tma=x_tma))
+            assert torch.equal(ptrs, _check(x, wts, w, ids, config=flat))
+
     def test_grids_descriptors_and_flattening_agree_bit_for_bit(gen):
         # INTERPRETER_SMS programs walk every (row tile, column tile); results are bit-identical
         # to one program per work item, and from run to run.
@@ -104,18 +127,21 @@ else:
         dict(T=12, E=3, k=2, H=33, I=17, tma=0),             # odd H and I through pointers
         dict(T=7, E=5, k=2, H=32, I=16, n_remote=4),         # expert map with non-local experts
         dict(T=30, E=6, k=3, H=32, I=48, bias=True),         # biases
+        dict(T=7, E=5, k=2, H=32, I=16, n_remote=4, tma=2, act_tma=1, x_tma=1),  # row descriptors, map
+        dict(T=1, E=4, k=2, H=32, I=16, tma=2, act_tma=1, x_tma=1),              # one token
     ])
     def test_edge_shapes_match_reference(case, gen):
         case = dict(case)
         T, E, k, H, I = (case.pop(n) for n in ("T", "E", "k", "H", "I"))
         n_remote, tma = case.pop("n_remote", 0), case.pop("tma", 1)
+        rows = dict(act_tma=case.pop("act_tma", 0), x_tma=case.pop("x_tma", 0))
         wts = _weights(E, H, I, torch.float32, gen, bias=case.pop("bias", False))
         Eg = E + n_remote
         emap = random_expert_map(E, n_remote, gen)
         ids = torch.stack([torch.randperm(Eg, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
         w = torch.rand(T, k, generator=gen) + 0.05
         x = torch.randn(T, H, generator=gen)
-        _check(x, wts, w, ids, emap, config=_config(tma=tma, tail=4))
+        _check(x, wts, w, ids, emap, config=_config(tma=tma, tail=4, **rows))
 
     def test_no_local_assignment_gives_zeros(gen):
         wts = _weights(3, 32, 16, torch.float32, gen)

@@ -95,6 +95,23 @@ def _variant(rows, BM: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
+def _row_descs(ptr, R, K, stride, BM: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, ON: tl.constexpr):
+    """TMA descriptors of a row-major [R, K] operand with [BM, BK], [BM/2, BK], [BM/4, BK]
+    blocks, one per row-tile height the tail loops use (ptr stands in for the others, and
+    for all three when ON is false)."""
+    d0 = ptr
+    d1 = ptr
+    d2 = ptr
+    if ON:
+        d0 = tl.make_tensor_descriptor(ptr, shape=[R, K], strides=[stride, 1], block_shape=[BM, BK])
+        if TAIL >= 2:
+            d1 = tl.make_tensor_descriptor(ptr, shape=[R, K], strides=[stride, 1], block_shape=[BM // 2, BK])
+        if TAIL == 4:
+            d2 = tl.make_tensor_descriptor(ptr, shape=[R, K], strides=[stride, 1], block_shape=[BM // 4, BK])
+    return d0, d1, d2
+
+
+@triton.jit
 def _mma(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ b; exact fp32 products for fp32 inputs."""
     if IEEE:
@@ -114,13 +131,16 @@ def _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, st
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
+    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e."""
+    """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e.
+
+    X_TMA: x_desc reads x's rows already gathered into the sorted row order ([R, K], blocks
+    [BMT, BK]); rows past the tile's only reach rows that are not stored."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
@@ -133,7 +153,10 @@ def _gemm1_tile(
     acc_g = tl.zeros([BMT, BN], dtype=tl.float32)
     acc_u = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        if X_TMA:
+            a = x_desc.load([row0, k0])
+        else:
+            a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
         acc_g = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                      acc_g, IEEE)
         if GATED:  # the up rows follow the N gate rows of each expert
@@ -160,13 +183,16 @@ def _gemm1_tile(
 
 @triton.jit
 def _gemm2_tile(
-    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, w_rows,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
-    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows)."""
+    """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows).
+
+    ACT_TMA: a_desc ([R, K], blocks [BMT, BK]) loads all BMT rows from row0; rows past the
+    tile's belong to the next expert (or are zeros past R) and only reach unstored rows."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
@@ -177,7 +203,10 @@ def _gemm2_tile(
     a_ptrs = a_ptr + (row0 + r).to(tl.int64)[:, None] * stride_am + ks[None, :]
     acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=in_tile[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        if ACT_TMA:
+            a = a_desc.load([row0, k0])
+        else:
+            a = tl.load(a_ptrs, mask=in_tile[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
         acc = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                    acc, IEEE)
         a_ptrs += BK
@@ -189,56 +218,59 @@ def _gemm2_tile(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS"])
+@triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
 def prefill_gemm1_kernel(
     x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
-    N, K, TK, top_k, E, PROGRAMS, w_rows,
+    N, K, TK, top_k, E, PROGRAMS, w_rows, R,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
-    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
-    x [T, K=H]; w13 [E, w_rows = 2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks
-    [BN, BK]); b13 [E, w_rows]; out [R, N] in x's dtype; expert_end [E] padded row ends.
+    x [T, K=H] (X_TMA: [R, K], x's rows gathered into the sorted row order); w13 [E, w_rows =
+    2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks [BN, BK]); b13 [E, w_rows];
+    out [R, N] in x's dtype; expert_end [E] padded row ends.
     """
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
+    x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
     tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                         N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-                        BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                        BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                            N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
-                            limit, BM, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                            nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
+                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if v == 1:
-                _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                            N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha,
-                            limit, BM // 2, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                            nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
+                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
-                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT,
+                                IEEE)
 
 
-@triton.jit(do_not_specialize=["TK", "E", "PROGRAMS"])
+@triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
 def prefill_gemm2_kernel(
     a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
-    N, K, TK, E, PROGRAMS, w_rows,
+    N, K, TK, E, PROGRAMS, w_rows, R,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
-    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-    IEEE: tl.constexpr,
+    FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
@@ -247,30 +279,31 @@ def prefill_gemm2_kernel(
     """
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
+    a_d0, a_d1, a_d2 = _row_descs(a_ptr, R, K, stride_am, BM, BK, TAIL, ACT_TMA)
     tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N, K, TK,
-                        w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                        BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
+                        K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
-                            K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                            N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
             if v == 1:
-                _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
-                            K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM // 2, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                            N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
             if TAIL == 4:
                 if v == 2:
-                    _gemm2_tile(a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                                N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                                BM // 4, BN, BK, TMA, HAS_BIAS, ON_INPUT, IEEE)
+                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                                nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
@@ -368,19 +401,24 @@ def fused_moe_prefill(
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
     p1 = _programs(bound_m * triton.cdiv(I, g1.BLOCK_SIZE_N), pre.programs_per_sm, dev)
+    w13_desc = _weight_desc(w13, g1, pre.tma, "w13")
+    # x_tma: x's rows in the sorted row order; padding rows (sentinel TK, or never written
+    # past the last expert's rows) take some token's row and are not stored
+    xg = x.index_select(0, (sorted_ids[:rows] // k).clamp_(0, T - 1)) if pre.x_tma else x
     prefill_gemm1_kernel[(p1,)](
-        x, w13, _weight_desc(w13, g1, pre.tma, "w13"), bias13, act, topk_weights, sorted_ids, expert_end,
-        I, H, TK, k, E, p1, R13,
-        x.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
+        xg, w13, w13_desc, bias13, act, topk_weights, sorted_ids, expert_end,
+        I, H, TK, k, E, p1, R13, rows,
+        xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
-        BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, GATED=is_gated(activation),
-        ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
+        BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
+        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
         act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end,
-        H, I, TK, E, p2, H,
+        H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
-        BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, HAS_BIAS=b2 is not None,
+        BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
+        HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(1024, max(16, triton.next_power_of_2(H)))

@@ -132,15 +132,24 @@ class PrefillConfig:
             expert's last tile runs a loop of BLOCK_SIZE_M / 2 or / 4 rows when those hold its rows.
         flatten: 1 has Triton flatten a persistent grid's tile and K loops into one pipelined
             loop (tail 1 and programs_per_sm >= 1 only: one loop per tile).
+        act_tma: 1 has GEMM2 read its activation rows (contiguous in the sorted layout) through
+            TMA descriptors built in the kernel as well, one per row-tile height (tma=2 only),
+            so both operands of its products come by TMA; 0 through pointers.
+        x_tma: 1 gathers x's rows into the sorted row order first (one [R, H] copy) and has
+            GEMM1 read them through TMA descriptors built in the kernel (tma=2 only); 0 gathers
+            the rows of each tile through pointers.
     """
 
     tma: int = 1
     programs_per_sm: int = 1
     tail: int = 2
     flatten: int = 0
+    act_tma: int = 0
+    x_tma: int = 0
 
     def __post_init__(self) -> None:
-        for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1))):
+        for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
+                              ("x_tma", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -150,6 +159,10 @@ class PrefillConfig:
         if self.flatten and (self.tail != 1 or self.programs_per_sm == 0):
             raise ValueError(f"prefill flatten=1 needs tail=1 and programs_per_sm >= 1, got tail={self.tail}, "
                              f"programs_per_sm={self.programs_per_sm}")
+        for name in ("act_tma", "x_tma"):
+            if getattr(self, name) and self.tma != 2:
+                raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
+                                 f"got tma={self.tma}")
 
     def to_json(self) -> Dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
@@ -457,7 +470,7 @@ _PREFILL_TILES = (
 def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
     """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
     T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
-    loops on persistent grids only); none below 32 rows per expert (T*k/E), where the weights,
+    loops on persistent grids only; activation rows by TMA with descriptors built in the kernel); none below 32 rows per expert (T*k/E), where the weights,
     not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512 rows per
     expert."""
     per_expert = T * k / E
@@ -474,6 +487,11 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
                 continue
             for tma, grid in ((1, per_sm), (1, 0), (0, per_sm), (0, 0), (2, per_sm)):
                 out.append(MoEConfig(g1, g2, PrefillConfig(tma, grid, tail)))
+            # both operands by TMA: GEMM2's act rows, and GEMM1's x rows gathered first
+            for grid, x_tma in ((per_sm, 0), (per_sm, 1), (0, 1)):
+                out.append(MoEConfig(g1, g2, PrefillConfig(2, grid, tail, act_tma=1, x_tma=x_tma)))
             if tail == 1:
                 out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail, flatten=1)))
+                for x_tma in (0, 1):
+                    out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma)))
     return out
