@@ -4,7 +4,7 @@ kernels.tuning.prefill_space at M in {1024, 4096, 16384} against the current tun
 the plain torch grouped-GEMM layer (same process, CUDA graphs, fresh routing per call).
 
     PYTHONPATH=src python bench/triton_prefill_h200.py [--out DIR] [--workers N] [--shapes a,b] [--ms 1024,4096]
-        [--only act_tma=1,x_tma=1]
+        [--only act_tma=1,x_tma=1] [--extra]
 
 Writes DIR/prefill_results.json (every timing, errors, padding waste, the winners) and
 DIR/configs/E=..,N=..,device_name=NVIDIA_H200.json: the shipped table with the measured M
@@ -32,13 +32,31 @@ from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
 from moekit.kernels.tuning import (
-    SHIPPED_DIR, MoEConfig, PrefillConfig, config_file_name, get_config, parse_configs, prefill_space,
+    SHIPPED_DIR, MoEConfig, PrefillConfig, TileConfig, config_file_name, get_config, parse_configs, prefill_space,
 )
 
 MS = (1024, 4096, 16384)
 PEAK = 790e12  # PERF.md's bf16 ceiling
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}  # PERF.md
 DEVICE_NAME = "NVIDIA_H200"
+
+
+# --extra: tile pairs outside kernels.tuning.prefill_space, timed with both operands of both
+# GEMMs by TMA (the first is prefill_space's first pair, for reference in the same process).
+EXTRA_TILES = (
+    (TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 3)),
+    (TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4)),    # deeper pipelines
+    (TileConfig(128, 64, 128, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 3)),   # K tiles of 128
+    (TileConfig(256, 128, 64, 8, 16, 3), TileConfig(256, 128, 64, 8, 16, 3)),  # 256 rows, 4 warpgroups
+    (TileConfig(256, 128, 64, 8, 16, 3), TileConfig(256, 256, 64, 8, 16, 3)),
+)
+
+
+def extra_candidates(T: int, E: int, k: int) -> list:
+    if T * k / E < 64:
+        return []
+    return [MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1, x_tma=x_tma))
+            for g1, g2 in EXTRA_TILES for tail in (1, 2, 4) for x_tma in (0, 1)]
 
 
 def _kernel_key(cfg: MoEConfig) -> str:
@@ -76,12 +94,15 @@ def _compile(job) -> str:
 class Bench:
     """Shapes, device and dtype of one run (cuda/bf16, or the cpu/fp32 dry run)."""
 
-    def __init__(self, shapes, Ms, device: str, limit: int, only: dict):
+    def __init__(self, shapes, Ms, device: str, limit: int, only: dict, extra: bool = False):
         self.shapes, self.Ms, self.dev, self.limit, self.only = shapes, Ms, torch.device(device), limit, only
+        self.extra = extra
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.name = DEVICE_NAME if device == "cuda" else None
 
     def candidates(self, shape, M) -> list:
+        if self.extra:
+            return extra_candidates(M, shape[1], shape[2])
         cands = prefill_space(M, shape[1], shape[2])  # bf16 tiles (the dry run's interpreter has no smem limit)
         if self.only:  # candidates with any of these knob values
             cands = [c for c in cands if any(getattr(c.prefill, k) == v for k, v in self.only.items())]
@@ -281,6 +302,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=0, help="time only the first N prefill candidates of a point")
     p.add_argument("--only", default="", help="time only candidates with any of these prefill knob values, "
                                               "e.g. act_tma=1,x_tma=1 (the current config is always timed)")
+    p.add_argument("--extra", action="store_true", help="time EXTRA_TILES (tiles outside the tuner's space) instead")
     p.add_argument("--deadline", type=float, default=320.0, help="seconds from the start; later points are skipped")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
@@ -291,7 +313,7 @@ def main() -> None:
     if args.device == "cpu":  # tiny stand-ins: the shapes' E and k, H = 64, I = 32
         shapes = [(name, min(E, 16), min(k, 4), 64, 32) for name, E, k, H, I in shapes]
     only = {k: int(v) for k, v in (kv.split("=") for kv in args.only.split(",") if kv)}
-    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit, only)
+    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit, only, args.extra)
     import triton  # noqa: PLC0415
 
     cuda = args.device == "cuda"
