@@ -114,3 +114,70 @@ def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)
+
+
+GLUON_TILES = [(128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (64, 128, 64, 4)]
+
+
+def _gluon_config(BM, BN, BK, stages):
+    from moekit.kernels.tuning import TileConfig  # noqa: PLC0415
+
+    warps = BM // 16
+    return MoEConfig(TileConfig(BM, 128, 64, 8, warps, 3), TileConfig(BM, BN, BK, 8, warps, stages),
+                     PrefillConfig(2, 1, 1, act_tma=1, gluon=1))
+
+
+@pytest.mark.parametrize("tiles", GLUON_TILES, ids=[f"{m}x{n}x{k}s{s}" for m, n, k, s in GLUON_TILES])
+@pytest.mark.parametrize("case", [
+    dict(E=16, k=8, H=2048, I=768, T=1500),                                  # Qwen3 slice, uneven experts
+    dict(E=12, k=2, H=2880, I=776, T=700, bias=True, n_remote=5),           # H, I off the tiles; map; bias
+    dict(E=8, k=1, H=1024, I=512, T=300, bias=True, on_input=True),         # weight on the input
+    dict(E=16, k=4, H=1024, I=256, T=3),                                     # fewer rows than one tile
+])
+def test_gluon_gemm2_matches_reference_and_triton(tiles, case, cuda_gen):
+    from moekit.kernels import gluon_prefill  # noqa: PLC0415
+
+    if gluon_prefill.available(torch.device("cuda")) is not None:
+        pytest.skip(gluon_prefill.available(torch.device("cuda")))
+    case = dict(case)
+    on_input = case.pop("on_input", False)
+    x, wts, w, ids, emap = _problem(case["E"], case["k"], case["H"], case["I"], case["T"], cuda_gen,
+                                    bias=case.get("bias", False), n_remote=case.get("n_remote", 0))
+    cfg = _gluon_config(*tiles)
+
+    def run(c):
+        return fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", on_input=on_input, config=c,
+                         direct=False)
+
+    out = run(cfg)
+    ref = reference_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert torch.equal(out, run(cfg))  # run to run
+    triton_gemm2 = run(MoEConfig(cfg.gemm1, cfg.gemm2, PrefillConfig(2, 1, 1, act_tma=1)))
+    assert rel_err(out, triton_gemm2) <= 1e-2
+
+
+def test_gluon_gemm2_in_a_cuda_graph(cuda_gen):
+    from moekit.kernels import gluon_prefill  # noqa: PLC0415
+
+    if gluon_prefill.available(torch.device("cuda")) is not None:
+        pytest.skip(gluon_prefill.available(torch.device("cuda")))
+    cfg = _gluon_config(128, 256, 64, 4)
+    x, wts, w, ids, _ = _problem(16, 8, 2048, 768, 1024, cuda_gen)
+
+    def run():
+        return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False)
+
+    eager = run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    ids.copy_(torch.rand(1024, 16, device="cuda", generator=cuda_gen).topk(8, dim=1).indices.int())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run()) and not torch.equal(captured, eager)

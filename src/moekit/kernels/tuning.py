@@ -138,6 +138,10 @@ class PrefillConfig:
         x_tma: 1 gathers x's rows into the sorted row order first (one [R, H] copy) and has
             GEMM1 read them through TMA descriptors built in the kernel (tma=2 only); 0 gathers
             the rows of each tile through pointers.
+        gluon: 1 runs GEMM2 on kernels/gluon_prefill.py's Hopper kernel (Gluon: one ring of TMA
+            stages across a persistent program's tiles, so the next tile's loads overlap a
+            tile's epilogue); SM90 with a triton that has Gluon, tail 1, a persistent grid of one
+            program per SM, GEMM2's tile and num_stages (ring depth) from gemm2. 0: Triton's.
     """
 
     tma: int = 1
@@ -146,10 +150,11 @@ class PrefillConfig:
     flatten: int = 0
     act_tma: int = 0
     x_tma: int = 0
+    gluon: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1))):
+                              ("x_tma", (0, 1)), ("gluon", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -159,6 +164,10 @@ class PrefillConfig:
         if self.flatten and (self.tail != 1 or self.programs_per_sm == 0):
             raise ValueError(f"prefill flatten=1 needs tail=1 and programs_per_sm >= 1, got tail={self.tail}, "
                              f"programs_per_sm={self.programs_per_sm}")
+        if self.gluon and (self.tail != 1 or self.programs_per_sm != 1 or self.flatten):
+            raise ValueError(f"prefill gluon=1 runs a persistent GEMM2 over whole tiles: it needs tail=1, "
+                             f"programs_per_sm=1 and flatten=0, got tail={self.tail}, "
+                             f"programs_per_sm={self.programs_per_sm}, flatten={self.flatten}")
         for name in ("act_tma", "x_tma"):
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
