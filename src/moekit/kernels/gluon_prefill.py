@@ -93,18 +93,22 @@ if _IMPORT_ERROR is None:
         return e, row0, rows, nt
 
     @gluon.jit
-    def _load_step(s, pid, programs, num_m, num_n, tile_end, row_base, ends, a_desc, w_desc, a_bufs, w_bufs, bars,
-                   N, KT, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                   E_PAD: gl.constexpr, LANES: gl.constexpr, NUM_BUF: gl.constexpr, pred):
-        """TMA loads of step s (item s // KT, K step s % KT) into stage s % NUM_BUF."""
-        e, row0, rows, nt = _tile(s // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M, E_PAD,
-                                  LANES)
+    def _coords(q, pid, programs, num_m, num_n, tile_end, row_base, ends, N,
+                BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, E_PAD: gl.constexpr, LANES: gl.constexpr):
+        """TMA row coordinates of this program's q-th item: its first act row, its first w2 row."""
+        e, row0, rows, nt = _tile(q, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M, E_PAD, LANES)
+        return row0, e * N + nt * BN
+
+    @gluon.jit
+    def _load_step(s, a_row, w_row, KT, a_desc, w_desc, a_bufs, w_bufs, bars, BK: gl.constexpr,
+                   NUM_BUF: gl.constexpr, pred):
+        """TMA loads of step s (K step s % KT of the item at rows a_row / w_row) into stage s % NUM_BUF."""
         k0 = (s % KT) * BK
         stage = s % NUM_BUF
         bar = bars.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(w_desc, [e * N + nt * BN, k0], bar, w_bufs.index(stage), pred)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k0], bar, a_bufs.index(stage), pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, k0], bar, w_bufs.index(stage), pred)
 
     @gluon.jit
     def gluon_gemm2_kernel(
@@ -115,9 +119,11 @@ if _IMPORT_ERROR is None:
     ):
         """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] for every row tile (w = 1 when it went on
         the input); a persistent program per SM walks items pid, pid + programs, ..."""
-        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        # Every warp holds all E_PAD lanes, so the schedule's sums are warp shuffles (no barrier).
+        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [num_warps], [0])
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BN, 16])
+        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
         ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
         COLS: gl.constexpr = gl.SliceLayout(0, ACC)
         dtype: gl.constexpr = a_desc.dtype
@@ -136,8 +142,12 @@ if _IMPORT_ERROR is None:
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(NUM_BUF - 1):
-            _load_step(i, pid, programs, num_m, num_n, tile_end, row_base, ends, a_desc, w_desc, a_bufs, w_bufs,
-                       bars, N, KT, BM, BN, BK, GROUP_M, E_PAD, LANES, NUM_BUF, i < steps)
+            a_row, w_row = _coords(i // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, N, BM, BN, GROUP_M,
+                                   E_PAD, LANES)
+            _load_step(i, a_row, w_row, KT, a_desc, w_desc, a_bufs, w_bufs, bars, BK, NUM_BUF, i < steps)
+        # the producer's item coordinates, recomputed when it crosses into the next item
+        a_row, w_row = _coords((NUM_BUF - 1) // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, N, BM, BN,
+                               GROUP_M, E_PAD, LANES)
 
         acc = gl.zeros([BM, BN], gl.float32, ACC)
         for s in range(steps):
@@ -149,8 +159,10 @@ if _IMPORT_ERROR is None:
             acc = warpgroup_mma_wait(1, deps=(acc,))
             # step s - 1's product is done: its stage takes step s + NUM_BUF - 1
             nxt = s + NUM_BUF - 1
-            _load_step(nxt, pid, programs, num_m, num_n, tile_end, row_base, ends, a_desc, w_desc, a_bufs, w_bufs,
-                       bars, N, KT, BM, BN, BK, GROUP_M, E_PAD, LANES, NUM_BUF, nxt < steps)
+            if nxt % KT == 0:
+                a_row, w_row = _coords(nxt // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, N, BM, BN,
+                                       GROUP_M, E_PAD, LANES)
+            _load_step(nxt, a_row, w_row, KT, a_desc, w_desc, a_bufs, w_bufs, bars, BK, NUM_BUF, nxt < steps)
             if kk == KT - 1:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 e, row0, rows, nt = _tile(s // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, BM,
@@ -165,12 +177,17 @@ if _IMPORT_ERROR is None:
                     bias = gl.load(b_ptr + e.to(gl.int64) * stride_be + cols, mask=col_ok, other=0.0)
                     out = out + gl.expand_dims(bias.to(gl.float32), 0)
                 if not ON_INPUT:
-                    w_row = gl.load(topk_w_ptr + assign, mask=live, other=0.0)
-                    out = out * gl.expand_dims(w_row, 1)
+                    route_w = gl.load(topk_w_ptr + assign, mask=live, other=0.0)
+                    out = out * gl.expand_dims(route_w, 1)
+                # rows of 16-byte pieces for the stores (through shared memory)
+                out = gl.convert_layout(out.to(y_ptr.dtype.element_ty), STORE)
+                rs = gl.arange(0, BM, layout=gl.SliceLayout(1, STORE))
+                cs = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
+                assign = gl.load(sorted_ptr + row0 + rs, mask=rs < rows, other=TK)
+                live = assign < TK
                 y_ptrs = y_ptr + gl.expand_dims(gl.where(live, assign, 0).to(gl.int64) * stride_ym, 1) \
-                    + gl.expand_dims(cols, 0)
-                gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty),
-                         mask=gl.expand_dims(live, 1) & gl.expand_dims(col_ok, 0))
+                    + gl.expand_dims(cs, 0)
+                gl.store(y_ptrs, out, mask=gl.expand_dims(live, 1) & gl.expand_dims(cs < N, 0))
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(bars.index(i))
 
