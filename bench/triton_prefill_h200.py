@@ -54,8 +54,8 @@ EXTRA_TILES = (
 
 # --gluon: GEMM2 tiles (BM, BN, BK, warps, ring stages) for kernels/gluon_prefill.py, after
 # prefill_space's first GEMM1 tile (tail 1, persistent), next to Triton's GEMM2 on TMA rows.
-GLUON_GEMM2 = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
-               (128, 256, 128, 8, 2))
+GLUON_GEMM2 = ((128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (64, 256, 64, 4, 2, 2), (64, 128, 64, 4, 4, 2),
+               (64, 128, 64, 4, 3, 2), (64, 128, 128, 4, 2, 2))
 
 
 def extra_candidates(T: int, E: int, k: int, gluon: bool = False) -> list:
@@ -64,10 +64,9 @@ def extra_candidates(T: int, E: int, k: int, gluon: bool = False) -> list:
     if gluon:
         g1, g2 = EXTRA_TILES[0]
         out = [MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1)) for tail in (1, 4)]
-        for x_tma in (0, 1):
-            out += [MoEConfig(g1, TileConfig(bm, bn, bk, 8, w, st), PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma,
-                                                                               gluon=1))
-                    for bm, bn, bk, w, st in GLUON_GEMM2]
+        for tail in (1, 2):
+            out += [MoEConfig(g1, TileConfig(bm, bn, bk, 8, w, st), PrefillConfig(2, per_sm, tail, act_tma=1, gluon=1))
+                    for bm, bn, bk, w, st, per_sm in GLUON_GEMM2]
         return out
     return [MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1, x_tma=x_tma))
             for g1, g2 in EXTRA_TILES for tail in (1, 2, 4) for x_tma in (0, 1)]

@@ -116,18 +116,20 @@ def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)
 
 
-GLUON_TILES = [(128, 256, 64, 3), (128, 256, 64, 4), (128, 128, 64, 4), (64, 128, 64, 4)]
+# (GEMM2 BM, BN, BK, ring stages, programs per SM, GEMM1 BM, tail)
+GLUON_TILES = [(128, 256, 64, 3, 1, 128, 1), (128, 256, 64, 4, 1, 128, 4), (64, 256, 64, 2, 2, 128, 2),
+               (64, 128, 64, 4, 2, 64, 1), (64, 128, 128, 2, 2, 128, 4)]
 
 
-def _gluon_config(BM, BN, BK, stages):
+def _gluon_config(BM, BN, BK, stages, per_sm=1, BM1=None, tail=1):
     from moekit.kernels.tuning import TileConfig  # noqa: PLC0415
 
-    warps = BM // 16
-    return MoEConfig(TileConfig(BM, 128, 64, 8, warps, 3), TileConfig(BM, BN, BK, 8, warps, stages),
-                     PrefillConfig(2, 1, 1, act_tma=1, gluon=1))
+    BM1 = BM1 or BM
+    return MoEConfig(TileConfig(BM1, 128, 64, 8, BM1 // 16, 3), TileConfig(BM, BN, BK, 8, BM // 16, stages),
+                     PrefillConfig(2, per_sm, tail, act_tma=1, gluon=1))
 
 
-@pytest.mark.parametrize("tiles", GLUON_TILES, ids=[f"{m}x{n}x{k}s{s}" for m, n, k, s in GLUON_TILES])
+@pytest.mark.parametrize("tiles", GLUON_TILES, ids=["{}x{}x{}s{}p{}/{}t{}".format(*t) for t in GLUON_TILES])
 @pytest.mark.parametrize("case", [
     dict(E=16, k=8, H=2048, I=768, T=1500),                                  # Qwen3 slice, uneven experts
     dict(E=12, k=2, H=2880, I=776, T=700, bias=True, n_remote=5),           # H, I off the tiles; map; bias
@@ -153,7 +155,7 @@ def test_gluon_gemm2_matches_reference_and_triton(tiles, case, cuda_gen):
     ref = reference_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input)
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
     assert torch.equal(out, run(cfg))  # run to run
-    triton_gemm2 = run(MoEConfig(cfg.gemm1, cfg.gemm2, PrefillConfig(2, 1, 1, act_tma=1)))
+    triton_gemm2 = run(MoEConfig(cfg.gemm1, cfg.gemm1, PrefillConfig(2, 1, cfg.prefill.tail, act_tma=1)))
     assert rel_err(out, triton_gemm2) <= 1e-2
 
 

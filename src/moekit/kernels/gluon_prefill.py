@@ -19,7 +19,8 @@ Operands: act [R, I] rows (sorted layout, contiguous per expert) and w2 as [E * 
 through host TMA descriptors ([BM, BK] and [BN, BK] blocks). A tile reads BM act rows from
 its first row: rows past the expert's belong to the next expert or are zeros past R and
 reach only rows that are not stored; weight rows past H reach only columns not stored.
-Rows are padded per expert to BM (tail = 1), so every tile starts on its own expert's row.
+Row tiles start at each expert's first (padded) row, whatever granule the alignment padded
+to; an expert's last tile may hold fewer than BM rows.
 
 Letters: as triton_prefill. Availability: `available()`; the launcher refuses otherwise.
 """
@@ -204,7 +205,7 @@ def _sms(device_index: int) -> int:
 def gluon_gemm2(act: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor], y: torch.Tensor,
                 topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, TK: int,
                 on_input: bool, BM: int, BN: int, BK: int, group_m: int, num_buf: int, num_warps: int,
-                e_pad: int) -> None:
+                e_pad: int, per_sm: int = 1) -> None:
     """y[a] for every assignment a of the sorted rows (launch-ready inputs from
     triton_prefill.fused_moe_prefill: act [R, I], w2 [E, H, I], y [TK, H] in act's dtype)."""
     if BM != 16 * num_warps or BN not in (64, 128, 256) or num_buf < 2:
@@ -215,9 +216,10 @@ def gluon_gemm2(act: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
     R = act.shape[0]
     a_desc = TensorDescriptor(act, [R, I], [act.stride(0), 1], [BM, BK], _nvmma([BM, BK], act.dtype))
     w_desc = TensorDescriptor(w2.view(E * H, I), [E * H, I], [I, 1], [BN, BK], _nvmma([BN, BK], w2.dtype))
-    items = (R // BM) * triton.cdiv(H, BN)  # bound: R rows hold at most R / BM row tiles
-    grid = (max(1, min(items, _sms(act.device.index if act.device.index is not None
-                                   else torch.cuda.current_device()))),)
+    E_rows = triton.cdiv(R, BM) + E  # bound: each expert adds at most one partly filled tile
+    items = E_rows * triton.cdiv(H, BN)
+    sms = _sms(act.device.index if act.device.index is not None else torch.cuda.current_device())
+    grid = (max(1, min(items, sms * per_sm)),)
     bias = b2 if b2 is not None else y
     gluon_gemm2_kernel[grid](
         a_desc, w_desc, bias, y, topk_weights, sorted_ids, expert_end,

@@ -431,9 +431,9 @@ def fused_moe_prefill(
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     if pre.gluon:
-        gluon_prefill.gluon_gemm2(act, w2, b2, y, topk_weights, sorted_ids, expert_end, TK, on_input, BM,
-                                  g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, g2.GROUP_SIZE_M, g2.num_stages, g2.num_warps,
-                                  e_pad)
+        gluon_prefill.gluon_gemm2(act, w2, b2, y, topk_weights, sorted_ids, expert_end, TK, on_input,
+                                  g2.BLOCK_SIZE_M, g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, g2.GROUP_SIZE_M, g2.num_stages,
+                                  g2.num_warps, e_pad, pre.programs_per_sm)
         return _sum_k(y, topk_ids, expert_map, T, H, out_dtype)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
