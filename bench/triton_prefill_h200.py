@@ -4,7 +4,7 @@ kernels.tuning.prefill_space at M in {1024, 4096, 16384} against the current tun
 the plain torch grouped-GEMM layer (same process, CUDA graphs, fresh routing per call).
 
     PYTHONPATH=src python bench/triton_prefill_h200.py [--out DIR] [--workers N] [--shapes a,b] [--ms 1024,4096]
-        [--only act_tma=1,x_tma=1] [--extra] [--gluon]
+        [--only act_tma=1,x_tma=1] [--extra]
 
 Writes DIR/prefill_results.json (every timing, errors, padding waste, the winners) and
 DIR/configs/E=..,N=..,device_name=NVIDIA_H200.json: the shipped table with the measured M
@@ -52,22 +52,9 @@ EXTRA_TILES = (
 )
 
 
-# --gluon: GEMM2 tiles (BM, BN, BK, warps, ring stages) for kernels/gluon_prefill.py, after
-# prefill_space's first GEMM1 tile (tail 1, persistent), next to Triton's GEMM2 on TMA rows.
-GLUON_GEMM2 = ((128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (64, 256, 64, 4, 2, 2), (64, 128, 64, 4, 4, 2),
-               (64, 128, 64, 4, 3, 2), (64, 128, 128, 4, 2, 2))
-
-
-def extra_candidates(T: int, E: int, k: int, gluon: bool = False) -> list:
+def extra_candidates(T: int, E: int, k: int) -> list:
     if T * k / E < 64:
         return []
-    if gluon:
-        g1, g2 = EXTRA_TILES[0]
-        out = [MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1)) for tail in (1, 4)]
-        for tail in (1, 2):
-            out += [MoEConfig(g1, TileConfig(bm, bn, bk, 8, w, st), PrefillConfig(2, per_sm, tail, act_tma=1, gluon=1))
-                    for bm, bn, bk, w, st, per_sm in GLUON_GEMM2]
-        return out
     return [MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1, x_tma=x_tma))
             for g1, g2 in EXTRA_TILES for tail in (1, 2, 4) for x_tma in (0, 1)]
 
@@ -82,7 +69,7 @@ def _kernel_key(cfg: MoEConfig) -> str:
 def _label(cfg: MoEConfig) -> str:
     g1, g2 = cfg.gemm1, cfg.gemm2
     return (f"prefill:{json.dumps(cfg.prefill.to_json(), sort_keys=True)}|{g1.BLOCK_SIZE_M}x{g1.BLOCK_SIZE_N}"
-            f"w{g1.num_warps}s{g1.num_stages}/{g2.BLOCK_SIZE_N}k{g2.BLOCK_SIZE_K}w{g2.num_warps}s{g2.num_stages}")
+            f"w{g1.num_warps}s{g1.num_stages}/{g2.BLOCK_SIZE_N}w{g2.num_warps}s{g2.num_stages}")
 
 
 def _compile(job) -> str:
@@ -107,15 +94,15 @@ def _compile(job) -> str:
 class Bench:
     """Shapes, device and dtype of one run (cuda/bf16, or the cpu/fp32 dry run)."""
 
-    def __init__(self, shapes, Ms, device: str, limit: int, only: dict, extra: bool = False, gluon: bool = False):
+    def __init__(self, shapes, Ms, device: str, limit: int, only: dict, extra: bool = False):
         self.shapes, self.Ms, self.dev, self.limit, self.only = shapes, Ms, torch.device(device), limit, only
-        self.extra, self.gluon = extra, gluon
+        self.extra = extra
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.name = DEVICE_NAME if device == "cuda" else None
 
     def candidates(self, shape, M) -> list:
-        if self.extra or self.gluon:
-            return extra_candidates(M, shape[1], shape[2], self.gluon)
+        if self.extra:
+            return extra_candidates(M, shape[1], shape[2])
         cands = prefill_space(M, shape[1], shape[2])  # bf16 tiles (the dry run's interpreter has no smem limit)
         if self.only:  # candidates with any of these knob values
             cands = [c for c in cands if any(getattr(c.prefill, k) == v for k, v in self.only.items())]
@@ -274,7 +261,7 @@ def knob_table(rows) -> list:
         best = min(r["us"] for r in pre)
         parts = []
         for knob, values in (("tma", (1, 2, 0)), ("programs_per_sm", (2, 1, 0)), ("tail", (1, 2, 4)),
-                             ("flatten", (1, 0)), ("act_tma", (1, 0)), ("x_tma", (1, 0)), ("gluon", (1, 0))):
+                             ("flatten", (1, 0)), ("act_tma", (1, 0)), ("x_tma", (1, 0))):
             for v in values:
                 ts = [r["us"] for r in pre if dict(defaults, **r["config"]["prefill"])[knob] == v]
                 parts.append(f"{knob[:4]}={v}:{min(ts) / best:.2f}" if ts else f"{knob[:4]}={v}:-")
@@ -316,7 +303,6 @@ def main() -> None:
     p.add_argument("--only", default="", help="time only candidates with any of these prefill knob values, "
                                               "e.g. act_tma=1,x_tma=1 (the current config is always timed)")
     p.add_argument("--extra", action="store_true", help="time EXTRA_TILES (tiles outside the tuner's space) instead")
-    p.add_argument("--gluon", action="store_true", help="time the Gluon GEMM2 (GLUON_GEMM2 tiles) instead")
     p.add_argument("--deadline", type=float, default=320.0, help="seconds from the start; later points are skipped")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
@@ -327,8 +313,7 @@ def main() -> None:
     if args.device == "cpu":  # tiny stand-ins: the shapes' E and k, H = 64, I = 32
         shapes = [(name, min(E, 16), min(k, 4), 64, 32) for name, E, k, H, I in shapes]
     only = {k: int(v) for k, v in (kv.split("=") for kv in args.only.split(",") if kv)}
-    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit, only, args.extra,
-                  args.gluon)
+    bench = Bench(shapes, [int(m) for m in args.ms.split(",")], args.device, args.limit, only, args.extra)
     import triton  # noqa: PLC0415
 
     cuda = args.device == "cuda"

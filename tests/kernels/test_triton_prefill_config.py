@@ -43,9 +43,6 @@ def test_entries_without_prefill_keep_the_sorted_kernels():
     (dict(act_tma=1, tma=1), "act_tma=1 .* needs tma=2"),             # descriptors per tile height
     (dict(act_tma=2, tma=2), "act_tma must be one of"),
     (dict(x_tma=1, tma=0), "x_tma=1 .* needs tma=2"),
-    (dict(gluon=1, programs_per_sm=0), "gluon=1 .* programs_per_sm 1 or 2"),  # persistent only
-    (dict(gluon=1, programs_per_sm=3), "programs_per_sm 1 or 2"),
-    (dict(gluon=1, tail=1, flatten=1), "flatten=0"),
 ])
 def test_bad_knobs_are_errors(knobs, match):
     with pytest.raises(ValueError, match=match):
@@ -92,29 +89,3 @@ def test_candidates_by_rows_per_expert():
         assert cfg.row_granule >= 16 and MoEConfig.from_json(cfg.to_json()) == cfg
     # the sorted kernels' search space is unchanged by the prefill candidates
     assert search_space(4096, 128, 8)[0]
-
-
-def test_gluon_gemm2_is_refused_where_it_cannot_run_and_table_entries_fall_back():
-    import torch  # noqa: PLC0415
-
-    from moekit.kernels import launch  # noqa: PLC0415
-
-    cfg = MoEConfig(G1, G2, PrefillConfig(tma=2, tail=1, act_tma=1, gluon=1))
-    assert MoEConfig.from_json(cfg.to_json()) == cfg
-    # the Gluon GEMM2 tiles the same padded rows with its own BLOCK_SIZE_M; Triton's GEMM2 cannot
-    small = TileConfig(64, 128, 64, 8, 4, 4)
-    mixed = MoEConfig(G1, small, PrefillConfig(tma=2, tail=2, gluon=1, programs_per_sm=2))
-    assert MoEConfig.from_json(mixed.to_json()) == mixed
-    with pytest.raises(ValueError, match="gemm2.BLOCK_SIZE_M must equal"):
-        MoEConfig(G1, small, PrefillConfig(tma=2, tail=2))
-    T, E, k, H, I = 8, 4, 2, 64, 32
-    x = torch.randn(T, H)
-    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
-    with pytest.raises(ValueError, match="prefill gluon=1 cannot run here: it needs a CUDA device"):
-        launch.fused_moe(x, w13, w2, None, None, torch.rand(T, k), ids, None, "silu", config=cfg, direct=False)
-    # a tuned entry (no config passed) keeps its tiles and runs Triton's GEMM2
-    here = launch._runnable_here(cfg, torch.device("cpu"), torch.float32)
-    assert here.prefill.gluon == 0 and here.gemm2 == cfg.gemm2 and here.prefill.act_tma == 1
-    plain = MoEConfig(G1, G2, PrefillConfig(tma=2, tail=1))
-    assert launch._runnable_here(plain, torch.device("cpu"), torch.float32) is plain

@@ -13,8 +13,6 @@ here per call, the counters cleared by GEMM1); PDL launches GEMM2 as GEMM1's dep
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -22,14 +20,11 @@ import torch
 import triton
 
 from ..activations import check_activation, is_gated
-from . import gluon_prefill
 from . import triton_align as align
 from . import triton_decode as dec
 from . import triton_moe as moe
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
-
-logger = logging.getLogger("moekit")
 
 __all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
 
@@ -66,27 +61,6 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
     al = Alignment(torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev),
                    torch.empty(num_experts, dtype=torch.int32, device=dev), max_blocks, block_m)
     return al, triton.next_power_of_2(num_experts + 1)
-
-
-def _runnable_here(config: MoEConfig, dev: torch.device, dtype: torch.dtype) -> MoEConfig:
-    """A tuned table's entry as it can run here: an entry with the Gluon GEMM2 runs Triton's
-    GEMM2 on the same tiles where Gluon cannot (logged once). A config the caller passes is
-    taken as given: the launcher refuses what it cannot serve."""
-    pre = config.prefill
-    if pre is None or not pre.gluon:
-        return config
-    why = gluon_prefill.available(dev)
-    if why is None and dtype not in (torch.bfloat16, torch.float16):
-        why = f"it takes bf16 or fp16, got {dtype}"
-    if why is None:
-        return config
-    _log_once(f"tuned entry with the Gluon GEMM2 runs Triton's GEMM2 instead: {why}")
-    return replace(config, prefill=replace(pre, gluon=0))
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
 
 
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
@@ -201,10 +175,8 @@ def fused_moe(
     if direct and k > moe.MAX_TOP_K:
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
-        config = _runnable_here(get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None),
-                                dev, x.dtype)
+        config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
     if config.prefill is not None and not direct:
-        prefill.check_prefill(config, x, w2)
         al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX)
         return prefill.fused_moe_prefill(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,
                                          al.expert_end, al.max_blocks * al.block_m, activation, alpha, limit,

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from . import gluon_prefill
 from .triton_moe import _apply_act, sum_k_kernel
 from .tuning import MoEConfig, TileConfig
 
@@ -306,17 +305,6 @@ def prefill_gemm2_kernel(
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                                 BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
 
-def check_prefill(config: MoEConfig, x: torch.Tensor, w2: torch.Tensor) -> None:
-    """Errors for what the prefill knobs of config cannot serve here, before anything launches."""
-    if config.prefill.gluon:
-        why = gluon_prefill.available(x.device)
-        if why is None and x.dtype not in (torch.bfloat16, torch.float16):
-            why = f"it takes bf16 or fp16, got {x.dtype}"
-        if why is not None:
-            raise ValueError(f"prefill gluon=1 cannot run here: {why}")
-        _check_tma(w2, config.gemm2, "w2")
-
-
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
     and each expert adds at most one partly filled tile."""
@@ -344,25 +332,19 @@ def _weight_desc(w: torch.Tensor, cfg: TileConfig, tma: int, name: str):
     sets to torch allocations on w's device)."""
     if tma == 0:
         return w
-    _check_tma(w, cfg, name)
-    if tma == 2:
-        triton.set_allocator(functools.partial(_scratch, w.device))
-        return w
-    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (triton >= 3.4)
-
     E, rows, K = w.shape
-    return TensorDescriptor(w.view(E * rows, K), [E * rows, K], [K, 1], [cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K])
-
-
-def _check_tma(w: torch.Tensor, cfg: TileConfig, name: str) -> None:
-    """What TMA descriptors over w [E, rows, K] with [BN, BK] blocks need, as clear errors."""
-    K = w.shape[2]
     if (K * w.element_size()) % 16 or w.data_ptr() % 16:
         raise ValueError(f"TMA needs {name}'s rows 16-byte aligned (K * {w.element_size()} bytes a multiple of 16), "
                          f"got K = {K}; use a config with prefill tma=0")
     if cfg.BLOCK_SIZE_N > 256 or cfg.BLOCK_SIZE_K > 256:
         raise ValueError(f"TMA blocks are at most 256 wide, got BLOCK_SIZE_N={cfg.BLOCK_SIZE_N}, "
                          f"BLOCK_SIZE_K={cfg.BLOCK_SIZE_K}")
+    if tma == 2:
+        triton.set_allocator(functools.partial(_scratch, w.device))
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (triton >= 3.4)
+
+    return TensorDescriptor(w.view(E * rows, K), [E * rows, K], [K, 1], [cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K])
 
 
 def _scratch(device: torch.device, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -430,11 +412,6 @@ def fused_moe_prefill(
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
-    if pre.gluon:
-        gluon_prefill.gluon_gemm2(act, w2, b2, y, topk_weights, sorted_ids, expert_end, TK, on_input,
-                                  g2.BLOCK_SIZE_M, g2.BLOCK_SIZE_N, g2.BLOCK_SIZE_K, g2.GROUP_SIZE_M, g2.num_stages,
-                                  g2.num_warps, e_pad, pre.programs_per_sm)
-        return _sum_k(y, topk_ids, expert_map, T, H, out_dtype)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
         act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end,
@@ -443,14 +420,7 @@ def fused_moe_prefill(
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
-    return _sum_k(y, topk_ids, expert_map, T, H, out_dtype)
-
-
-def _sum_k(y: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], T: int, H: int,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """[T, H] in out_dtype: each token's k rows of y added in slot order."""
-    k = topk_ids.shape[1]
-    out = torch.empty(T, H, dtype=out_dtype, device=y.device)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(1024, max(16, triton.next_power_of_2(H)))
     bt = max(1, 4096 // bn)
     has_map = expert_map is not None

@@ -138,12 +138,6 @@ class PrefillConfig:
         x_tma: 1 gathers x's rows into the sorted row order first (one [R, H] copy) and has
             GEMM1 read them through TMA descriptors built in the kernel (tma=2 only); 0 gathers
             the rows of each tile through pointers.
-        gluon: 1 runs GEMM2 on kernels/gluon_prefill.py's Hopper kernel (Gluon: one ring of TMA
-            stages across a persistent program's tiles, so the next tile's loads overlap a
-            tile's epilogue); SM90 with a triton that has Gluon, programs_per_sm programs per SM
-            (2: two small programs share an SM, one's epilogue under the other's products),
-            GEMM2's tile (its BLOCK_SIZE_M may differ from GEMM1's: tiles start at each
-            expert's padded rows) and num_stages (ring depth) from gemm2. 0: Triton's.
     """
 
     tma: int = 1
@@ -152,11 +146,10 @@ class PrefillConfig:
     flatten: int = 0
     act_tma: int = 0
     x_tma: int = 0
-    gluon: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1)), ("gluon", (0, 1))):
+                              ("x_tma", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -166,9 +159,6 @@ class PrefillConfig:
         if self.flatten and (self.tail != 1 or self.programs_per_sm == 0):
             raise ValueError(f"prefill flatten=1 needs tail=1 and programs_per_sm >= 1, got tail={self.tail}, "
                              f"programs_per_sm={self.programs_per_sm}")
-        if self.gluon and (self.programs_per_sm not in (1, 2) or self.flatten):
-            raise ValueError(f"prefill gluon=1 runs a persistent GEMM2: it needs programs_per_sm 1 or 2 and "
-                             f"flatten=0, got programs_per_sm={self.programs_per_sm}, flatten={self.flatten}")
         for name in ("act_tma", "x_tma"):
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
@@ -195,8 +185,7 @@ class MoEConfig:
     prefill: Optional[PrefillConfig] = None
 
     def __post_init__(self) -> None:
-        gluon = self.prefill is not None and self.prefill.gluon  # its own row tiles over the same rows
-        if self.gemm1.BLOCK_SIZE_M != self.gemm2.BLOCK_SIZE_M and not gluon:
+        if self.gemm1.BLOCK_SIZE_M != self.gemm2.BLOCK_SIZE_M:
             raise ValueError(
                 f"gemm2.BLOCK_SIZE_M must equal gemm1.BLOCK_SIZE_M={self.gemm1.BLOCK_SIZE_M}, "
                 f"got {self.gemm2.BLOCK_SIZE_M}")
@@ -230,8 +219,7 @@ class MoEConfig:
     def to_json(self) -> Dict:
         entry = dict(self.gemm1.to_json())
         g2 = self.gemm2.to_json()
-        if g2["BLOCK_SIZE_M"] == self.gemm1.BLOCK_SIZE_M:  # shared; a Gluon GEMM2 may tile rows its own way
-            del g2["BLOCK_SIZE_M"]
+        del g2["BLOCK_SIZE_M"]
         entry["gemm2"] = g2
         if self.prefill is not None:
             entry["prefill"] = self.prefill.to_json()
@@ -250,7 +238,7 @@ class MoEConfig:
         if "gemm2" not in entry:  # one config for both GEMMs (fusing them is GEMM1's knob alone)
             return cls(g1, replace(g1, FUSED=0), prefill)
         down = entry["gemm2"]
-        allowed = _KEYS + tuple(_OPTIONAL)
+        allowed = _KEYS[1:] + tuple(_OPTIONAL)
         if not isinstance(down, dict) or set(down) - set(allowed):
             raise ValueError(f"{where}.gemm2 must hold some of {list(allowed)}, got {down!r}")
         # The knobs of GEMM2 are its own: left out means the default, not GEMM1's value.
