@@ -30,8 +30,6 @@ __all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SM
 
 # Up to this many assignments one program aligns them (one launch); above, three launches.
 ALIGN_SMALL_MAX = align.SMALL
-# Up to this many tokens the sum over k runs one token row per program, its slot loads pipelined.
-SUM_K_ROW_MAX = 256
 # Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
 _FUSED_SUM_RB, _FUSED_SUM_BN = 16, 64
 
@@ -251,18 +249,7 @@ def fused_moe(
             **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
-    out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    bn = min(1024, _pow2(H))
-    bt = max(1, 4096 // bn)
-    stages = None
-    if T <= SUM_K_ROW_MAX:
-        # Few tokens: a program per token row keeps enough programs, and pipelined slot loads
-        # keep enough bytes in flight (one [4, 1024] tile per program left most SMs waiting).
-        bt, stages = 1, 4
-    moe.sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
-        out2, out, topk_ids, emap, T, H, k, out2.stride(0), out.stride(0),
-        BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, num_warps=4)
-    return out
+    return moe.sum_over_k(out2, topk_ids, emap, has_map, out_dtype)
 
 
 def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit, on_input,

@@ -28,13 +28,14 @@ TK = T * k assignments, R rows of the activation buffer.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "zero_counters", "split_sum", "split_iters", "direct_slots", "direct_w2_tile",
-           "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "zero_counters", "split_sum",
+           "split_iters", "direct_slots", "direct_w2_tile", "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
 MAX_EXPERTS = 1024
@@ -419,3 +420,29 @@ def sum_k_kernel(
         acc += v.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
+
+
+# Up to this many tokens the sum over k runs one token row per program.
+SUM_K_ROW_MAX = 256
+
+
+def sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, emap: torch.Tensor, has_map: bool,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in out_dtype: each token's k rows of y [T * k, H] added in slot order (sum_k_kernel;
+    emap: expert_map, or any int32 tensor when has_map is False)."""
+    T, k = topk_ids.shape
+    H = y.shape[1]
+    out = torch.empty(T, H, dtype=out_dtype, device=y.device)
+    bn = min(1024, max(16, triton.next_power_of_2(H)))
+    if T <= SUM_K_ROW_MAX:
+        # Few tokens: a program per token row keeps enough programs, and pipelined slot loads
+        # keep enough bytes in flight (one [4, 1024] tile per program left most SMs waiting).
+        bt, stages = 1, 4
+    else:
+        # Three slot loads in flight: 3.0 -> 3.7 TB/s at 4096 tokens of H = 2048, 3.8 -> 4.35 at
+        # DeepSeek-V3's 16384 (bench/sum_k_h200.py, bench/results/h200-sum-k.json).
+        bt, stages = max(1, 4096 // bn), 3
+    sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
+        y, out, topk_ids, emap, T, H, k, y.stride(0), out.stride(0),
+        BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, num_warps=4)
+    return out

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, sum_k_kernel
+from .triton_moe import _apply_act, sum_over_k
 from .tuning import MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
@@ -420,11 +420,5 @@ def fused_moe_prefill(
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
-    out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    bn = min(1024, max(16, triton.next_power_of_2(H)))
-    bt = max(1, 4096 // bn)
     has_map = expert_map is not None
-    sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
-        y, out, topk_ids, expert_map if has_map else topk_ids, T, H, k, y.stride(0), out.stride(0),
-        BT=bt, BN=bn, HAS_MAP=has_map, num_warps=4)
-    return out
+    return sum_over_k(y, topk_ids, expert_map if has_map else topk_ids, has_map, out_dtype)
