@@ -346,5 +346,5 @@ def fused_moe_quant(
     has_map = expert_map is not None
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
         y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
-        S=splits, BN=bn, HAS_MAP=has_map, **chain, num_warps=4)
+        S=splits, BN=bn, HAS_MAP=has_map, STAGES=3, **chain, num_warps=4)
     return out

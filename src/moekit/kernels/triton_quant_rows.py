@@ -245,13 +245,14 @@ def align_quant_kernel(
 @triton.jit(do_not_specialize=["top_k"])
 def sum_slots_kernel(
     y_ptr, out_ptr, ids_ptr, map_ptr, N, top_k, stride_ys, stride_y, stride_o,
-    S: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    S: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     """out[t, n] = sum over slots j = 0..k-1, then splits s = 0..S-1 (in that order) of
     y[s, t*k+j, n], skipping non-local slots; the sum is fp32. Grid (T, column blocks).
 
     y [S, TK, N] (x's dtype, or fp32 partials when S > 1); out [T, N] (fp32 or x's dtype).
     PDL: launched as a programmatic dependent (SM90+): waits for GEMM2 first.
+    STAGES: slot loads kept in flight (None: Triton's default, no pipelining).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -259,7 +260,7 @@ def sum_slots_kernel(
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < N
     acc = tl.zeros([BN], dtype=tl.float32)
-    for j in range(0, top_k):
+    for j in tl.range(0, top_k, num_stages=STAGES):
         assign = t * top_k + j
         e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
         row = y_ptr + assign.to(tl.int64) * stride_y + n
