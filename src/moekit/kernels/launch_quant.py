@@ -165,6 +165,12 @@ def _sum_block(T: int, H: int) -> int:
     return bn
 
 
+def _sum_stages(T: int) -> Optional[int]:
+    """Slot loads the sum over slots keeps in flight: three from 256 tokens (Qwen3 fp8 M = 256:
+    5.7 -> 4.7 us, M = 16384: 147 -> 143 us), none below (M = 16: 2.4 us, 4.5 with three)."""
+    return 3 if T >= 256 else None
+
+
 def fused_moe_quant(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -346,5 +352,5 @@ def fused_moe_quant(
     has_map = expert_map is not None
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
         y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
-        S=splits, BN=bn, HAS_MAP=has_map, STAGES=3, **chain, num_warps=4)
+        S=splits, BN=bn, HAS_MAP=has_map, STAGES=_sum_stages(T), **chain, num_warps=4)
     return out
