@@ -19,6 +19,9 @@ Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I
 TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
 A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
 are computed and never stored, and TMA fills rows and K columns past the tensor with zeros.
+Activation rows (ACT_TMA: GEMM2's act, contiguous per expert; X_TMA: x gathered into the
+sorted row order by one copy first) come through descriptors built in the kernel, one per
+row-tile height; a tile's BMT rows may run past its expert's, and those rows are not stored.
 GEMM2 writes each assignment's weighted row y[a] in x's dtype and triton_moe.sum_k_kernel
 adds a token's k rows in slot order (deterministic, as on the other sorted path).
 
