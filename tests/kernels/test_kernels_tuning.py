@@ -155,3 +155,25 @@ def test_tune_cli_errors(argv, match):
         match = "needs a CUDA GPU"
     with pytest.raises(SystemExit, match=match):
         main(argv)
+
+
+def test_tune_confirms_the_fastest_by_median_of_interleaved_rounds():
+    from moekit.cli.tune import confirm_fastest
+
+    first = {"a": 10.0, "b": 10.4, "c": 11.0, "d": 30.0, "failed": float("inf")}
+    later = {"a": [12.0, 12.1, 11.9], "b": [10.3, 10.5, 10.4], "c": [10.9, 11.2, 11.0]}
+    order = []
+
+    def measure(key):
+        order.append(key)
+        return later[key][sum(1 for k in order if k == key) - 1]
+
+    winner, times = confirm_fastest(first, measure, top=3, rounds=3)
+    assert winner == "b"                                  # a's first timing was the lucky one
+    assert set(times) == {"a", "b", "c"}                  # the three fastest finite ones only
+    assert times["b"] == [10.4, 10.3, 10.5, 10.4]
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each round starts one later
+    # one runnable candidate: nothing to confirm; none: an error
+    assert confirm_fastest({"x": 5.0, "y": float("inf")}, measure) == ("x", {"x": [5.0]})
+    with pytest.raises(ValueError, match="no candidate ran"):
+        confirm_fastest({"y": float("inf")}, measure)
