@@ -178,12 +178,15 @@ def search_shape(
             winner = min([winner] + [MoEConfig(winner.gemm1, g2) for g2 in g2s.get(winner.block_m, [])], key=timed)
         winner = min([winner] + late_variants(winner, M, E, k), key=timed)
         default_us = timed(default)
-        key, confirm = confirm_fastest(seen, lambda key: measure(configs[key]))
-        winner = configs[key]
+        confirm: Dict[str, list] = {}
+        us = float("inf")  # nothing ran (a dry run off the GPU): the search's pick stays
+        if any(t != float("inf") for t in seen.values()):
+            key, confirm = confirm_fastest(seen, lambda key: measure(configs[key]))
+            winner, us = configs[key], median(confirm[key])
         if step:
-            step(f"M={M} confirmed {winner.to_json()}: " + ", ".join(f"{us:.1f}" for us in confirm[key]) + " us")
+            step(f"M={M} confirmed {winner.to_json()}: {us:.1f} us")
         best[M] = winner
-        info[M] = {"us": median(confirm[key]), "default_us": default_us,
+        info[M] = {"us": us, "default_us": default_us,
                    "tried": sum(1 for v in seen.values() if v != float("inf")), "timings": dict(seen),
                    "confirm": confirm}
         del sets
