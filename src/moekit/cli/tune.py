@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -114,12 +115,7 @@ def confirm_fastest(first: Dict[str, float], measure: Callable[[str], float], to
         for r in range(rounds):
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 times[key].append(measure(key))
-    return min(keys, key=lambda key: (median(times[key]), keys.index(key))), times
-
-
-def median(values: Sequence[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
+    return min(keys, key=lambda key: (statistics.median(times[key]), keys.index(key))), times
 
 
 def search_shape(
@@ -182,7 +178,7 @@ def search_shape(
         us = float("inf")  # nothing ran (a dry run off the GPU): the search's pick stays
         if any(t != float("inf") for t in seen.values()):
             key, confirm = confirm_fastest(seen, lambda key: measure(configs[key]))
-            winner, us = configs[key], median(confirm[key])
+            winner, us = configs[key], statistics.median(confirm[key])
         if step:
             step(f"M={M} confirmed {winner.to_json()}: {us:.1f} us")
         best[M] = winner
