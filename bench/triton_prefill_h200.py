@@ -4,7 +4,7 @@ kernels.tuning.prefill_space at M in {1024, 4096, 16384} against the current tun
 the plain torch grouped-GEMM layer (same process, CUDA graphs, fresh routing per call).
 
     PYTHONPATH=src python bench/triton_prefill_h200.py [--out DIR] [--workers N] [--shapes a,b] [--ms 1024,4096]
-        [--only act_tma=1,x_tma=1] [--extra]
+        [--only act_tma=1,x_tma=1] [--only ws=1] [--extra]
 
 Writes DIR/prefill_results.json (every timing, errors, padding waste, the winners) and
 DIR/configs/E=..,N=..,device_name=NVIDIA_H200.json: the shipped table with the measured M
@@ -157,7 +157,7 @@ class Bench:
                 errs[key] = f"{type(e).__name__}: {str(e)[:200]}"
         # Biases and an expert map (half the global experts remote), one program per work item.
         cfg = max(variants.values(), key=lambda c: c.prefill.tail)
-        cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, programs_per_sm=0))
+        cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, programs_per_sm=int(cfg.prefill.ws)))
         emap = torch.full((2 * Es,), -1, dtype=torch.int32, device=self.dev)
         emap[torch.randperm(2 * Es, device=self.dev, generator=gen)[:Es]] = torch.arange(Es, dtype=torch.int32,
                                                                                         device=self.dev)
@@ -261,7 +261,7 @@ def knob_table(rows) -> list:
         best = min(r["us"] for r in pre)
         parts = []
         for knob, values in (("tma", (1, 2, 0)), ("programs_per_sm", (2, 1, 0)), ("tail", (1, 2, 4)),
-                             ("flatten", (1, 0)), ("act_tma", (1, 0)), ("x_tma", (1, 0))):
+                             ("flatten", (1, 0)), ("act_tma", (1, 0)), ("x_tma", (1, 0)), ("ws", (1, 0))):
             for v in values:
                 ts = [r["us"] for r in pre if dict(defaults, **r["config"]["prefill"])[knob] == v]
                 parts.append(f"{knob[:4]}={v}:{min(ts) / best:.2f}" if ts else f"{knob[:4]}={v}:-")

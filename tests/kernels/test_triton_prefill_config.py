@@ -19,6 +19,9 @@ def test_json_holds_only_knobs_off_their_defaults_and_round_trips():
     entry = cfg.to_json()
     assert entry["prefill"] == {"tma": 0, "tail": 4}
     assert parse_configs(json.dumps({"4096": entry}), "f.json")[4096] == cfg
+    ws = MoEConfig(G1, G2, PrefillConfig(tma=2, tail=1, act_tma=1, ws=1))
+    assert ws.to_json()["prefill"] == {"tma": 2, "tail": 1, "act_tma": 1, "ws": 1}
+    assert parse_configs(json.dumps({"4096": ws.to_json()}), "f.json")[4096] == ws
     both = MoEConfig(G1, G2, PrefillConfig(tma=2, tail=1, flatten=1, act_tma=1))
     assert both.to_json()["prefill"] == {"tma": 2, "tail": 1, "flatten": 1, "act_tma": 1}
     assert parse_configs(json.dumps({"4096": both.to_json()}), "f.json")[4096] == both
@@ -43,6 +46,11 @@ def test_entries_without_prefill_keep_the_sorted_kernels():
     (dict(act_tma=1, tma=1), "act_tma=1 .* needs tma=2"),             # descriptors per tile height
     (dict(act_tma=2, tma=2), "act_tma must be one of"),
     (dict(x_tma=1, tma=0), "x_tma=1 .* needs tma=2"),
+    (dict(ws=1, tma=2, tail=1), "ws=1 needs .*act_tma=1"),           # the producer loads by TMA only
+    (dict(ws=1, tma=2, act_tma=1), "ws=1 needs .*tail=1"),           # one loop per tile
+    (dict(ws=1, tma=2, act_tma=1, tail=1, programs_per_sm=0), "ws=1 needs .*programs_per_sm >= 1"),
+    (dict(ws=1, tma=2, act_tma=1, tail=1, flatten=1), "ws=1 needs .*flatten=0"),
+    (dict(ws=2, tma=2, act_tma=1, tail=1), "ws must be one of"),
 ])
 def test_bad_knobs_are_errors(knobs, match):
     with pytest.raises(ValueError, match=match):
@@ -84,7 +92,15 @@ def test_candidates_by_rows_per_expert():
     assert rows == {(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)}
     flat = [c.prefill for c in mid if c.prefill.flatten]
     assert flat and all(f.tail == 1 and f.programs_per_sm >= 1 for f in flat)
-    assert {c.prefill.programs_per_sm for c in mid if c.gemm1.num_warps == 4 and c.block_m == 128} == {0, 2}
+    plain = [c for c in mid if not c.prefill.ws]
+    assert {c.prefill.programs_per_sm for c in plain if c.gemm1.num_warps == 4 and c.block_m == 128} == {0, 2}
+    # warp-specialized loops: 128-row tiles, one consumer warpgroup's num_warps, both x modes
+    ws = [c for c in mid if c.prefill.ws]
+    assert ws and {c.prefill.x_tma for c in ws} == {0, 1}
+    assert all(c.block_m == 128 and c.gemm1.num_warps == c.gemm2.num_warps == 4 and c.prefill.tail == 1
+               and c.prefill.act_tma and c.prefill.programs_per_sm == 1 for c in ws)
+    assert not [c for c in prefill_space(1024, 256, 8) if c.prefill.ws]  # 32 rows per expert
+    assert not [c for c in prefill_space(4096, 128, 8, elem_bytes=1) if c.prefill.ws]
     for cfg in mid:  # every candidate is a valid config that fits the SM90 limits
         assert cfg.row_granule >= 16 and MoEConfig.from_json(cfg.to_json()) == cfg
     # the sorted kernels' search space is unchanged by the prefill candidates

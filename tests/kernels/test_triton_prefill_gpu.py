@@ -38,7 +38,7 @@ def _configs():
     programs per SM)."""
     pairs = {}
     for c in prefill_space(4096, 128, 8):
-        if c.prefill.programs_per_sm > 0:
+        if c.prefill.programs_per_sm > 0 and not c.prefill.ws:
             pairs.setdefault((c.gemm1, c.gemm2), c.prefill.programs_per_sm)
     return [MoEConfig(g1, g2, PrefillConfig(**dict(f, programs_per_sm=per_sm if f["programs_per_sm"] else 0)))
             for (g1, g2), per_sm in pairs.items() for f in FAMILIES]
@@ -111,6 +111,56 @@ def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     with torch.cuda.graph(graph):
         captured = run()
     ids.copy_(torch.rand(1024, 16, device="cuda", generator=cuda_gen).topk(8, dim=1).indices.int())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run()) and not torch.equal(captured, eager)
+
+
+WS_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.ws]
+
+
+@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
+def test_warp_specialized_loops_match_reference_and_the_plain_loops(shape, cuda_gen):
+    # ws=1 only reschedules the same products (a producer warpgroup loads, two consumer
+    # warpgroups multiply in the same K order): same bits as the unspecialized loops.
+    _, E, k, H, I = shape
+    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
+    ref = reference_experts(x, wts, w, ids)
+    assert WS_CONFIGS
+    for cfg in WS_CONFIGS:
+        def run(c):
+            return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=c, direct=False,
+                             out_dtype=x.dtype)
+        out = run(cfg)
+        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
+        assert torch.equal(out, run(cfg)), cfg.to_json()
+        plain = MoEConfig(cfg.gemm1, cfg.gemm2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=cfg.prefill.x_tma))
+        assert torch.equal(out, run(plain)), cfg.to_json()
+
+
+def test_warp_specialized_loops_with_bias_map_input_weight_and_graph_replay(cuda_gen):
+    cfg = WS_CONFIGS[1]  # x gathered first: both GEMMs specialized
+    x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, bias=True, n_remote=5)
+    out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=cfg, direct=False)
+    assert rel_err(out, reference_experts(x, wts, w, ids, expert_map=emap)) <= TOL[torch.bfloat16]
+    x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, n_remote=5)
+    out = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", on_input=True, config=cfg, direct=False)
+    ref = reference_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=True)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+    def run():
+        return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False)
+
+    eager = run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    ids.copy_(torch.rand(700, 17, device="cuda", generator=cuda_gen).topk(2, dim=1).indices.int())
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)

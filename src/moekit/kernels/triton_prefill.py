@@ -14,7 +14,10 @@ sync, no extra launch). Work items (row tile, column tile) go in groups of GROUP
 tiles so the weight tiles they share stay in L2; PROGRAMS programs walk them with stride
 PROGRAMS (a persistent grid when PROGRAMS is the multiprocessor count, one item each when
 it is the item bound). FLATTEN (TAIL = 1, persistent) asks Triton to flatten the two loops
-into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue.
+into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue. WS
+(TAIL = 1, persistent, both operands by TMA, no bias: Triton 3.6's Hopper pass takes no
+other loads) asks Triton to warp-specialize the tile loop instead: a producer warpgroup keeps
+the TMA loads in flight across tiles while two consumer warpgroups multiply and store.
 Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I] through
 TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
 A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
@@ -74,6 +77,17 @@ def _tile_rows(m, tile_end, row_base, ends, BM: tl.constexpr, E_PAD: tl.constexp
     row0 = tl.sum(tl.where(sel, row_base, 0), axis=0) + m * BM
     rows = tl.minimum(tl.sum(tl.where(sel, ends, 0), axis=0) - row0, BM)
     return e, row0, rows
+
+
+@triton.jit
+def _whole_tile_rows(m, expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, first row, rows) of row tile m when every expert is padded to whole tiles
+    (tail 1), read from the padded ends per tile: Triton's warp specialization takes no
+    scan and no tensor held across the tile loop."""
+    lanes = tl.arange(0, E_PAD)
+    ends = tl.load(expert_end_ptr + lanes, mask=lanes < E, other=2**31 - 1)
+    row0 = m * BM
+    return tl.sum((ends <= row0).to(tl.int32), axis=0), row0, BM
 
 
 @triton.jit
@@ -228,7 +242,7 @@ def prefill_gemm1_kernel(
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -239,11 +253,17 @@ def prefill_gemm1_kernel(
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
-    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
+    if WS:
+        num_m = tl.load(expert_end_ptr + E - 1) // BM
+    else:
+        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
-    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
-        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if WS:
+            e, row0, rows = _whole_tile_rows(m, expert_end_ptr, E, BM, E_PAD)
+        else:
+            e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                         N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
@@ -273,7 +293,7 @@ def prefill_gemm2_kernel(
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr,
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
@@ -283,11 +303,17 @@ def prefill_gemm2_kernel(
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     a_d0, a_d1, a_d2 = _row_descs(a_ptr, R, K, stride_am, BM, BK, TAIL, ACT_TMA)
-    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
+    if WS:
+        num_m = tl.load(expert_end_ptr + E - 1) // BM
+    else:
+        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
-    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
-        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if WS:
+            e, row0, rows = _whole_tile_rows(m, expert_end_ptr, E, BM, E_PAD)
+        else:
+            e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
             _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
                         K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
@@ -414,6 +440,7 @@ def fused_moe_prefill(
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
+        WS=bool(pre.ws and pre.x_tma and b13 is None),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
@@ -421,6 +448,7 @@ def fused_moe_prefill(
         H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
+        WS=bool(pre.ws and b2 is None),
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
     has_map = expert_map is not None

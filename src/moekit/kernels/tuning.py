@@ -138,6 +138,12 @@ class PrefillConfig:
         x_tma: 1 gathers x's rows into the sorted row order first (one [R, H] copy) and has
             GEMM1 read them through TMA descriptors built in the kernel (tma=2 only); 0 gathers
             the rows of each tile through pointers.
+        ws: 1 has Triton warp-specialize the persistent tile loop of each GEMM whose operands
+            both come by TMA (GEMM2 with act_tma=1, which ws needs; GEMM1 with x_tma=1): a
+            producer warpgroup keeps the loads in flight across tiles for two consumer
+            warpgroups that split each tile's rows; a GEMM with a bias runs unspecialized (same
+            bits). Needs tma=2, tail=1, a persistent grid and flatten=0; Hopper's compiler
+            takes num_warps=4 (12 warps then run).
     """
 
     tma: int = 1
@@ -146,10 +152,11 @@ class PrefillConfig:
     flatten: int = 0
     act_tma: int = 0
     x_tma: int = 0
+    ws: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1))):
+                              ("x_tma", (0, 1)), ("ws", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -163,6 +170,11 @@ class PrefillConfig:
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
                                  f"got tma={self.tma}")
+        if self.ws and (self.tma != 2 or not self.act_tma or self.tail != 1 or self.programs_per_sm == 0
+                        or self.flatten):
+            raise ValueError(f"prefill ws=1 needs tma=2, act_tma=1, tail=1, programs_per_sm >= 1 and flatten=0, "
+                             f"got tma={self.tma}, act_tma={self.act_tma}, tail={self.tail}, "
+                             f"programs_per_sm={self.programs_per_sm}, flatten={self.flatten}")
 
     def to_json(self) -> Dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
@@ -465,14 +477,23 @@ _PREFILL_TILES = (
     (64, TileConfig(128, 64, 64, 8, 4, 3), TileConfig(128, 128, 64, 8, 4, 3), 2),
     (32, TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 256, 64, 8, 4, 4), 1),
 )
+# Tiles of the warp-specialized prefill loops (PrefillConfig ws=1), 128 rows: num_warps=4 is
+# one consumer warpgroup of two (each holds half the rows' accumulators), the producer adds a
+# third; 3 or 4 stages of A and B tiles fit Hopper's shared memory (at most 213 KB).
+_WS_TILES = (
+    (TileConfig(128, 128, 64, 8, 4, 3), TileConfig(128, 256, 64, 8, 4, 3)),
+    (TileConfig(128, 128, 64, 8, 4, 4), TileConfig(128, 256, 64, 8, 4, 4)),
+    (TileConfig(128, 64, 64, 8, 4, 4), TileConfig(128, 128, 64, 8, 4, 4)),
+)
 
 
 def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
     """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
     T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
-    loops on persistent grids only; activation rows by TMA with descriptors built in the kernel); none below 32 rows per expert (T*k/E), where the weights,
-    not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512 rows per
-    expert."""
+    loops on persistent grids only; activation rows by TMA with descriptors built in the kernel;
+    warp-specialized loops on _WS_TILES); none below 32 rows per expert (T*k/E), where the
+    weights, not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512
+    rows per expert."""
     per_expert = T * k / E
     if use_direct(T, k, E) or per_expert < 32:
         return []
@@ -494,4 +515,7 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
                 out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail, flatten=1)))
                 for x_tma in (0, 1):
                     out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma)))
+    if per_expert >= 64 and elem_bytes == 2:
+        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1))
+                for g1, g2 in _WS_TILES for x_tma in (0, 1)]
     return out
