@@ -121,8 +121,8 @@ WS_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.ws]
 
 @pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
 def test_warp_specialized_loops_match_reference_and_the_plain_loops(shape, cuda_gen):
-    # ws=1 only reschedules the same products (a producer warpgroup loads, two consumer
-    # warpgroups multiply in the same K order): same bits as the unspecialized loops.
+    # ws=1 only reschedules GEMM2's products (a producer warpgroup loads, two consumer
+    # warpgroups multiply in the same K order): same bits as the unspecialized loop.
     _, E, k, H, I = shape
     x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
     ref = reference_experts(x, wts, w, ids)
@@ -139,7 +139,7 @@ def test_warp_specialized_loops_match_reference_and_the_plain_loops(shape, cuda_
 
 
 def test_warp_specialized_loops_with_bias_map_input_weight_and_graph_replay(cuda_gen):
-    cfg = WS_CONFIGS[1]  # x gathered first: both GEMMs specialized
+    cfg = WS_CONFIGS[1]
     x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, bias=True, n_remote=5)
     out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=cfg, direct=False)
     assert rel_err(out, reference_experts(x, wts, w, ids, expert_map=emap)) <= TOL[torch.bfloat16]
