@@ -148,18 +148,16 @@ def _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, st
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, out_desc, topk_w_ptr, sorted_ptr,
+    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
-    O_TMA: tl.constexpr,
 ):
     """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e.
 
     X_TMA: x_desc reads x's rows already gathered into the sorted row order ([R, K], blocks
-    [BMT, BK]); rows past the tile's only reach rows that are not stored. O_TMA (whole tiles
-    only: rows == BMT): out_desc ([R, N], blocks [BMT, BN]) stores the tile."""
+    [BMT, BK]); rows past the tile's only reach rows that are not stored."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
@@ -196,11 +194,10 @@ def _gemm1_tile(
         h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
     else:
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
-    if O_TMA:
-        out_desc.store([row0, n0], h.to(out_ptr.dtype.element_ty))
-    else:
-        o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
+    # the row base as a scalar: Triton 3.6's Hopper warp specialization splits the tile's rows
+    # between two consumers and offsets a splat of row0 as well as r (rows stored twice as far)
+    o_ptrs = out_ptr + row0.to(tl.int64) * stride_om + r.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -258,9 +255,7 @@ def prefill_gemm1_kernel(
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
-    o_desc = out_ptr
-    if WS:  # Triton 3.6's Hopper specialization splits a TMA store's rows between the consumers right
-        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[R, N], strides=[stride_om, 1], block_shape=[BM, BN])
+    if WS:
         num_m = tl.load(expert_end_ptr + E - 1) // BM
     else:
         tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
@@ -272,25 +267,25 @@ def prefill_gemm1_kernel(
         else:
             e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, o_desc, topk_w_ptr, sorted_ptr, e, row0, rows,
-                        nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                        alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, WS)
+            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
+                        N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+                        BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                             nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, False)
+                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if v == 1:
-                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                             nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, False)
+                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0,
-                                rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
+                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                                nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
                                 stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT,
-                                IEEE, False)
+                                IEEE)
 
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
