@@ -94,13 +94,11 @@ def test_candidates_by_rows_per_expert():
     assert flat and all(f.tail == 1 and f.programs_per_sm >= 1 for f in flat)
     plain = [c for c in mid if not c.prefill.ws]
     assert {c.prefill.programs_per_sm for c in plain if c.gemm1.num_warps == 4 and c.block_m == 128} == {0, 2}
-    # warp-specialized loops: 128-row tiles, one consumer warpgroup's num_warps for each
-    # specialized GEMM (GEMM1 only with x gathered first)
+    # warp-specialized GEMM2 loops: 128-row tiles, one consumer warpgroup's num_warps, both x modes
     ws = [c for c in mid if c.prefill.ws]
     assert ws and {c.prefill.x_tma for c in ws} == {0, 1}
-    assert all(c.block_m == 128 and c.gemm2.num_warps == 4 and c.prefill.tail == 1 and c.prefill.act_tma
-               and c.prefill.programs_per_sm == 1 for c in ws)
-    assert all(c.gemm1.num_warps == (4 if c.prefill.x_tma else 8) for c in ws)
+    assert all(c.block_m == 128 and c.gemm1.num_warps == 8 and c.gemm2.num_warps == 4 and c.prefill.tail == 1
+               and c.prefill.act_tma and c.prefill.programs_per_sm == 1 for c in ws)
     assert not [c for c in prefill_space(1024, 256, 8) if c.prefill.ws]  # 32 rows per expert
     assert not [c for c in prefill_space(4096, 128, 8, elem_bytes=1) if c.prefill.ws]
     for cfg in mid:  # every candidate is a valid config that fits the SM90 limits

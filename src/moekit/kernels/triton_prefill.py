@@ -15,9 +15,9 @@ tiles so the weight tiles they share stay in L2; PROGRAMS programs walk them wit
 PROGRAMS (a persistent grid when PROGRAMS is the multiprocessor count, one item each when
 it is the item bound). FLATTEN (TAIL = 1, persistent) asks Triton to flatten the two loops
 into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue. WS
-(TAIL = 1, persistent, both operands by TMA, no bias: Triton 3.6's Hopper pass takes no
-other loads) asks Triton to warp-specialize the tile loop instead: a producer warpgroup keeps
-the TMA loads in flight across tiles while two consumer warpgroups multiply and store.
+(GEMM2; TAIL = 1, persistent, both operands by TMA, no bias: Triton 3.6's Hopper pass takes
+no other loads) asks Triton to warp-specialize the tile loop instead: a producer warpgroup
+keeps the TMA loads in flight across tiles while two consumer warpgroups multiply and store.
 Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I] through
 TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
 A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
@@ -194,9 +194,7 @@ def _gemm1_tile(
         h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
     else:
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
-    # the row base as a scalar: Triton 3.6's Hopper warp specialization splits the tile's rows
-    # between two consumers and offsets a splat of row0 as well as r (rows stored twice as far)
-    o_ptrs = out_ptr + row0.to(tl.int64) * stride_om + r.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
 
 
@@ -244,7 +242,7 @@ def prefill_gemm1_kernel(
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -255,17 +253,11 @@ def prefill_gemm1_kernel(
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
-    if WS:
-        num_m = tl.load(expert_end_ptr + E - 1) // BM
-    else:
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
+    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
-    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
-        if WS:
-            e, row0, rows = _whole_tile_rows(m, expert_end_ptr, E, BM, E_PAD)
-        else:
-            e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                         N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
@@ -442,7 +434,6 @@ def fused_moe_prefill(
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
-        WS=bool(pre.ws and pre.x_tma and b13 is None),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](

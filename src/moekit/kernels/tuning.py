@@ -138,11 +138,12 @@ class PrefillConfig:
         x_tma: 1 gathers x's rows into the sorted row order first (one [R, H] copy) and has
             GEMM1 read them through TMA descriptors built in the kernel (tma=2 only); 0 gathers
             the rows of each tile through pointers.
-        ws: 1 has Triton warp-specialize the persistent tile loop of GEMM2 (act_tma=1) and of
-            GEMM1 when x_tma=1 (Hopper): a producer warpgroup keeps the TMA loads in flight
-            across tiles for two consumer warpgroups that split each tile's rows; a GEMM with a
-            bias runs unspecialized (same bits). Needs tma=2, tail=1, a persistent grid and
-            flatten=0; Hopper's compiler specializes num_warps=4 tiles (12 warps then run).
+        ws: 1 has Triton warp-specialize GEMM2's persistent tile loop (Hopper; act_tma=1): a
+            producer warpgroup keeps the loads in flight across tiles for two consumer
+            warpgroups that split each tile's rows; with a bias it runs unspecialized (same
+            bits). Needs tma=2, tail=1, a persistent grid and flatten=0; Hopper's compiler
+            takes GEMM2 num_warps=4 (12 warps then run). GEMM1 stays as it is (specialized,
+            its two products per step came out wrong on Triton 3.6).
     """
 
     tma: int = 1
@@ -476,11 +477,10 @@ _PREFILL_TILES = (
     (64, TileConfig(128, 64, 64, 8, 4, 3), TileConfig(128, 128, 64, 8, 4, 3), 2),
     (32, TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 256, 64, 8, 4, 4), 1),
 )
-# Tiles of the warp-specialized loops (PrefillConfig ws=1), 128 rows: num_warps=4 is one
+# GEMM2 tiles of the warp-specialized loop (PrefillConfig ws=1), 128 rows: num_warps=4 is one
 # consumer warpgroup of two (each holds half the rows' accumulators), the producer adds a
-# third; 3 or 4 stages of A and B tiles fit Hopper's shared memory (at most 213 KB). GEMM1 is
-# specialized only with x gathered first (x_tma=1), else it keeps the first prefill tiles.
-_WS_GEMM1_TILES = (TileConfig(128, 128, 64, 8, 4, 3), TileConfig(128, 128, 64, 8, 4, 4))
+# third; 3 or 4 stages of A and B tiles fit Hopper's shared memory (at most 213 KB). GEMM1
+# keeps the first prefill tiles.
 _WS_GEMM2_TILES = (TileConfig(128, 256, 64, 8, 4, 3), TileConfig(128, 256, 64, 8, 4, 4),
                    TileConfig(128, 128, 64, 8, 4, 4))
 
@@ -489,7 +489,7 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
     """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
     T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
     loops on persistent grids only; activation rows by TMA with descriptors built in the kernel;
-    warp-specialized loops on _WS_GEMM1_TILES / _WS_GEMM2_TILES); none below 32 rows per expert (T*k/E), where the
+    warp-specialized GEMM2 loops on _WS_GEMM2_TILES); none below 32 rows per expert (T*k/E), where the
     weights, not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512
     rows per expert."""
     per_expert = T * k / E
@@ -514,7 +514,7 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
                 for x_tma in (0, 1):
                     out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma)))
     if per_expert >= 64 and elem_bytes == 2:
-        pairs = [(_PREFILL_TILES[0][1], g2, 0) for g2 in _WS_GEMM2_TILES]
-        pairs += [(g1, g2, 1) for g1 in _WS_GEMM1_TILES for g2 in _WS_GEMM2_TILES]
-        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1)) for g1, g2, x_tma in pairs]
+        g1 = _PREFILL_TILES[0][1]
+        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1))
+                for g2 in _WS_GEMM2_TILES for x_tma in (0, 1)]
     return out
