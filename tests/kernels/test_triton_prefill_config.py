@@ -51,6 +51,7 @@ def test_entries_without_prefill_keep_the_sorted_kernels():
     (dict(ws=1, tma=2, act_tma=1, tail=1, programs_per_sm=0), "ws=1 needs .*programs_per_sm >= 1"),
     (dict(ws=1, tma=2, act_tma=1, tail=1, flatten=1), "ws=1 needs .*flatten=0"),
     (dict(ws=2, tma=2, act_tma=1, tail=1), "ws must be one of"),
+    (dict(gu1=1, tma=1), "gu1=1 .* needs tma=2"),                    # [2, BN, BK] blocks built in the kernel
 ])
 def test_bad_knobs_are_errors(knobs, match):
     with pytest.raises(ValueError, match=match):
@@ -100,6 +101,10 @@ def test_candidates_by_rows_per_expert():
     assert all(c.block_m == 128 and c.gemm1.num_warps == 8 and c.gemm2.num_warps == 4 and c.prefill.tail == 1
                and c.prefill.act_tma and c.prefill.programs_per_sm == 1 for c in ws)
     assert not [c for c in prefill_space(1024, 256, 8) if c.prefill.ws]  # 32 rows per expert
+    # gate and up in one product: descriptors built in the kernel only, both ways everywhere
+    one = [c for c in mid if c.prefill.gu1]
+    assert one and all(c.prefill.tma == 2 and c.prefill.act_tma for c in one)
+    assert {c.prefill.ws for c in one} == {0, 1} and {c.prefill.tail for c in one} == {1, 2, 4}
     assert not [c for c in prefill_space(4096, 128, 8, elem_bytes=1) if c.prefill.ws]
     for cfg in mid:  # every candidate is a valid config that fits the SM90 limits
         assert cfg.row_granule >= 16 and MoEConfig.from_json(cfg.to_json()) == cfg

@@ -2,6 +2,8 @@
 slices of PERF.md's five shapes for every tile pair and knob family, biases with an expert
 map, CUDA-graph capture and replay. Run with `pytest -m gpu tests/kernels`."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def _configs():
     programs per SM)."""
     pairs = {}
     for c in prefill_space(4096, 128, 8):
-        if c.prefill.programs_per_sm > 0 and not c.prefill.ws:
+        if c.prefill.programs_per_sm > 0 and not c.prefill.ws and not c.prefill.gu1:
             pairs.setdefault((c.gemm1, c.gemm2), c.prefill.programs_per_sm)
     return [MoEConfig(g1, g2, PrefillConfig(**dict(f, programs_per_sm=per_sm if f["programs_per_sm"] else 0)))
             for (g1, g2), per_sm in pairs.items() for f in FAMILIES]
@@ -116,7 +118,8 @@ def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)
 
 
-WS_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.ws]
+WS_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.ws and not c.prefill.gu1]
+GU1_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.gu1 and c.prefill.programs_per_sm and not c.prefill.x_tma]
 
 
 @pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
@@ -164,3 +167,30 @@ def test_warp_specialized_loops_with_bias_map_input_weight_and_graph_replay(cuda
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
+def test_gate_and_up_in_one_product_give_two_products_bits(shape, cuda_gen):
+    # gu1: one [BK, 2 BN] product per step instead of two [BK, BN] ones, the same sums per
+    # element: same bits, on every tile pair, tail, grid and specialization of the space.
+    _, E, k, H, I = shape
+    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
+    ref = reference_experts(x, wts, w, ids)
+    assert GU1_CONFIGS
+    for cfg in GU1_CONFIGS:
+        def run(c):
+            return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=c, direct=False,
+                             out_dtype=x.dtype)
+        out = run(cfg)
+        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
+        two = MoEConfig(cfg.gemm1, cfg.gemm2, dataclasses.replace(cfg.prefill, gu1=0))
+        assert torch.equal(out, run(two)), cfg.to_json()
+
+
+def test_gate_and_up_in_one_product_with_bias_map_and_swiglu(cuda_gen):
+    cfg = [c for c in GU1_CONFIGS if c.prefill.tail == 4][0]
+    x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, bias=True, n_remote=5)
+    for activation in ("silu", "swigluoai"):
+        out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation, config=cfg, direct=False)
+        ref = reference_experts(x, wts, w, ids, expert_map=emap, activation=activation)
+        assert rel_err(out, ref) <= TOL[torch.bfloat16], activation

@@ -153,11 +153,14 @@ def _gemm1_tile(
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    GU1: tl.constexpr,
 ):
     """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e.
 
     X_TMA: x_desc reads x's rows already gathered into the sorted row order ([R, K], blocks
-    [BMT, BK]); rows past the tile's only reach rows that are not stored."""
+    [BMT, BK]); rows past the tile's only reach rows that are not stored. GU1 (gated, TMA=2):
+    w_desc reads w13 as [E * 2, N, K] in [2, BN, BK] blocks, the gate and up rows of a tile,
+    multiplied as one [BK, 2 BN] product (same sums per element, one MMA instead of two)."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
@@ -167,19 +170,30 @@ def _gemm1_tile(
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
-    acc_g = tl.zeros([BMT, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BMT, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        if X_TMA:
-            a = x_desc.load([row0, k0])
-        else:
-            a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
-        acc_g = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
-                     acc_g, IEEE)
-        if GATED:  # the up rows follow the N gate rows of each expert
-            acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
-                                         stride_wn, TMA), acc_u, IEEE)
-        a_ptrs += BK
+    if GU1:
+        acc = tl.zeros([BMT, 2 * BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if X_TMA:
+                a = x_desc.load([row0, k0])
+            else:
+                a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+            acc = _mma(a, w_desc.load([2 * e, n0, k0]).reshape([2 * BN, BK]).T, acc, IEEE)
+            a_ptrs += BK
+        acc_g, acc_u = acc.reshape([BMT, 2, BN]).permute(0, 2, 1).split()
+    else:
+        acc_g = tl.zeros([BMT, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BMT, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if X_TMA:
+                a = x_desc.load([row0, k0])
+            else:
+                a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+            acc_g = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
+                         acc_g, IEEE)
+            if GATED:  # the up rows follow the N gate rows of each expert
+                acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
+                                             stride_wn, TMA), acc_u, IEEE)
+            a_ptrs += BK
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
@@ -242,7 +256,7 @@ def prefill_gemm1_kernel(
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -250,7 +264,9 @@ def prefill_gemm1_kernel(
     2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks [BN, BK]); b13 [E, w_rows];
     out [R, N] in x's dtype; expert_end [E] padded row ends.
     """
-    if TMA == 2:
+    if GU1:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
+    elif TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
     tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
@@ -261,23 +277,23 @@ def prefill_gemm1_kernel(
         if TAIL == 1:
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
                         N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-                        BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                        BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
                 _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                             nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
             if v == 1:
                 _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                             nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
+                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
             if TAIL == 4:
                 if v == 2:
                     _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
                                 stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT,
-                                IEEE)
+                                IEEE, GU1)
 
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
@@ -434,6 +450,7 @@ def fused_moe_prefill(
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
+        GU1=bool(pre.gu1 and is_gated(activation)),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](

@@ -142,8 +142,11 @@ class PrefillConfig:
             producer warpgroup keeps the loads in flight across tiles for two consumer
             warpgroups that split each tile's rows; with a bias it runs unspecialized (same
             bits). Needs tma=2, tail=1, a persistent grid and flatten=0; Hopper's compiler
-            takes GEMM2 num_warps=4 (12 warps then run). GEMM1 stays as it is (specialized,
-            its two products per step came out wrong on Triton 3.6).
+            takes GEMM2 num_warps=4 (12 warps then run). GEMM1 stays as it is (specialized on
+            Triton 3.6, it left rows unwritten).
+        gu1: 1 has GEMM1 multiply a tile's gate and up rows as one [BK, 2 BN] product, its
+            weight tiles read as [2, BN, BK] blocks of w13 viewed [E * 2, I, H] (tma=2; gated
+            activations; same bits as two products).
     """
 
     tma: int = 1
@@ -153,10 +156,11 @@ class PrefillConfig:
     act_tma: int = 0
     x_tma: int = 0
     ws: int = 0
+    gu1: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1)), ("ws", (0, 1))):
+                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -166,7 +170,7 @@ class PrefillConfig:
         if self.flatten and (self.tail != 1 or self.programs_per_sm == 0):
             raise ValueError(f"prefill flatten=1 needs tail=1 and programs_per_sm >= 1, got tail={self.tail}, "
                              f"programs_per_sm={self.programs_per_sm}")
-        for name in ("act_tma", "x_tma"):
+        for name in ("act_tma", "x_tma", "gu1"):
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
                                  f"got tma={self.tma}")
@@ -489,7 +493,7 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
     """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
     T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
     loops on persistent grids only; activation rows by TMA with descriptors built in the kernel;
-    warp-specialized GEMM2 loops on _WS_GEMM2_TILES); none below 32 rows per expert (T*k/E), where the
+    warp-specialized GEMM2 loops on _WS_GEMM2_TILES; gate and up in one product or two); none below 32 rows per expert (T*k/E), where the
     weights, not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512
     rows per expert."""
     per_expert = T * k / E
@@ -508,13 +512,14 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
                 out.append(MoEConfig(g1, g2, PrefillConfig(tma, grid, tail)))
             # both operands by TMA: GEMM2's act rows, and GEMM1's x rows gathered first
             for grid, x_tma in ((per_sm, 0), (per_sm, 1), (0, 1)):
-                out.append(MoEConfig(g1, g2, PrefillConfig(2, grid, tail, act_tma=1, x_tma=x_tma)))
+                out += [MoEConfig(g1, g2, PrefillConfig(2, grid, tail, act_tma=1, x_tma=x_tma, gu1=gu1))
+                        for gu1 in (0, 1)]
             if tail == 1:
                 out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail, flatten=1)))
                 for x_tma in (0, 1):
                     out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma)))
     if per_expert >= 64 and elem_bytes == 2:
         g1 = _PREFILL_TILES[0][1]
-        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1))
-                for g2 in _WS_GEMM2_TILES for x_tma in (0, 1)]
+        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
+                for g2 in _WS_GEMM2_TILES for x_tma in (0, 1) for gu1 in (0, 1)]
     return out
