@@ -100,9 +100,14 @@ def test_row_descriptors_give_the_pointer_loads_bits(tail, flatten, cuda_gen):
 def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     cfg = _configs()[family]
     x, wts, w, ids, _ = _problem(16, 8, 2048, 768, 1024, cuda_gen)
-    def run():
-        return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False)
+    _replay_with_new_routing(
+        lambda: fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False),
+        ids, torch.rand(1024, 16, device="cuda", generator=cuda_gen).topk(8, dim=1).indices.int())
 
+
+def _replay_with_new_routing(run, ids, new_ids):
+    """Capture run() in a CUDA graph, copy new_ids into ids, replay: the replay must give an
+    eager run's bits on the new routing, not the first routing's output."""
     eager = run()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -112,33 +117,42 @@ def test_cuda_graph_replay_is_bit_identical(family, cuda_gen):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
-    ids.copy_(torch.rand(1024, 16, device="cuda", generator=cuda_gen).topk(8, dim=1).indices.int())
+    ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, run()) and not torch.equal(captured, eager)
 
 
+def _same_bits_as(configs, twin, shape, gen):
+    """Each config within the bf16 bound of `reference` on a slice of shape, deterministic, and
+    bit-identical to twin(config)."""
+    _, E, k, H, I = shape
+    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, gen)
+    ref = reference_experts(x, wts, w, ids)
+    assert configs
+
+    def run(c):
+        return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=c, direct=False,
+                         out_dtype=x.dtype)
+
+    for cfg in configs:
+        out = run(cfg)
+        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
+        assert torch.equal(out, run(cfg)), cfg.to_json()
+        assert torch.equal(out, run(twin(cfg))), cfg.to_json()
+
+
 WS_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.ws and not c.prefill.gu1]
-GU1_CONFIGS = [c for c in prefill_space(4096, 128, 8) if c.prefill.gu1 and c.prefill.programs_per_sm and not c.prefill.x_tma]
+GU1_CONFIGS = [c for c in prefill_space(4096, 128, 8)
+               if c.prefill.gu1 and c.prefill.programs_per_sm and not c.prefill.x_tma]
 
 
 @pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
 def test_warp_specialized_loops_match_reference_and_the_plain_loops(shape, cuda_gen):
     # ws=1 only reschedules GEMM2's products (a producer warpgroup loads, two consumer
     # warpgroups multiply in the same K order): same bits as the unspecialized loop.
-    _, E, k, H, I = shape
-    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
-    ref = reference_experts(x, wts, w, ids)
-    assert WS_CONFIGS
-    for cfg in WS_CONFIGS:
-        def run(c):
-            return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=c, direct=False,
-                             out_dtype=x.dtype)
-        out = run(cfg)
-        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
-        assert torch.equal(out, run(cfg)), cfg.to_json()
-        plain = MoEConfig(cfg.gemm1, cfg.gemm2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=cfg.prefill.x_tma))
-        assert torch.equal(out, run(plain)), cfg.to_json()
+    _same_bits_as(WS_CONFIGS, lambda c: MoEConfig(c.gemm1, c.gemm2, dataclasses.replace(c.prefill, ws=0)), shape,
+                  cuda_gen)
 
 
 def test_warp_specialized_loops_with_bias_map_input_weight_and_graph_replay(cuda_gen):
@@ -150,41 +164,17 @@ def test_warp_specialized_loops_with_bias_map_input_weight_and_graph_replay(cuda
     out = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", on_input=True, config=cfg, direct=False)
     ref = reference_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=True)
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
-
-    def run():
-        return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False)
-
-    eager = run()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    ids.copy_(torch.rand(700, 17, device="cuda", generator=cuda_gen).topk(2, dim=1).indices.int())
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, run()) and not torch.equal(captured, eager)
+    _replay_with_new_routing(
+        lambda: fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False),
+        ids, torch.rand(700, 17, device="cuda", generator=cuda_gen).topk(2, dim=1).indices.int())
 
 
 @pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
 def test_gate_and_up_in_one_product_give_two_products_bits(shape, cuda_gen):
     # gu1: one [BK, 2 BN] product per step instead of two [BK, BN] ones, the same sums per
     # element: same bits, on every tile pair, tail, grid and specialization of the space.
-    _, E, k, H, I = shape
-    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
-    ref = reference_experts(x, wts, w, ids)
-    assert GU1_CONFIGS
-    for cfg in GU1_CONFIGS:
-        def run(c):
-            return fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=c, direct=False,
-                             out_dtype=x.dtype)
-        out = run(cfg)
-        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
-        two = MoEConfig(cfg.gemm1, cfg.gemm2, dataclasses.replace(cfg.prefill, gu1=0))
-        assert torch.equal(out, run(two)), cfg.to_json()
+    _same_bits_as(GU1_CONFIGS, lambda c: MoEConfig(c.gemm1, c.gemm2, dataclasses.replace(c.prefill, gu1=0)), shape,
+                  cuda_gen)
 
 
 def test_gate_and_up_in_one_product_with_bias_map_and_swiglu(cuda_gen):

@@ -147,6 +147,15 @@ def _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, st
 
 
 @triton.jit
+def _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA: tl.constexpr):
+    """GEMM1's [BMT, BK] A tile at column k0: rows from row0 by TMA (X_TMA, x gathered in the
+    sorted row order), else each live row's token row through pointers."""
+    if X_TMA:
+        return x_desc.load([row0, k0])
+    return tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemm1_tile(
     x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
@@ -173,10 +182,7 @@ def _gemm1_tile(
     if GU1:
         acc = tl.zeros([BMT, 2 * BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
-            if X_TMA:
-                a = x_desc.load([row0, k0])
-            else:
-                a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+            a = _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA)
             acc = _mma(a, w_desc.load([2 * e, n0, k0]).reshape([2 * BN, BK]).T, acc, IEEE)
             a_ptrs += BK
         acc_g, acc_u = acc.reshape([BMT, 2, BN]).permute(0, 2, 1).split()
@@ -184,10 +190,7 @@ def _gemm1_tile(
         acc_g = tl.zeros([BMT, BN], dtype=tl.float32)
         acc_u = tl.zeros([BMT, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
-            if X_TMA:
-                a = x_desc.load([row0, k0])
-            else:
-                a = tl.load(a_ptrs, mask=live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+            a = _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA)
             acc_g = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                          acc_g, IEEE)
             if GATED:  # the up rows follow the N gate rows of each expert

@@ -493,9 +493,9 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
     """Candidates on the prefill kernels (MoEConfigs with a PrefillConfig) for `moekit tune` at
     T tokens: every knob over a few large tiles (descriptors built in the kernel and flattened
     loops on persistent grids only; activation rows by TMA with descriptors built in the kernel;
-    warp-specialized GEMM2 loops on _WS_GEMM2_TILES; gate and up in one product or two); none below 32 rows per expert (T*k/E), where the
-    weights, not the tensor cores, set the time. The BLOCK_SIZE_M = 64 tiles serve up to 512
-    rows per expert."""
+    warp-specialized GEMM2 loops on _WS_GEMM2_TILES; gate and up in one product or two); none
+    below 32 rows per expert (T*k/E), where the weights, not the tensor cores, set the time. The
+    BLOCK_SIZE_M = 64 tiles serve up to 512 rows per expert."""
     per_expert = T * k / E
     if use_direct(T, k, E) or per_expert < 32:
         return []
