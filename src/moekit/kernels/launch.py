@@ -23,6 +23,7 @@ from ..activations import check_activation, is_gated
 from . import triton_align as align
 from . import triton_decode as dec
 from . import triton_moe as moe
+from .triton_moe import pow2 as _pow2
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
@@ -43,10 +44,6 @@ class Alignment:
     expert_end: torch.Tensor
     max_blocks: int
     block_m: int
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
 
 
 def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[Alignment, int]:

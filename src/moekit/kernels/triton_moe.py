@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .triton_align import local_expert
 
-__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "zero_counters", "split_sum",
+__all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "pow2", "zero_counters", "split_sum",
            "split_iters", "direct_slots", "direct_w2_tile", "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
@@ -426,6 +426,11 @@ def sum_k_kernel(
 SUM_K_ROW_MAX = 256
 
 
+def pow2(n: int, lo: int = 16) -> int:
+    """The power of two at or above n, and at least lo (a block width)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
 def sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, emap: torch.Tensor, has_map: bool,
                out_dtype: torch.dtype) -> torch.Tensor:
     """[T, H] in out_dtype: each token's k rows of y [T * k, H] added in slot order (sum_k_kernel;
@@ -433,7 +438,7 @@ def sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, emap: torch.Tensor, has_
     T, k = topk_ids.shape
     H = y.shape[1]
     out = torch.empty(T, H, dtype=out_dtype, device=y.device)
-    bn = min(1024, max(16, triton.next_power_of_2(H)))
+    bn = min(1024, pow2(H))
     if T <= SUM_K_ROW_MAX:
         # Few tokens: a program per token row keeps enough programs, and pipelined slot loads
         # keep enough bytes in flight (one [4, 1024] tile per program left most SMs waiting).
