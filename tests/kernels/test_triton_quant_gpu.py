@@ -121,3 +121,57 @@ def test_quantized_layer_on_the_oracle_and_in_a_cuda_graph(quant, cuda_gen):
             static_logits.copy_(torch.randn(T, 16, device="cuda", generator=cuda_gen))
             graph.replay()
             assert torch.equal(static_out, layer(static_x, static_logits))
+
+
+def _prefill_configs():
+    from moekit.kernels.tuning import MoEConfig, PrefillConfig, TileConfig  # noqa: PLC0415
+
+    return {
+        "tma-persistent": MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 3),
+                                    PrefillConfig(tma=1, programs_per_sm=1, tail=1)),
+        "pointers-tail2": MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3),
+                                    PrefillConfig(tma=0, programs_per_sm=0, tail=2)),
+        "gu1-ws-rows-by-tma": MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 4, 3),
+                                        PrefillConfig(tma=2, programs_per_sm=1, tail=1, act_tma=1, x_tma=1, ws=1,
+                                                      gu1=1)),
+        "gu1-tail2-64": MoEConfig(TileConfig(128, 64, 128, 8, 4, 4), TileConfig(128, 128, 128, 8, 4, 4),
+                                  PrefillConfig(tma=2, programs_per_sm=1, tail=2, act_tma=1, gu1=1)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_prefill_configs()))
+@pytest.mark.parametrize("T,bias,static", [(700, False, True), (37, True, "per_expert"), (700, False, "per_expert")])
+def test_fp8_static_scales_on_the_prefill_kernels(name, T, bias, static, cuda_gen):
+    """fp8 weights with static per-tensor scales through triton_prefill (explicit config, and as
+    a tuned entry's static_prefill knob), an expert map, with and without biases (GEMM2's scales
+    folded into the routed weights, or in its epilogue), against the emulated reference; the
+    warp-specialized GEMM2 gives the bits of the plain loop."""
+    import dataclasses  # noqa: PLC0415
+
+    from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
+    from moekit.kernels.quant_tuning import QuantKnobs  # noqa: PLC0415
+    from moekit.quant import scheme_of  # noqa: PLC0415
+
+    cfg = _prefill_configs()[name]
+    E, k, H, I, n_remote = 16, 4, 384, 256, 3
+    wts = _weights("fp8_w8a8", {"static": static}, E, H, I, cuda_gen, bias=bias)
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    s = wts.scales
+
+    def run(**kw):
+        _poison_allocator()
+        return fused_moe_quant(x, wts.w13, wts.w2, wts.b13, wts.b2, s["w13_scale"], s["w2_scale"], None, None,
+                               s["a13_scale"], s["a2_scale"], w, ids, emap, scheme_of(wts), "silu",
+                               out_dtype=x.dtype, **kw)
+
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+    out = run(config=cfg)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision], rel_err(out, ref)
+    assert torch.equal(out, run(config=cfg))  # run to run
+    assert torch.equal(out, run(knobs=QuantKnobs(static_prefill=cfg)))  # the knob takes the same kernels
+    if cfg.prefill.ws:
+        plain = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, ws=0))
+        assert torch.equal(out, run(config=plain))

@@ -96,6 +96,81 @@ else:
         _check(x, wts, w, ids, activation="gelu_no_mul", on_input=True)
         _check(x, wts, w, ids, activation="gelu_no_mul")
 
+    # fp8 prefill tiles: pointers with tail tiles; device descriptors with both operands by TMA,
+    # gate and up in one product and GEMM2 warp-specialized (a plain loop here; same bits).
+    FP8_PREFILL = {
+        "pointers-tail2": (TileConfig(128, 32, 32, 8, 4, 2), TileConfig(128, 32, 32, 8, 4, 2),
+                           dict(tma=0, programs_per_sm=0, tail=2)),
+        "tma-gu1-ws": (TileConfig(64, 32, 32, 8, 4, 2), TileConfig(64, 32, 32, 8, 4, 2),
+                       dict(tma=2, programs_per_sm=1, tail=1, act_tma=1, x_tma=1, ws=1, gu1=1)),
+        "tma-x-rows-tail2": (TileConfig(128, 32, 64, 8, 4, 2), TileConfig(128, 64, 32, 8, 4, 2),
+                             dict(tma=2, programs_per_sm=1, tail=2, x_tma=1, act_tma=1)),
+    }
+
+    @pytest.mark.parametrize("name", list(FP8_PREFILL))
+    @pytest.mark.parametrize("bias", [False, True])
+    @pytest.mark.parametrize("shared", [False, True])
+    def test_fp8_static_scales_on_the_prefill_kernels(name, bias, shared, gen):
+        # Static per-tensor fp8 through triton_prefill's kernels: explicit config and the tuned
+        # entry's static_prefill knob; an expert map, an expert with no rows, biases (GEMM2's
+        # scales in its epilogue) or none (folded into the routed weights by GEMM1), scales
+        # shared by the experts (x quantized once per token) or not.
+        from moekit.kernels.launch_quant import fused_moe_quant
+        from moekit.kernels.quant_tuning import QuantKnobs
+        from moekit.kernels.tuning import PrefillConfig
+        from moekit.quant import scheme_of
+
+        g1, g2, pre = FP8_PREFILL[name]
+        cfg = MoEConfig(g1, g2, PrefillConfig(**pre))
+        E, H, I, k = 6, 64, 48, 2
+        wts = _weights("fp8_w8a8", {"static": True}, E, H, I, gen, bias=bias)
+        s = wts.scales
+        if shared:
+            s["a13_scale"].fill_(0.01)
+        emap = _expert_map(E, 2, gen)
+        w, ids = _routing(70, E + 2, k, gen)
+        ids[ids == int((emap == 3).nonzero()[0])] = int((emap == -1).nonzero()[0])  # local expert 3 gets no rows
+        x = torch.randn(70, H, generator=gen).half()
+
+        def run(**kw):
+            return fused_moe_quant(x, wts.w13, wts.w2, wts.b13, wts.b2, s["w13_scale"], s["w2_scale"], None, None,
+                                   s["a13_scale"], s["a2_scale"], w, ids, emap, scheme_of(wts), "silu",
+                                   out_dtype=x.dtype, **kw)
+
+        out = run(config=cfg)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) <= TOLERANCE[get_scheme("fp8_w8a8").precision], rel_err(out, ref)
+        sorted_path = run(config=MoEConfig(g1, g2))
+        assert rel_err(out, sorted_path) <= 1e-2  # the sorted kernels' result, up to rounding
+        assert torch.equal(out, run(config=cfg))  # run to run
+
+    def test_fp8_prefill_refusals_name_the_reason(gen):
+        from moekit.kernels.launch_quant import fused_moe_quant
+        from moekit.kernels.tuning import PrefillConfig
+        from moekit.quant import scheme_of
+
+        cfg = MoEConfig(TileConfig(64, 32, 32), TileConfig(64, 32, 32), PrefillConfig(tma=0, programs_per_sm=0, tail=1))
+        wts = _weights("fp8_w8a8", {}, 4, 64, 48, gen)
+        s = wts.scales
+        w, ids = _routing(3, 4, 2, gen)
+        x = torch.randn(3, 64, generator=gen).half()
+        with pytest.raises(ValueError, match="they take static activation scales"):
+            fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None,
+                            w, ids, None, scheme_of(wts), "silu", config=cfg, out_dtype=x.dtype)
+        static = _weights("fp8_w8a8", {"static": True}, 4, 64, 48, gen)
+        s = static.scales
+        w1, ids1 = _routing(3, 4, 1, gen)
+        with pytest.raises(ValueError, match="routed weight on the output"):
+            fused_moe_quant(x, static.w13, static.w2, None, None, s["w13_scale"], s["w2_scale"], None, None,
+                            s["a13_scale"], s["a2_scale"], w1, ids1, None, scheme_of(static), "silu", config=cfg,
+                            on_input=True, out_dtype=x.dtype)
+        short = MoEConfig(TileConfig(64, 32, 32), TileConfig(64, 32, 32), PrefillConfig(tma=0, programs_per_sm=0, tail=2))
+        with pytest.raises(ValueError, match="BLOCK_SIZE_M / prefill tail >= 64"):
+            fused_moe_quant(x, static.w13, static.w2, None, None, s["w13_scale"], s["w2_scale"], None, None,
+                            s["a13_scale"], s["a2_scale"], w, ids, None, scheme_of(static), "silu", config=short,
+                            out_dtype=x.dtype)
+
     @pytest.mark.parametrize("shared", ["all", "some"])
     @pytest.mark.parametrize("fuse", [True, False])
     def test_static_scales_shared_by_experts_quantize_x_once_per_token(shared, fuse, gen):

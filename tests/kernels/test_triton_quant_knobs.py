@@ -94,6 +94,30 @@ if not IN_INTERPRETER:
         with pytest.raises(ValueError, match="SPLIT_K"):
             check_tiles(MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 64, SPLIT_K=2)), block)
 
+    def test_static_prefill_knob_round_trips_and_is_checked():
+        pre = MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 4, 3),
+                        tuning.PrefillConfig(tma=2, programs_per_sm=1, tail=1, act_tma=1, x_tma=1, ws=1, gu1=1))
+        knobs = QuantKnobs(gate_up=True, static_prefill=pre)
+        assert knobs.to_json() == {"gate_up": True, "static_prefill": pre.to_json()}
+        assert QuantKnobs.from_json(json.loads(json.dumps(knobs.to_json()))) == knobs
+        table = parse_quant_configs(json.dumps({"4096": _entry(128, 64, knobs.to_json())}), "f.json")
+        assert table[4096][1].static_prefill == pre and table[4096][0].prefill is None
+        with pytest.raises(ValueError, match="static_prefill must be a MoEConfig with prefill knobs"):
+            QuantKnobs(static_prefill=MoEConfig(TileConfig(128, 128, 128), TileConfig(128, 128, 128)))
+        with pytest.raises(ValueError, match="BLOCK_SIZE_M / prefill tail >= 64"):
+            QuantKnobs(static_prefill=MoEConfig(TileConfig(128, 128, 128), TileConfig(128, 128, 128),
+                                                tuning.PrefillConfig(tail=4)))
+        with pytest.raises(ValueError, match=r"f\.json\[16\]\.quant\.static_prefill"):
+            parse_quant_configs(json.dumps({"16": _entry(16, 64, {"static_prefill": {"BLOCK_SIZE_M": 3}})}), "f.json")
+        # prefill tiles run fp8 with per-tensor activations only, on tiles of 64 rows or more
+        check_tiles(pre, modes_of(get_scheme("fp8_w8a8")))
+        for name in ("fp8_w8a8_block128", "fp8_w8a8_channel", "int8_w8a16", "int4_w4a16"):
+            with pytest.raises(ValueError, match="config.prefill runs the unquantized kernels, or fp8"):
+                check_tiles(pre, modes_of(get_scheme(name)))
+        with pytest.raises(ValueError, match="BLOCK_SIZE_M / prefill tail >= 64"):
+            check_tiles(MoEConfig(TileConfig(64, 64, 128), TileConfig(64, 64, 128), tuning.PrefillConfig(tail=2)),
+                        modes_of(get_scheme("fp8_w8a8")))
+
     def test_swapped_products_are_offered_and_checked():
         g1, g2 = quant_search_space(16, 128, 8, 0, False, False, False)
         swapped1 = [t for t, kn in g1 if kn.get("swap1")]

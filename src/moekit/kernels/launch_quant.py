@@ -12,6 +12,11 @@ with the k slots, in a fixed order, by the sum kernel.
 
 Tiles and knobs (kernels/quant_tuning.py): the tuned quantized table of the nearest M, else
 the unquantized table (tuned JSON or heuristic, kernels/tuning.py) fitted by quant_config.
+fp8 weights and activations with static per-tensor scales run on triton_prefill's kernels
+instead (TMA tiles, persistent grid, tail tiles, gate and up in one product, GEMM2 warp-
+specialized; the scales applied after the K loop, GEMM2's fp8 input stored by GEMM1) when the
+config carries prefill knobs, or the tuned entry's knobs carry static_prefill; an explicit
+prefill config that a call cannot take is refused with the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ..quant.schemes import QuantScheme
 from . import launch
 from . import triton_moe as moe
 from . import triton_moe_quant as qk
+from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
 from .launch import _check, _pow2, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
@@ -95,12 +101,37 @@ def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
     return MoEConfig(fit(config.gemm1, True), fit(config.gemm2, False))
 
 
+def prefill_modes(modes: QuantModes) -> bool:
+    """Whether a scheme's modes can run on the prefill kernels (fp8 products, scales constant along K)."""
+    return modes.act_dtype == _FP8 and modes.act_gran == "tensor" and not (modes.w_kscale or modes.a_kscale)
+
+
+def prefill_refusal(modes: QuantModes, static: bool, on_input: bool, w13_scale: torch.Tensor,
+                    w2_scale: torch.Tensor) -> Optional[str]:
+    """Why a call cannot run on the fp8 prefill kernels (triton_prefill, SCALED), or None."""
+    if not prefill_modes(modes):
+        return "they take fp8 weights and activations with scales constant along K"
+    if not static:
+        return "they take static activation scales (a13_scale, a2_scale): GEMM1 quantizes GEMM2's input"
+    if w13_scale.dim() != 1 or w2_scale.dim() != 1:
+        return "they take one weight scale per expert"
+    if on_input:
+        return "they apply the routed weight on the output (on_input=False)"
+    return None
+
+
 def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
     """Raise ValueError when tiles cannot run a scheme: a K tile lies within one scale group
-    along K and is >= 32 for 8-bit products and int4 halves; the unquantized kernels' own
-    knobs (decode, prefill) do not apply here."""
+    along K and is >= 32 for 8-bit products and int4 halves; the unquantized kernels' decode
+    knobs do not apply here, their prefill knobs only to fp8 with per-tensor activations, on
+    tiles of at least triton_prefill.FP8_MIN_TILE_ROWS rows."""
     if config.prefill is not None:
-        raise ValueError(f"config.prefill applies to the unquantized kernels only, got {config.prefill}")
+        if not prefill_modes(modes):
+            raise ValueError("config.prefill runs the unquantized kernels, or fp8 weights with per-tensor "
+                             f"activations; got it with another scheme: {config.prefill}")
+        if config.row_granule < prefill.FP8_MIN_TILE_ROWS:
+            raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {prefill.FP8_MIN_TILE_ROWS}, "
+                             f"got {config.block_m} / {config.prefill.tail}")
     for name, t in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
         other = sorted(set(t.to_json()) - set(_TILE_KEYS))
         if other:
@@ -243,6 +274,7 @@ def fused_moe_quant(
                          f"in registers), got {k}")
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
+    explicit = config is not None
     if config is None:
         config, tuned = quant_tiles(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None,
                                     scheme, modes)
@@ -250,6 +282,14 @@ def fused_moe_quant(
     else:
         check_tiles(config, modes)
     knobs = knobs if knobs is not None else QuantKnobs()
+    static = a13_scale is not None
+    if config.prefill is not None:
+        why = prefill_refusal(modes, static, on_input, w13_scale, w2_scale)
+        if why:
+            raise ValueError(f"config.prefill cannot run this call on the fp8 prefill kernels: {why}")
+    elif knobs.static_prefill is not None and not explicit and dev.type == "cuda" and \
+            prefill_refusal(modes, static, on_input, w13_scale, w2_scale) is None:
+        config = knobs.static_prefill  # the tuned entry's tiles on the prefill kernels
     if knobs.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
         got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
         raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
@@ -273,12 +313,11 @@ def fused_moe_quant(
             raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
                              f"got {t.BLOCK_SIZE_K}")
     TK = T * k
-    static = a13_scale is not None
     small_max = launch.ALIGN_SMALL_MAX
     w_in = topk_weights if on_input else None
     # Step 1: alignment and GEMM1's input (x quantized in the alignment's launch when it can be).
     if modes.act_dtype is None:
-        al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=small_max)
+        al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=small_max)
         a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
     else:
         gran = 4 if static else GRAN[modes.act_gran]
@@ -292,16 +331,21 @@ def fused_moe_quant(
         else:
             a1_s = a13_scale  # gran 1: replaced by the dynamic scale below
         if knobs.fuse_x_quant and gran != 1:
-            al = align_and_quantize(topk_ids, expert_map, E, config.block_m, x, a1, a1_s, modes, gran, group, w_in,
+            al = align_and_quantize(topk_ids, expert_map, E, config.row_granule, x, a1, a1_s, modes, gran, group, w_in,
                                     small_max, pdl=knobs.pdl, src=src)
         else:
-            al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=small_max)
+            al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=small_max)
             if gran == 1:
                 a1_s = tensor_scale(x, modes, topk_weights, topk_ids, expert_map, None, al.expert_end, on_input)
             quant_rows(x, a1, a1_s, modes, gran, group, topk_weights=w_in, topk_ids=topk_ids if static else None,
                        expert_map=expert_map if static else None, src=src)
         a1_mode, a1_sm, a1_se = 1, (a1_s.stride(0) if gran in (2, 3) else 0), (1 if static else 0)
     R = al.max_blocks * al.block_m
+    if config.prefill is not None:  # fp8, static per-tensor scales: triton_prefill's kernels
+        scales = torch.stack([a13_scale, w13_scale, a2_scale, w2_scale], dim=1).float().contiguous()  # [E, 4]
+        return prefill.fused_moe_prefill(a1, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,
+                                         al.expert_end, R, activation, alpha, limit, False, config, out_dtype,
+                                         scales=scales, src=src, y_dtype=x.dtype)
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
     flags = dict(A_KSCALE=modes.a_kscale, W_KSCALE=modes.w_kscale, W_SROWS=modes.w_srows, W_INT4=modes.w_int4,
                  HAS_ZERO=modes.has_zero, INT_DOT=modes.int_dot, KGROUP=max(modes.kgroup, 1),

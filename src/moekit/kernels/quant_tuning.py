@@ -12,7 +12,7 @@ table fitted by quant_config with default knobs.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
@@ -50,6 +50,11 @@ class QuantKnobs:
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
+    static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
+        with static per-tensor scales, one weight scale per expert) run triton_prefill's
+        kernels with it instead of these tiles; other calls of the same table (dynamic scales,
+        per-channel weights) keep the tiles. Its tiles hold at least 64 rows
+        (BLOCK_SIZE_M / prefill tail; triton_prefill.FP8_MIN_TILE_ROWS).
     """
 
     gate_up: bool = False
@@ -61,6 +66,7 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
+    static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,19 +77,31 @@ class QuantKnobs:
             elif f.name == "w_convert":
                 if value not in W_CONVERT:
                     raise ValueError(f"w_convert must be one of {list(W_CONVERT)}, got {value!r}")
+            elif f.name == "static_prefill":
+                if value is not None and not (isinstance(value, MoEConfig) and value.prefill is not None):
+                    raise ValueError(f"static_prefill must be a MoEConfig with prefill knobs or None, got {value!r}")
+                if value is not None and value.row_granule < 64:  # triton_prefill.FP8_MIN_TILE_ROWS
+                    raise ValueError("static_prefill needs BLOCK_SIZE_M / prefill tail >= 64 (fp8 tiles), got "
+                                     f"{value.block_m} / {value.prefill.tail}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
 
     def to_json(self) -> Dict:
-        """The fields that differ from the defaults."""
+        """The fields that differ from the defaults (static_prefill as its table entry)."""
         default = QuantKnobs()
-        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        if self.static_prefill is not None:
+            out["static_prefill"] = self.static_prefill.to_json()
+        return out
 
     @classmethod
     def from_json(cls, entry, where: str = "quant") -> "QuantKnobs":
         names = [f.name for f in fields(cls)]
         if not isinstance(entry, dict) or set(entry) - set(names):
             raise ValueError(f"{where} must be an object with some of {names}, got {entry!r}")
+        entry = dict(entry)
+        if "static_prefill" in entry:
+            entry["static_prefill"] = MoEConfig.from_json(entry["static_prefill"], f"{where}.static_prefill")
         return cls(**entry)
 
 

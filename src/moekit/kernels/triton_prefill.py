@@ -43,14 +43,19 @@ import triton.language as tl
 
 from ..activations import is_gated
 from .triton_moe import _apply_act, sum_over_k
+from .triton_quant_rows import to_quant
 from .tuning import MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
-           "INTERPRETER_SMS"]
+           "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS"]
 
 # Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
 # E up to it shares one compiled kernel.
 E_LANES = 256
+# Rows of the shortest fp8 tile: Hopper's fp8 warpgroup products take 64 rows; a shorter tile
+# runs other instructions whose sums round differently, and rows land in tiles in arrival
+# order, so a row's bits would depend on the tile it lands in.
+FP8_MIN_TILE_ROWS = 64
 # Multiprocessors assumed under the Triton interpreter (CPU tensors), so a persistent grid
 # of a few programs walks several tiles each in tests.
 INTERPRETER_SMS = 2
@@ -157,24 +162,32 @@ def _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA: tl.constexpr):
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr,
+    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr, wy_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
-    GU1: tl.constexpr,
+    GU1: tl.constexpr, SCALED: tl.constexpr, FOLD: tl.constexpr,
 ):
     """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e.
 
     X_TMA: x_desc reads x's rows already gathered into the sorted row order ([R, K], blocks
     [BMT, BK]); rows past the tile's only reach rows that are not stored. GU1 (gated, TMA=2):
     w_desc reads w13 as [E * 2, N, K] in [2, BN, BK] blocks, the gate and up rows of a tile,
-    multiplied as one [BK, 2 BN] product (same sums per element, one MMA instead of two)."""
+    multiplied as one [BK, 2 BN] product (same sums per element, one MMA instead of two).
+    SCALED (fp8, static per-tensor scales): assignment a reads x's row src[a]; the product is
+    dequantized by expert e's scales s[e, 0] (x) and s[e, 1] (w13) after the K loop, and the
+    activation is stored quantized to fp8 with s[e, 2], GEMM2's input scale. FOLD (SCALED, no
+    bias in GEMM2): the column tile at n0 = 0 also stores wy[a] = w[a] s[e, 2] s[e, 3], the
+    routed weight with GEMM2's scales, for GEMM2 to apply in one multiply."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
     live = assign < TK
-    token = tl.where(live, assign // top_k, 0).to(tl.int64)
+    if SCALED:
+        token = tl.load(src_ptr + assign, mask=live, other=0).to(tl.int64)
+    else:
+        token = tl.where(live, assign // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
@@ -197,6 +210,11 @@ def _gemm1_tile(
                 acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
                                              stride_wn, TMA), acc_u, IEEE)
             a_ptrs += BK
+    if SCALED:
+        a_s = tl.load(s_ptr + 4 * e)
+        w_s = tl.load(s_ptr + 4 * e + 1)
+        acc_g = acc_g * a_s * w_s
+        acc_u = acc_u * a_s * w_s
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
@@ -212,21 +230,31 @@ def _gemm1_tile(
     else:
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if SCALED:
+        h = to_quant(h / tl.load(s_ptr + 4 * e + 2), 448.0, False)
+    if FOLD:
+        if n0 == 0:
+            w_fold = tl.load(topk_w_ptr + assign, mask=live, other=0.0) * tl.load(s_ptr + 4 * e + 2) \
+                * tl.load(s_ptr + 4 * e + 3)
+            tl.store(wy_ptr + assign, w_fold, mask=live)
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _gemm2_tile(
-    a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr,
     e, row0, rows, n0, N, K, TK, w_rows,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
 ):
     """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows).
 
     ACT_TMA: a_desc ([R, K], blocks [BMT, BK]) loads all BMT rows from row0; rows past the
-    tile's belong to the next expert (or are zeros past R) and only reach unstored rows."""
+    tile's belong to the next expert (or are zeros past R) and only reach unstored rows.
+    SCALED: act is fp8 with expert e's scale s[e, 2], w2 fp8 with s[e, 3], applied before the
+    bias (without a bias, GEMM1 folds them into the routed weights instead: one multiply, and
+    no per-tile scale loads, which Triton's warp specialization does not take)."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
     assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
@@ -244,6 +272,8 @@ def _gemm2_tile(
         acc = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                    acc, IEEE)
         a_ptrs += BK
+    if SCALED:
+        acc = acc * tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if not ON_INPUT:
@@ -254,18 +284,21 @@ def _gemm2_tile(
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
 def prefill_gemm1_kernel(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr, s_ptr, wy_ptr,
     N, K, TK, top_k, E, PROGRAMS, w_rows, R,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
+    SCALED: tl.constexpr, FOLD: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
     x [T, K=H] (X_TMA: [R, K], x's rows gathered into the sorted row order); w13 [E, w_rows =
     2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks [BN, BK]); b13 [E, w_rows];
-    out [R, N] in x's dtype; expert_end [E] padded row ends.
+    out [R, N] in x's dtype (SCALED: fp8); expert_end [E] padded row ends. SCALED (fp8 x and
+    w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k], s [E, 4];
+    FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales.
     """
     if GU1:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
@@ -278,40 +311,44 @@ def prefill_gemm1_kernel(
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                        N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-                        BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
+            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                        wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
+                        stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
+                        HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
-                            nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
+                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                            wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
+                            stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
+                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
             if v == 1:
-                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
-                            nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be, stride_om,
-                            alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE, GU1)
+                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                            wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
+                            stride_wn, stride_be, stride_om, alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT,
+                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
-                                nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we, stride_wn, stride_be,
-                                stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT, HAS_BIAS, ON_INPUT,
-                                IEEE, GU1)
+                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                                wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
+                                stride_wn, stride_be, stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT,
+                                HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
 
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
 def prefill_gemm2_kernel(
-    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, s_ptr,
     N, K, TK, E, PROGRAMS, w_rows, R,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr, SCALED: tl.constexpr,
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
     act [R, K=I]; w2 [E, N=H, K] (w_desc: its [E * N, K] descriptor, blocks [BN, BK]);
-    b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends.
+    b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends. SCALED (a bias and fp8
+    act and w2): the static scales s[e, 2] and s[e, 3] multiply the product before the bias.
     """
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
@@ -328,24 +365,24 @@ def prefill_gemm2_kernel(
         else:
             e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
-                        K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
+            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                        nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                            N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                            nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
             if v == 1:
-                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN,
-                            N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
+                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                            nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
             if TAIL == 4:
                 if v == 2:
-                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows,
+                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE)
+                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
@@ -412,11 +449,20 @@ def fused_moe_prefill(
     on_input: bool,
     config: MoEConfig,
     out_dtype: torch.dtype,
+    scales: Optional[torch.Tensor] = None,
+    src: Optional[torch.Tensor] = None,
+    y_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Routed experts through the prefill kernels, on inputs kernels.launch.fused_moe checked.
 
+    fp8 weights with static per-tensor scales (kernels.launch_quant): x is then fp8, the rows
+    of triton_quant_rows (GRAN 4) that assignment a reads at src[a]; scales [E, 4] fp32 holds
+    per expert the scales of x, w13, GEMM2's input (which GEMM1 stores as fp8) and w2; y_dtype
+    is the float dtype of GEMM2's rows.
+
     Args:
-        x: [T, H].  w13: [E, 2I or I, H].  w2: [E, H, I].  b13: [E, 2I or I] or None.  b2: [E, H] or None.
+        x: [T, H] (with scales: [T * k, H] fp8).  w13: [E, 2I or I, H].  w2: [E, H, I].
+        b13: [E, 2I or I] or None.  b2: [E, H] or None.
         topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
         sorted_ids, expert_end: launch.moe_align's rows at granule config.block_m // config.prefill.tail.
         rows: R, rows of that alignment (max_blocks * granule).
@@ -428,14 +474,21 @@ def fused_moe_prefill(
     pre = config.prefill
     g1, g2 = config.gemm1, config.gemm2
     BM = config.block_m
-    T, H = x.shape
+    T, k = topk_ids.shape
+    H = x.shape[1]
     E, _, I = w2.shape
-    k = topk_ids.shape[1]
     TK = T * k
     R13 = w13.shape[1]
     dev = x.device
+    scaled = scales is not None
+    if scaled and (on_input or src is None or y_dtype is None):
+        raise ValueError("the fp8 prefill kernels take src and y_dtype, and the routed weight on the output")
+    if scaled and BM // pre.tail < FP8_MIN_TILE_ROWS:
+        raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS}, got "
+                         f"{BM} / {pre.tail}: shorter tiles multiply fp8 on other instructions, so a row's bits "
+                         "would depend on the tile its slot lands in")
     act = torch.empty(rows, I, dtype=x.dtype, device=dev)
-    y = torch.empty(TK, H, dtype=x.dtype, device=dev)
+    y = torch.empty(TK, H, dtype=y_dtype if scaled else x.dtype, device=dev)
     bound_m = row_tiles_bound(TK, E, BM)
     e_pad = max(E_LANES, triton.next_power_of_2(E))
     common = dict(TAIL=pre.tail, FLATTEN=bool(pre.flatten), E_PAD=e_pad, TMA=pre.tma, ON_INPUT=on_input,
@@ -446,22 +499,30 @@ def fused_moe_prefill(
     w13_desc = _weight_desc(w13, g1, pre.tma, "w13")
     # x_tma: x's rows in the sorted row order; padding rows (sentinel TK, or never written
     # past the last expert's rows) take some token's row and are not stored
-    xg = x.index_select(0, (sorted_ids[:rows] // k).clamp_(0, T - 1)) if pre.x_tma else x
+    xg = x
+    if pre.x_tma:
+        rows_of = (src.index_select(0, sorted_ids[:rows].clamp(0, TK - 1)) if scaled  # src: set for local slots
+                   else sorted_ids[:rows] // k)
+        xg = x.index_select(0, rows_of.clamp_(0, x.shape[0] - 1))
+    s_arg = scales if scaled else topk_weights
+    fold = scaled and b2 is None  # GEMM2's scales ride on the routed weights (see _gemm1_tile)
+    w_y = torch.empty(TK, dtype=torch.float32, device=dev) if fold else topk_weights
     prefill_gemm1_kernel[(p1,)](
-        xg, w13, w13_desc, bias13, act, topk_weights, sorted_ids, expert_end,
+        xg, w13, w13_desc, bias13, act, topk_weights, sorted_ids, expert_end, src if scaled else sorted_ids, s_arg,
+        w_y,
         I, H, TK, k, E, p1, R13, rows,
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
-        GU1=bool(pre.gu1 and is_gated(activation)),
+        GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold,
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
-        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, topk_weights, sorted_ids, expert_end,
+        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, w_y, sorted_ids, expert_end, s_arg,
         H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
-        WS=bool(pre.ws and b2 is None),
+        WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold,
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
     has_map = expert_map is not None
