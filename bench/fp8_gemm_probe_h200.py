@@ -30,13 +30,14 @@ def _tile_of(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def probe_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, PROGRAMS,
+def probe_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, idx_ptr, M, N, K, PROGRAMS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, GROUP_M: tl.constexpr,
-                 WS: tl.constexpr):
+                 WS: tl.constexpr, IDX: tl.constexpr):
     """MODE 0: plain; 1: one scale for A and one for B after the loop; 2: per K tile of 128,
     a scale per A row and one per 128 x 128 block of B, promoted into the accumulator. WS:
     Triton's Hopper warp specialization of the tile loop (a producer warpgroup of TMA loads,
-    two consumer warpgroups)."""
+    two consumer warpgroups). IDX: C's rows are stored at rows read from idx (an identity
+    index), not at rows computed from the tile's first row."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     KT = tl.cdiv(K, BK)
@@ -58,16 +59,21 @@ def probe_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, PROGRAMS,
                 acc = tl.dot(a, b.T, acc)
         if MODE == 1:
             acc = acc * (tl.load(as_ptr) * tl.load(bs_ptr))
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+        if IDX:
+            rows = tl.load(idx_ptr + rm, mask=rm < M, other=0)
+        else:
+            rows = rm
+        tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def run(a, b, a_s, b_s, mode, bm, bn, bk, warps, stages, ws, programs):
+def run(a, b, a_s, b_s, mode, bm, bn, bk, warps, stages, ws, programs, idx=None):
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty(M, N, dtype=torch.bfloat16 if a.is_cuda else torch.float32, device=a.device)
     p = min(programs, triton.cdiv(M, bm) * triton.cdiv(N, bn))
-    probe_kernel[(p,)](a, b, c, a_s, b_s, M, N, K, p, BM=bm, BN=bn, BK=bk, MODE=mode, GROUP_M=8, WS=ws,
+    probe_kernel[(p,)](a, b, c, a_s, b_s, idx if idx is not None else a_s, M, N, K, p, BM=bm, BN=bn, BK=bk, MODE=mode,
+                       GROUP_M=8, WS=ws, IDX=idx is not None,
                        num_warps=warps, num_stages=stages)
     return c
 
@@ -132,21 +138,25 @@ def main():
         for dtype, mode in ((torch.bfloat16, 0), (fp8, 0), (fp8, 1), (fp8, 2)):
             a, b, a_s, b_s = operands(M, N, K, mode, dtype, dev)
             ref = reference(a, b, a_s, b_s, mode)
-            for bm, bn, bk, w, s, ws in TILES:
+            idx = torch.arange(M, dtype=torch.int32, device=dev)
+            for (bm, bn, bk, w, s, ws), by_idx in [(t, i) for t in TILES for i in ((False, True) if t[5] else (False,))]:
                 if (dtype == torch.bfloat16) != (bk == 64) or (mode == 2 and bk != 128):
                     continue
-                rec = dict(shape=name, M=M, N=N, K=K, dtype=str(dtype), mode=mode, tile=[bm, bn, bk, w, s, ws])
+                rec = dict(shape=name, M=M, N=N, K=K, dtype=str(dtype), mode=mode, tile=[bm, bn, bk, w, s, ws],
+                           rows_by_index=by_idx)
+                call = (lambda bm=bm, bn=bn, bk=bk, w=w, s=s, ws=ws, by_idx=by_idx:
+                        run(a, b, a_s, b_s, mode, bm, bn, bk, w, s, ws, sms, idx if by_idx else None))
                 try:
-                    c = run(a, b, a_s, b_s, mode, bm, bn, bk, w, s, ws, sms)
+                    c = call()
                     rec["rel_err"] = ((c.float() - ref).norm() / ref.norm()).item()
                     torch.cuda.synchronize()
                     for _ in range(3):
-                        run(a, b, a_s, b_s, mode, bm, bn, bk, w, s, ws, sms)
+                        call()
                     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     ts = []
                     for _ in range(10):
                         ev0.record()
-                        run(a, b, a_s, b_s, mode, bm, bn, bk, w, s, ws, sms)
+                        call()
                         ev1.record()
                         torch.cuda.synchronize()
                         ts.append(ev0.elapsed_time(ev1) * 1e3)
@@ -159,7 +169,7 @@ def main():
                 print(json.dumps(rec), flush=True)
     best = {}
     for r in results:
-        if "tflops" in r:
+        if "tflops" in r and r["rel_err"] < 1e-2:
             key = f"{r['shape']} {r['dtype']} mode={r['mode']}"
             if key not in best or r["tflops"] > best[key]["tflops"]:
                 best[key] = r
