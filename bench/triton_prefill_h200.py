@@ -26,7 +26,8 @@ import time
 import torch
 
 from moekit.benchmarks.floors import layer_flops
-from moekit.benchmarks.gpu import GPU_SHAPES, eager_time_us, graph_time_us, host_sync_reason, routing_sets
+from moekit.benchmarks.gpu import (GPU_SHAPES, eager_time_us, graph_time_us, host_sync_reason, prefill_kernel_key,
+                                  prefill_label, routing_sets)
 from moekit.benchmarks.peers import plain_grouped_gemm
 from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
@@ -59,19 +60,6 @@ def extra_candidates(T: int, E: int, k: int) -> list:
             for g1, g2 in EXTRA_TILES for tail in (1, 2, 4) for x_tma in (0, 1)]
 
 
-def _kernel_key(cfg: MoEConfig) -> str:
-    """Configs that compile the same kernels (the grid size is not part of a kernel)."""
-    entry = cfg.to_json()
-    entry.get("prefill", {}).pop("programs_per_sm", None)
-    return json.dumps(entry, sort_keys=True)
-
-
-def _label(cfg: MoEConfig) -> str:
-    g1, g2 = cfg.gemm1, cfg.gemm2
-    return (f"prefill:{json.dumps(cfg.prefill.to_json(), sort_keys=True)}|{g1.BLOCK_SIZE_M}x{g1.BLOCK_SIZE_N}"
-            f"w{g1.num_warps}s{g1.num_stages}/{g2.BLOCK_SIZE_N}w{g2.num_warps}s{g2.num_stages}")
-
-
 def _compile(job) -> str:
     """Run one config once on E experts of H = 1024, I = 256 (the real shapes' specialisations:
     every H, I is a multiple of 16 and H >= 1024 gives the same sum-over-k blocks)."""
@@ -88,7 +76,7 @@ def _compile(job) -> str:
         torch.cuda.synchronize()
         return ""
     except Exception as err:  # noqa: BLE001 - reported; the variant then fails its check and is skipped
-        return f"{_kernel_key(MoEConfig.from_json(entry))} E={E}: {type(err).__name__}: {str(err)[:300]}"
+        return f"{prefill_kernel_key(MoEConfig.from_json(entry))} E={E}: {type(err).__name__}: {str(err)[:300]}"
 
 
 class Bench:
@@ -122,7 +110,7 @@ class Bench:
             E, k = shape[1], shape[2]
             for M in self.Ms:
                 for cfg in [self.current(shape, M)] + self.candidates(shape, M):
-                    kernels.setdefault(_kernel_key(cfg), (cfg.to_json(), 8, 2))
+                    kernels.setdefault(prefill_kernel_key(cfg), (cfg.to_json(), 8, 2))
                     aligns.setdefault((E, k, cfg.row_granule), (cfg.to_json(), E, k))
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             failures = [r for r in pool.imap_unordered(_compile, list(kernels.values())) if r]
@@ -201,12 +189,12 @@ class Bench:
             row["impls"]["torch_grouped_gemm"] = {"us": us, "timing": how}
         except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
             row["impls"]["torch_grouped_gemm"] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-        impls = {"current": self.current(shape, M), **{_label(c): c for c in self.candidates(shape, M)}}
+        impls = {"current": self.current(shape, M), **{prefill_label(c): c for c in self.candidates(shape, M)}}
         for label, cfg in impls.items():
             if time.monotonic() > deadline:
                 row["impls"][label] = {"skipped": "out of time"}
                 continue
-            if label != "current" and _kernel_key(cfg) in wrong:
+            if label != "current" and prefill_kernel_key(cfg) in wrong:
                 row["impls"][label] = {"skipped": "failed the correctness check"}
                 continue
             try:
@@ -334,7 +322,7 @@ def main() -> None:
         variants = {}
         for M in bench.Ms:
             for cfg in bench.candidates(shape, M):  # checked on a persistent grid (programs walk many tiles)
-                variants.setdefault(_kernel_key(cfg), dataclasses.replace(
+                variants.setdefault(prefill_kernel_key(cfg), dataclasses.replace(
                     cfg, prefill=dataclasses.replace(cfg.prefill, programs_per_sm=1)))
         if not variants:
             continue

@@ -23,7 +23,8 @@ import time
 import torch
 
 from moekit.benchmarks.floors import layer_flops
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, graph_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, graph_time_us, prefill_kernel_key, prefill_label,
+                                  quantized_weights, routing_sets)
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name
 from moekit.kernels.triton_prefill import FP8_MIN_TILE_ROWS
 from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, PrefillConfig, TileConfig, get_config
@@ -64,18 +65,6 @@ def candidates(M: int, E: int, k: int) -> list:
     return out
 
 
-def kernel_key(cfg: MoEConfig) -> str:
-    entry = cfg.to_json()
-    entry.get("prefill", {}).pop("programs_per_sm", None)
-    return json.dumps(entry, sort_keys=True)
-
-
-def label(cfg: MoEConfig) -> str:
-    g1, g2 = cfg.gemm1, cfg.gemm2
-    return (f"prefill:{json.dumps(cfg.prefill.to_json(), sort_keys=True)}|{g1.BLOCK_SIZE_M}x{g1.BLOCK_SIZE_N}"
-            f"w{g1.num_warps}s{g1.num_stages}/{g2.BLOCK_SIZE_N}w{g2.num_warps}s{g2.num_stages}")
-
-
 def _problem(E, H, I, T, k, gen):
     wts = quantized_weights(SCHEME, E, H, I, True, "cuda")
     x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
@@ -94,7 +83,7 @@ def _compile(job) -> str:
         torch.cuda.synchronize()
         return ""
     except Exception as err:  # noqa: BLE001 - reported; the variant then fails its check
-        return f"{kernel_key(MoEConfig.from_json(entry))}: {type(err).__name__}: {str(err)[:300]}"
+        return f"{prefill_kernel_key(MoEConfig.from_json(entry))}: {type(err).__name__}: {str(err)[:300]}"
 
 
 def check(shape, cfgs, gen) -> dict:
@@ -133,7 +122,7 @@ def main(argv=None) -> int:
     for name, E, k, H, I in shapes:
         for M in Ms:
             for cfg in candidates(M, E, k):
-                jobs.setdefault((kernel_key(cfg), H, I), (cfg.to_json(), H, I))
+                jobs.setdefault((prefill_kernel_key(cfg), H, I), (cfg.to_json(), H, I))
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         compile_failures = [r for r in pool.imap_unordered(_compile, list(jobs.values())) if r]
     print(f"precompiled {len(jobs)} jobs in {time.monotonic() - t0:.0f} s, {len(compile_failures)} failed", flush=True)
@@ -145,7 +134,7 @@ def main(argv=None) -> int:
     tables = {}
     for shape in shapes:
         name, E, k, H, I = shape
-        cands = {kernel_key(c): c for M in Ms for c in candidates(M, E, k)}
+        cands = {prefill_kernel_key(c): c for M in Ms for c in candidates(M, E, k)}
         errs = check(shape, cands, gen)
         tol = TOLERANCE[get_scheme(SCHEME).precision]
         wrong = {key for key, e in errs.items() if not (isinstance(e, float) and e <= tol)}
@@ -171,9 +160,9 @@ def main(argv=None) -> int:
                                                                config=bf16_cfg, out_dtype=x.dtype),
                      "current": lambda x, w, i: _quant_call(wts, x, w, i)}
             for cfg in candidates(M, E, k):
-                if kernel_key(cfg) not in wrong:
-                    timed[label(cfg)] = (lambda c: lambda x, w, i: _quant_call(wts, x, w, i, config=c))(cfg)
-            configs = {label(c): c for c in candidates(M, E, k)}
+                if prefill_kernel_key(cfg) not in wrong:
+                    timed[prefill_label(cfg)] = (lambda c: lambda x, w, i: _quant_call(wts, x, w, i, config=c))(cfg)
+            configs = {prefill_label(c): c for c in candidates(M, E, k)}
             for lab, fn in timed.items():
                 if time.monotonic() > deadline:
                     row["impls"][lab] = {"skipped": "out of time"}

@@ -26,7 +26,7 @@ from .peers import plain_grouped_gemm, transformers_experts
 
 __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
-    "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench",
+    "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
     "quant_floor_terms", "run_quant_bench", "quant_main",
 ]
@@ -117,6 +117,20 @@ def host_sync_reason(fn: Callable, args: tuple) -> Optional[str]:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return None
+
+
+def prefill_kernel_key(cfg) -> str:
+    """A prefill MoEConfig as JSON without its grid size: configs with one key compile the same kernels."""
+    entry = cfg.to_json()
+    entry.get("prefill", {}).pop("programs_per_sm", None)
+    return json.dumps(entry, sort_keys=True)
+
+
+def prefill_label(cfg) -> str:
+    """A short name of a prefill MoEConfig for sweep tables: its knobs, then the tiles."""
+    g1, g2 = cfg.gemm1, cfg.gemm2
+    return (f"prefill:{json.dumps(cfg.prefill.to_json(), sort_keys=True)}|{g1.BLOCK_SIZE_M}x{g1.BLOCK_SIZE_N}"
+            f"w{g1.num_warps}s{g1.num_stages}/{g2.BLOCK_SIZE_N}w{g2.num_warps}s{g2.num_stages}")
 
 
 def _compile_job(job: Sequence) -> Optional[str]:
