@@ -36,7 +36,7 @@ from . import triton_quant_rows as qr
 from .launch import _check, _pow2, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
-from .tuning import MoEConfig, TileConfig, device_name, get_config
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
 
 __all__ = ["quant_config", "check_tiles", "quant_tiles", "fused_moe_quant", "quant_unsupported", "MAX_INT8_K"]
 
@@ -124,13 +124,13 @@ def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
     """Raise ValueError when tiles cannot run a scheme: a K tile lies within one scale group
     along K and is >= 32 for 8-bit products and int4 halves; the unquantized kernels' decode
     knobs do not apply here, their prefill knobs only to fp8 with per-tensor activations, on
-    tiles of at least triton_prefill.FP8_MIN_TILE_ROWS rows."""
+    tiles of at least FP8_MIN_TILE_ROWS rows."""
     if config.prefill is not None:
         if not prefill_modes(modes):
             raise ValueError("config.prefill runs the unquantized kernels, or fp8 weights with per-tensor "
                              f"activations; got it with another scheme: {config.prefill}")
-        if config.row_granule < prefill.FP8_MIN_TILE_ROWS:
-            raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {prefill.FP8_MIN_TILE_ROWS}, "
+        if config.row_granule < FP8_MIN_TILE_ROWS:
+            raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS}, "
                              f"got {config.block_m} / {config.prefill.tail}")
     for name, t in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
         other = sorted(set(t.to_json()) - set(_TILE_KEYS))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
-from .tuning import MoEConfig, TileConfig, config_file_name, parse_table, read_table, use_direct
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, parse_table, read_table, use_direct
 
 __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space"]
@@ -54,7 +54,7 @@ class QuantKnobs:
         with static per-tensor scales, one weight scale per expert) run triton_prefill's
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
         per-channel weights) keep the tiles. Its tiles hold at least 64 rows
-        (BLOCK_SIZE_M / prefill tail; triton_prefill.FP8_MIN_TILE_ROWS).
+        (BLOCK_SIZE_M / prefill tail; tuning.FP8_MIN_TILE_ROWS).
     """
 
     gate_up: bool = False
@@ -80,9 +80,9 @@ class QuantKnobs:
             elif f.name == "static_prefill":
                 if value is not None and not (isinstance(value, MoEConfig) and value.prefill is not None):
                     raise ValueError(f"static_prefill must be a MoEConfig with prefill knobs or None, got {value!r}")
-                if value is not None and value.row_granule < 64:  # triton_prefill.FP8_MIN_TILE_ROWS
-                    raise ValueError("static_prefill needs BLOCK_SIZE_M / prefill tail >= 64 (fp8 tiles), got "
-                                     f"{value.block_m} / {value.prefill.tail}")
+                if value is not None and value.row_granule < FP8_MIN_TILE_ROWS:
+                    raise ValueError(f"static_prefill needs BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS} "
+                                     f"(fp8 tiles), got {value.block_m} / {value.prefill.tail}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
 

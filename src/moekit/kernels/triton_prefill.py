@@ -44,7 +44,7 @@ import triton.language as tl
 from ..activations import is_gated
 from .triton_moe import _apply_act, sum_over_k
 from .triton_quant_rows import to_quant
-from .tuning import MoEConfig, TileConfig
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
            "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS"]
@@ -52,10 +52,6 @@ __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", 
 # Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
 # E up to it shares one compiled kernel.
 E_LANES = 256
-# Rows of the shortest fp8 tile: Hopper's fp8 warpgroup products take 64 rows; a shorter tile
-# runs other instructions whose sums round differently, and rows land in tiles in arrival
-# order, so a row's bits would depend on the tile it lands in.
-FP8_MIN_TILE_ROWS = 64
 # Multiprocessors assumed under the Triton interpreter (CPU tensors), so a persistent grid
 # of a few programs walks several tiles each in tests.
 INTERPRETER_SMS = 2

@@ -30,6 +30,7 @@ __all__ = [
     "TileConfig",
     "MoEConfig",
     "PrefillConfig",
+    "FP8_MIN_TILE_ROWS",
     "config_file_name",
     "config_dtype",
     "device_name",
@@ -52,6 +53,11 @@ SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 # Shared memory one program may use on SM90 (227 KB) less room for the compiler's own use.
 _SMEM_LIMIT = 220 * 1024
+# Rows of the shortest fp8 tile of the prefill kernels (BLOCK_SIZE_M / prefill tail): Hopper's
+# fp8 warpgroup products take 64 rows; a shorter tile runs other instructions whose sums round
+# differently, and rows land in tiles in arrival order, so a row's bits would depend on the
+# tile it lands in.
+FP8_MIN_TILE_ROWS = 64
 
 
 @dataclass(frozen=True)
