@@ -39,6 +39,7 @@ _TILES = (
     (TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3), 96),
     (TileConfig(128, 128, 128, 8, 8, 4), TileConfig(128, 128, 128, 8, 8, 4), 96),
     (TileConfig(128, 64, 128, 8, 4, 4), TileConfig(128, 128, 128, 8, 4, 4), 0),
+    (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 3), 0),  # two programs fit an SM
     (TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 256, 128, 8, 4, 3), 0),
     (TileConfig(64, 64, 128, 8, 4, 4), TileConfig(64, 128, 128, 8, 4, 4), 0),
 )
@@ -46,8 +47,10 @@ _WS_GEMM2 = (TileConfig(128, 256, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4,
 
 
 def candidates(M: int, E: int, k: int) -> list:
-    """Prefill configs for fp8 at M tokens (tiles of FP8_MIN_TILE_ROWS rows or more)."""
+    """Prefill configs for fp8 at M tokens (tiles of FP8_MIN_TILE_ROWS rows or more); up to
+    1024 rows per expert also with two programs per SM (more weight loads in flight)."""
     per_expert = M * k / E
+    grids = (1, 2) if per_expert <= 1024 else (1,)
     out = []
     for g1, g2, least in _TILES:
         if per_expert < least or (g1.BLOCK_SIZE_M == 64 and per_expert > 512):
@@ -55,10 +58,12 @@ def candidates(M: int, E: int, k: int) -> list:
         for tail in (1, 2):
             if g1.BLOCK_SIZE_M // tail < FP8_MIN_TILE_ROWS:
                 continue
-            out.append(MoEConfig(g1, g2, PrefillConfig(1, 1, tail)))
-            for x_tma in (0, 1):
-                for gu1 in (0, 1):
-                    out.append(MoEConfig(g1, g2, PrefillConfig(2, 1, tail, act_tma=1, x_tma=x_tma, gu1=gu1)))
+            for per_sm in grids:
+                out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail)))
+                for x_tma in (0, 1):
+                    for gu1 in (0, 1):
+                        out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, act_tma=1, x_tma=x_tma,
+                                                                   gu1=gu1)))
         if g1.BLOCK_SIZE_M == 128:
             out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
                     for w2 in _WS_GEMM2 for x_tma in (0, 1) for gu1 in (0, 1)]
