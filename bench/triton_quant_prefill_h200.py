@@ -5,9 +5,8 @@ kernels and the bf16 Triton kernels (same process, CUDA graphs, fresh routing pe
 
     PYTHONPATH=src python bench/triton_quant_prefill_h200.py [--out DIR] [--shapes a,b] [--ms 256,4096]
 
-Candidates (`candidates`): tiles of 64 or more rows with K tiles of 128 (the bytes per stage of
-the bf16 tiles' 64), weight tiles through TMA, with and without tail tiles, activation rows by
-TMA, gate and up in one product (gu1) and GEMM2 warp-specialized (ws). Writes
+Candidates: kernels.quant_tuning.fp8_prefill_space (tiles of 64 or more rows, K tiles of 128,
+weight tiles through TMA, tail tiles, activation rows by TMA, gu1, ws, two programs per SM). Writes
 DIR/quant_prefill_results.json (every timing, errors and the winners) and DIR/configs/<the
 shape's fp8_w8a8 table>: the shipped table with a "static_prefill" knob set on each measured M
 entry where a candidate beat the current kernels by `--margin`.
@@ -25,49 +24,12 @@ import torch
 from moekit.benchmarks.floors import layer_flops
 from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, graph_time_us, prefill_kernel_key, prefill_label,
                                   quantized_weights, routing_sets)
-from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name
-from moekit.kernels.triton_prefill import FP8_MIN_TILE_ROWS
-from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, PrefillConfig, TileConfig, get_config
+from moekit.kernels.quant_tuning import QuantKnobs, fp8_prefill_space, quant_file_name
+from moekit.kernels.tuning import SHIPPED_DIR, MoEConfig, get_config
 from moekit.quant import TOLERANCE, emulated_experts, get_scheme
 
 SCHEME = "fp8_w8a8"
 DEVICE_NAME = "NVIDIA_H200"
-
-
-# (GEMM1 tiles, GEMM2 tiles, least rows per expert): K tiles of 128 (1-byte elements).
-_TILES = (
-    (TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3), 96),
-    (TileConfig(128, 128, 128, 8, 8, 4), TileConfig(128, 128, 128, 8, 8, 4), 96),
-    (TileConfig(128, 64, 128, 8, 4, 4), TileConfig(128, 128, 128, 8, 4, 4), 0),
-    (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 3), 0),  # two programs fit an SM
-    (TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 256, 128, 8, 4, 3), 0),
-    (TileConfig(64, 64, 128, 8, 4, 4), TileConfig(64, 128, 128, 8, 4, 4), 0),
-)
-_WS_GEMM2 = (TileConfig(128, 256, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 4))
-
-
-def candidates(M: int, E: int, k: int) -> list:
-    """Prefill configs for fp8 at M tokens (tiles of FP8_MIN_TILE_ROWS rows or more); up to
-    1024 rows per expert also with two programs per SM (more weight loads in flight)."""
-    per_expert = M * k / E
-    grids = (1, 2) if per_expert <= 1024 else (1,)
-    out = []
-    for g1, g2, least in _TILES:
-        if per_expert < least or (g1.BLOCK_SIZE_M == 64 and per_expert > 512):
-            continue
-        for tail in (1, 2):
-            if g1.BLOCK_SIZE_M // tail < FP8_MIN_TILE_ROWS:
-                continue
-            for per_sm in grids:
-                out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail)))
-                for x_tma in (0, 1):
-                    for gu1 in (0, 1):
-                        out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, act_tma=1, x_tma=x_tma,
-                                                                   gu1=gu1)))
-        if g1.BLOCK_SIZE_M == 128:
-            out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
-                    for w2 in _WS_GEMM2 for x_tma in (0, 1) for gu1 in (0, 1)]
-    return out
 
 
 def _problem(E, H, I, T, k, gen):
@@ -126,7 +88,7 @@ def main(argv=None) -> int:
     jobs = {}
     for name, E, k, H, I in shapes:
         for M in Ms:
-            for cfg in candidates(M, E, k):
+            for cfg in fp8_prefill_space(M, E, k):
                 jobs.setdefault((prefill_kernel_key(cfg), H, I), (cfg.to_json(), H, I))
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         compile_failures = [r for r in pool.imap_unordered(_compile, list(jobs.values())) if r]
@@ -139,7 +101,7 @@ def main(argv=None) -> int:
     tables = {}
     for shape in shapes:
         name, E, k, H, I = shape
-        cands = {prefill_kernel_key(c): c for M in Ms for c in candidates(M, E, k)}
+        cands = {prefill_kernel_key(c): c for M in Ms for c in fp8_prefill_space(M, E, k)}
         errs = check(shape, cands, gen)
         tol = TOLERANCE[get_scheme(SCHEME).precision]
         wrong = {key for key, e in errs.items() if not (isinstance(e, float) and e <= tol)}
@@ -164,10 +126,10 @@ def main(argv=None) -> int:
             timed = {"bf16_triton": lambda x, w, i: fused_moe(x, w13, w2, None, None, w, i, None, "silu",
                                                                config=bf16_cfg, out_dtype=x.dtype),
                      "current": lambda x, w, i: _quant_call(wts, x, w, i)}
-            for cfg in candidates(M, E, k):
+            for cfg in fp8_prefill_space(M, E, k):
                 if prefill_kernel_key(cfg) not in wrong:
                     timed[prefill_label(cfg)] = (lambda c: lambda x, w, i: _quant_call(wts, x, w, i, config=c))(cfg)
-            configs = {prefill_label(c): c for c in candidates(M, E, k)}
+            configs = {prefill_label(c): c for c in fp8_prefill_space(M, E, k)}
             for lab, fn in timed.items():
                 if time.monotonic() > deadline:
                     row["impls"][lab] = {"skipped": "out of time"}

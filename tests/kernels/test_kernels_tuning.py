@@ -177,3 +177,44 @@ def test_tune_confirms_the_fastest_by_median_of_interleaved_rounds():
     assert confirm_fastest({"x": 5.0, "y": float("inf")}, measure) == ("x", {"x": [5.0]})
     with pytest.raises(ValueError, match="no candidate ran"):
         confirm_fastest({"y": float("inf")}, measure)
+
+
+def test_quantized_tune_plans_searches_and_writes_a_readable_table(tmp_path):
+    # moekit tune --quant: candidates per M (the prefill kernels only for static fp8 scales and
+    # 32 rows or more per expert), compile jobs, a dry run off the GPU (nothing times: the
+    # current choice stays), and a table that reads back with its knobs.
+    from moekit.benchmarks.gpu import quant_entry
+    from moekit.cli.tune_quant import plan_quant, search_quant, write_quant_configs
+    from moekit.kernels.quant_tuning import QuantKnobs, parse_quant_configs
+
+    plans, jobs = plan_quant(8, 2, 256, 128, (16, 1024), "fp8_w8a8", True)
+    assert sorted(plans) == [16, 1024]
+    assert plans[16]["prefill"] == [] and plans[1024]["prefill"]
+    assert all(c.prefill is not None for c in plans[1024]["prefill"])
+    assert all(cfg.block_m in plans[1024]["g2"] for cfg, _ in plans[1024]["g1"])
+    assert len({json.dumps(j, sort_keys=True) for j in jobs}) == len(jobs)  # each kernel set compiled once per M
+    assert {tuple(j[:4]) for j in jobs} == {("fp8_w8a8", True, 256, 128)} and {j[4] for j in jobs} == {16, 64}
+    dyn, _ = plan_quant(8, 2, 256, 128, (1024,), "fp8_w8a8_block128", False)
+    assert dyn[1024]["prefill"] == []
+    with pytest.raises(ValueError, match="static activation scales take a per-tensor fp8 scheme"):
+        plan_quant(8, 2, 256, 128, (16,), "int4_w4a16", True)
+
+    table, info = search_quant(8, 2, 256, 128, {16: plans[16]}, "fp8_w8a8", True, device="cpu")
+    assert table[16] == plans[16]["default"] and info[16]["tried"] == 0
+    pre = plans[1024]["prefill"][0]
+    table = {16: table[16], 1024: (plans[1024]["g1"][0][0], QuantKnobs(gate_up=True, static_prefill=pre))}
+    path = write_quant_configs(table, 8, 128, "Fake_GPU", "fp8_w8a8", str(tmp_path))
+    assert os.path.basename(path) == "E=8,N=128,device_name=Fake_GPU,dtype=fp8_w8a8.json"
+    with open(path, encoding="utf-8") as fh:
+        back = parse_quant_configs(fh.read(), path)
+    assert back == table
+    assert quant_entry(*back[1024])["quant"]["static_prefill"] == pre.to_json()
+
+
+def test_quantized_tune_cli_checks_its_flags():
+    from moekit.cli.main import main
+
+    with pytest.raises(SystemExit, match="--static-scales goes with --quant fp8_w8a8"):
+        main(["tune", "--shape", "olmoe-1b-7b", "--quant", "int8_w8a16", "--static-scales"])
+    with pytest.raises(SystemExit):
+        main(["tune", "--shape", "olmoe-1b-7b", "--quant", "fp9"])  # not a scheme: argparse refuses

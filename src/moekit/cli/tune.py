@@ -11,10 +11,15 @@ of calls with fresh routing (benchmarks/gpu.py), so it includes the alignment an
 sum over k at that row block. Last, the CONFIRM_TOP fastest configs are timed again in
 CONFIRM_ROUNDS interleaved rounds and the lowest median wins: the top candidates often differ
 by 1-3 %, less than one timing's spread, so a single timing would pick by chance.
+
+`--quant SCHEME` tunes the quantized kernels instead (cli/tune_quant.py) and writes the
+scheme's table (`...,dtype=fp8_w8a8[,block_shape=[128,128]].json`); `--static-scales` with
+fp8_w8a8 tunes static per-tensor activation scales, the prefill kernels among the candidates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +38,7 @@ CONFIRM_TOP, CONFIRM_ROUNDS = 3, 3
 
 def add_parser(sub) -> None:
     from moekit.benchmarks.gpu import GPU_SHAPES  # noqa: PLC0415
+    from moekit.quant import SCHEMES  # noqa: PLC0415
 
     p = sub.add_parser("tune", help="tune the Triton experts kernels for one shape on this GPU")
     p.add_argument("--shape", choices=[s[0] for s in GPU_SHAPES], help="a PERF.md shape (sets E, k, H, I)")
@@ -48,6 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
                    help="processes compiling candidates in parallel")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per batch size (default: no limit)")
+    p.add_argument("--quant", choices=list(SCHEMES), default=None,
+                   help="tune the quantized kernels of this scheme instead (writes its ...,dtype=... table)")
+    p.add_argument("--static-scales", action="store_true",
+                   help="with --quant fp8_w8a8: static per-tensor activation scales (adds the prefill kernels)")
     p.set_defaults(func=run)
 
 
@@ -202,12 +212,26 @@ def write_configs(table: Dict[int, "MoEConfig"], E: int, I: int, device: str, dt
     return path
 
 
+@contextlib.contextmanager
+def _progress(total: int, E: int, I: int):
+    """A rich progress bar over `total` timings; yields step(line), which advances it by one."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    with Progress(TextColumn("[bold]tune[/] E={task.fields[E]} I={task.fields[I]}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  TextColumn("{task.description}")) as bar:
+        task = bar.add_task("", total=total, E=E, I=I)
+        yield lambda line: bar.update(task, advance=1, description=line[-70:])
+
+
 def run(args) -> int:
     E, k, H, I = _shape(args)
+    if args.static_scales and args.quant != "fp8_w8a8":
+        raise SystemExit("moekit tune: --static-scales goes with --quant fp8_w8a8 (static per-tensor fp8 scales)")
     if not torch.cuda.is_available():
         raise SystemExit("moekit tune needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+        import rich.progress  # noqa: F401, PLC0415
     except ImportError as err:
         raise SystemExit("moekit tune's progress bar needs rich: `pip install moekit[cli]`") from err
     from moekit.benchmarks.gpu import precompile  # noqa: PLC0415
@@ -222,18 +246,18 @@ def run(args) -> int:
         raise SystemExit(f"--batch-sizes must hold token counts >= 1, got {args.batch_sizes!r}")
     dtype = getattr(torch, args.dtype)
     folder = args.out_dir or settings.tuned_config_dir or "."
+    if args.quant is not None:
+        from moekit.cli.tune_quant import run_quant  # noqa: PLC0415
+
+        return run_quant(args, E, k, H, I, Ms, dtype, folder, _progress)
     plans, jobs = plan_shape(E, k, H, I, dtype, Ms)
     print(f"compiling {len(jobs)} candidate configs in {args.workers} processes ...")
     failures = precompile(jobs, args.workers)
     if failures:
         print(f"{len(failures)} candidates failed to compile or run and are skipped, e.g. {failures[0]}")
     total = sum(len(p[1]) + max((len(c) for c in p[2].values()), default=0) + 1 for p in plans.values())
-    with Progress(TextColumn("[bold]tune[/] E={task.fields[E]} I={task.fields[I]}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  TextColumn("{task.description}")) as bar:
-        task = bar.add_task("", total=total, E=E, I=I)
-        table, info = search_shape(E, k, H, I, dtype, plans, budget_s=args.budget,
-                                   step=lambda line: bar.update(task, advance=1, description=line[-70:]))
+    with _progress(total, E, I) as advance:
+        table, info = search_shape(E, k, H, I, dtype, plans, budget_s=args.budget, step=advance)
     path = write_configs(table, E, I, device_name(), dtype, folder)
     for M in sorted(info):
         i = info[M]

@@ -16,10 +16,11 @@ from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
-from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, parse_table, read_table, use_direct
+from .tuning import (FP8_MIN_TILE_ROWS, MoEConfig, PrefillConfig, TileConfig, config_file_name, parse_table, read_table,
+                     use_direct)
 
 __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
-           "lookup_quant_config", "quant_search_space"]
+           "lookup_quant_config", "quant_search_space", "fp8_prefill_space"]
 
 # The int4 weight conversions, by the kernels' CONVERT code.
 W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2}
@@ -236,3 +237,44 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
             if _fits(t, 1, elem, k_scaled, weight_only, 1):
                 g2.setdefault(bm, []).extend((t, kn) for kn in knobs2 if swap_fits(t) or not kn.get("swap2"))
     return g1, g2
+
+
+# fp8 tiles of the prefill kernels: (GEMM1, GEMM2, least rows per expert), K tiles of 128 (the
+# bytes per stage of the 16-bit tiles' 64); the 3-stage 128 x 64 pair lets two programs share
+# an SM. GEMM2 tiles of the warp-specialized loop (4 warps, 128 rows).
+_FP8_PREFILL_TILES = (
+    (TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3), 96),
+    (TileConfig(128, 128, 128, 8, 8, 4), TileConfig(128, 128, 128, 8, 8, 4), 96),
+    (TileConfig(128, 64, 128, 8, 4, 4), TileConfig(128, 128, 128, 8, 4, 4), 0),
+    (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 3), 0),
+    (TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 256, 128, 8, 4, 3), 0),
+    (TileConfig(64, 64, 128, 8, 4, 4), TileConfig(64, 128, 128, 8, 4, 4), 0),
+)
+_FP8_WS_GEMM2 = (TileConfig(128, 256, 128, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 4))
+
+
+def fp8_prefill_space(T: int, E: int, k: int) -> List[MoEConfig]:
+    """Candidates for QuantKnobs.static_prefill at T tokens (fp8 with static per-tensor scales):
+    tiles of FP8_MIN_TILE_ROWS rows or more, weight tiles by TMA, with and without tail tiles,
+    activation rows by TMA, gate and up in one product, GEMM2 warp-specialized; up to 1024 rows
+    per expert also two programs per SM (more weight loads in flight). None below 32 rows per
+    expert, where the sorted kernels' short tiles stream the weights."""
+    per_expert = T * k / E
+    if per_expert < 32:
+        return []
+    grids = (1, 2) if per_expert <= 1024 else (1,)
+    out = []
+    for g1, g2, least in _FP8_PREFILL_TILES:
+        if per_expert < least or (g1.BLOCK_SIZE_M == 64 and per_expert > 512):
+            continue
+        for tail in (1, 2):
+            if g1.BLOCK_SIZE_M // tail < FP8_MIN_TILE_ROWS:
+                continue
+            for per_sm in grids:
+                out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail)))
+                out += [MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, act_tma=1, x_tma=x_tma, gu1=gu1))
+                        for x_tma in (0, 1) for gu1 in (0, 1)]
+        if g1.BLOCK_SIZE_M == 128:
+            out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
+                    for w2 in _FP8_WS_GEMM2 for x_tma in (0, 1) for gu1 in (0, 1)]
+    return out
