@@ -76,6 +76,12 @@ def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: s
     return plans, jobs
 
 
+def _as_called(cfg, knobs) -> Tuple:
+    """(config, knobs) that run a table entry as a call without a config does: an explicit config
+    takes no static_prefill knob, so an entry that carries one runs its prefill config."""
+    return (knobs.static_prefill, knobs) if knobs.static_prefill is not None else (cfg, knobs)
+
+
 def _flips(scheme_name: str, knobs) -> List[Dict]:
     """One knob flipped each: PDL; x quantized in its own launch (fp8); the other int4 conversions."""
     flips = [dict(pdl=not knobs.pdl)]
@@ -111,6 +117,7 @@ def search_quant(
 
         def measure(cfg, kn) -> float:
             try:
+                cfg, kn = _as_called(cfg, kn)
                 return graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i, cfg, kn), sets, replays=3)
             except Exception:  # noqa: BLE001 - a candidate that cannot run is skipped
                 return float("inf")
