@@ -157,6 +157,28 @@ def test_tune_cli_errors(argv, match):
         main(argv)
 
 
+def test_budgeted_timings_measure_each_candidate_once_within_the_budget():
+    from moekit.cli.tune import BudgetedTimings
+
+    calls, lines = [], []
+    timed = BudgetedTimings(16, lambda c: calls.append(c) or float(len(c)), str.upper, str, budget_s=None,
+                            step=lines.append)
+    assert [timed(c) for c in ("ab", "abc", "ab")] == [2.0, 3.0, 2.0]
+    assert calls == ["ab", "abc"] and timed.items == {"AB": "ab", "ABC": "abc"}
+    assert lines == ["M=16 ab: 2.0 us", "M=16 abc: 3.0 us"]  # one line per candidate timed
+    spent = BudgetedTimings(16, lambda c: 1.0, str, str, budget_s=-1.0)
+    assert spent("x") == 1.0 and spent("y") == float("inf")  # the first always times; then out of budget
+
+
+def test_tune_search_dry_run_off_the_gpu_keeps_the_heuristic():
+    from moekit.cli.tune import plan_shape, search_shape
+
+    plans, _ = plan_shape(8, 2, 64, 32, torch.float32, (64,))
+    table, info = search_shape(8, 2, 64, 32, torch.float32, plans, budget_s=1.0, device="cpu")
+    assert info[64]["tried"] == 0 and info[64]["us"] == float("inf")
+    assert table[64] in plans[64][1]
+
+
 def test_tune_confirms_the_fastest_by_median_of_interleaved_rounds():
     from moekit.cli.tune import confirm_fastest
 

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["add_parser", "run", "plan_shape", "search_shape", "write_configs", "confirm_fastest"]
+__all__ = ["add_parser", "run", "plan_shape", "search_shape", "write_configs", "confirm_fastest", "BudgetedTimings"]
 
 DEFAULT_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096, 16384)
 # The search's fastest configs timed again, and in how many interleaved rounds.
@@ -128,6 +128,33 @@ def confirm_fastest(first: Dict[str, float], measure: Callable[[str], float], to
     return min(keys, key=lambda key: (statistics.median(times[key]), keys.index(key))), times
 
 
+class BudgetedTimings:
+    """First timings of one batch size's candidates, by key: each candidate is measured once;
+    after `budget_s` seconds from the first timing (which also compiles the alignment) the rest
+    count as inf. `items` maps each key to its candidate; `step` hears each timing as a line."""
+
+    def __init__(self, M: int, measure: Callable, key: Callable, label: Callable, budget_s: Optional[float] = None,
+                 step: Optional[Callable[[str], None]] = None):
+        self.M, self.measure, self.key, self.label, self.budget_s, self.step = M, measure, key, label, budget_s, step
+        self.seen: Dict[str, float] = {}
+        self.items: Dict[str, object] = {}
+        self.start: Optional[float] = None
+
+    def __call__(self, item) -> float:
+        key = self.key(item)
+        self.items[key] = item
+        if key not in self.seen:
+            if self.budget_s is not None and self.start is not None and \
+                    time.perf_counter() - self.start > self.budget_s:
+                self.seen[key] = float("inf")
+            else:
+                self.seen[key] = self.measure(item)
+                self.start = self.start if self.start is not None else time.perf_counter()
+            if self.step:
+                self.step(f"M={self.M} {self.label(item)}: {self.seen[key]:.1f} us")
+        return self.seen[key]
+
+
 def search_shape(
     E: int, k: int, H: int, I: int, dtype: torch.dtype, plans: Dict, *, budget_s: Optional[float] = None,
     step: Optional[Callable[[str], None]] = None, device: str = "cuda",
@@ -153,9 +180,6 @@ def search_shape(
     info: Dict[int, Dict] = {}
     for M, (default, stage1, g2s) in plans.items():
         sets = routing_sets(M, E, k, H, 4 if M <= 1024 else 2, dtype, device)
-        start = None  # the budget starts after the first timing, which compiles the alignment
-        seen: Dict[str, float] = {}
-        configs: Dict[str, MoEConfig] = {}
 
         def measure(cfg: MoEConfig) -> float:
             try:
@@ -165,19 +189,9 @@ def search_shape(
             except Exception:  # noqa: BLE001 - a config that cannot run is skipped
                 return float("inf")
 
-        def timed(cfg: MoEConfig) -> float:
-            nonlocal start
-            key = json.dumps(cfg.to_json(), sort_keys=True)
-            configs[key] = cfg
-            if key not in seen:
-                if budget_s is not None and start is not None and time.perf_counter() - start > budget_s:
-                    seen[key] = float("inf")
-                else:
-                    seen[key] = measure(cfg)
-                    start = start if start is not None else time.perf_counter()
-                if step:
-                    step(f"M={M} {cfg.to_json()}: {seen[key]:.1f} us")
-            return seen[key]
+        timed = BudgetedTimings(M, measure, lambda c: json.dumps(c.to_json(), sort_keys=True), MoEConfig.to_json,
+                                budget_s, step)
+        seen, configs = timed.seen, timed.items
 
         winner = min(stage1, key=timed)
         if winner.prefill is None:  # prefill candidates come as tuned pairs of GEMM1 and GEMM2 tiles

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -68,7 +67,7 @@ def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: s
         firsts = {}
         for cfg, kn in stage1:
             firsts.setdefault(cfg.block_m, (cfg, kn))
-        pairs = [default] + stage1 + [(MoEConfig(firsts[bm][0].gemm1, t2), QuantKnobs(**kn2))
+        pairs = [_as_called(*default)] + stage1 + [(MoEConfig(firsts[bm][0].gemm1, t2), QuantKnobs(**kn2))
                                       for bm, cands in g2s.items() if bm in firsts for t2, kn2 in cands]
         pairs += [(cfg, QuantKnobs()) for cfg in prefill]
         entries = {_key(quant_entry(c, kn)): quant_entry(c, kn) for c, kn in pairs}
@@ -103,7 +102,7 @@ def search_quant(
     as cli.tune.search_shape, timings keyed by the table entry's JSON.
     """
     from moekit.benchmarks.gpu import _quant_call, graph_time_us, quant_entry, quantized_weights, routing_sets  # noqa: PLC0415
-    from moekit.cli.tune import confirm_fastest  # noqa: PLC0415
+    from moekit.cli.tune import BudgetedTimings, confirm_fastest  # noqa: PLC0415
     from moekit.kernels.quant_tuning import QuantKnobs  # noqa: PLC0415
     from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
 
@@ -111,30 +110,17 @@ def search_quant(
     table, info = {}, {}
     for M, plan in plans.items():
         sets = routing_sets(M, E, k, H, 4 if M <= 1024 else 2, dtype, device)
-        start = None  # the budget starts after the first timing, which compiles the alignment
-        seen: Dict[str, float] = {}
-        pairs: Dict[str, Tuple] = {}
 
-        def measure(cfg, kn) -> float:
+        def measure(pair) -> float:
             try:
-                cfg, kn = _as_called(cfg, kn)
+                cfg, kn = _as_called(*pair)
                 return graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i, cfg, kn), sets, replays=3)
             except Exception:  # noqa: BLE001 - a candidate that cannot run is skipped
                 return float("inf")
 
-        def timed(pair) -> float:
-            nonlocal start
-            key = _key(quant_entry(*pair))
-            pairs[key] = pair
-            if key not in seen:
-                if budget_s is not None and start is not None and time.perf_counter() - start > budget_s:
-                    seen[key] = float("inf")
-                else:
-                    seen[key] = measure(*pair)
-                    start = start if start is not None else time.perf_counter()
-                if step:
-                    step(f"M={M} {quant_entry(*pair)}: {seen[key]:.1f} us")
-            return seen[key]
+        timed = BudgetedTimings(M, measure, lambda pair: _key(quant_entry(*pair)), lambda pair: quant_entry(*pair),
+                                budget_s, step)
+        seen, pairs = timed.seen, timed.items
 
         default_us = timed(plan["default"])
         win = min([plan["default"]] + plan["g1"], key=timed)
@@ -150,12 +136,12 @@ def search_quant(
         confirm: Dict[str, list] = {}
         if any(t != float("inf") for t in seen.values()):
             first = {key: us for key, us in seen.items() if key in sorted_keys}
-            key, confirm = confirm_fastest(first, lambda key: measure(*pairs[key]))
+            key, confirm = confirm_fastest(first, lambda key: measure(pairs[key]))
             win, us = pairs[key], statistics.median(confirm[key])
             fast = {key: t for key, t in seen.items() if key not in sorted_keys}
             if fast and min(fast.values()) < us:  # the prefill kernels against the sorted winner
                 first = dict(fast, **{_key(quant_entry(*win)): us})
-                key, more = confirm_fastest(first, lambda key: measure(*pairs[key]))
+                key, more = confirm_fastest(first, lambda key: measure(pairs[key]))
                 confirm.update(more)
                 if key in fast:
                     win = (win[0], replace(win[1], static_prefill=pairs[key][0]))
