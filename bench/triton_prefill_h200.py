@@ -143,9 +143,11 @@ class Bench:
                 errs[key] = err if torch.equal(out, again) else float("inf")
             except Exception as e:  # noqa: BLE001 - recorded; the variant is left out of the sweep
                 errs[key] = f"{type(e).__name__}: {str(e)[:200]}"
-        # Biases and an expert map (half the global experts remote), one program per work item.
+        # Biases and an expert map (half the global experts remote), one program per work item
+        # (a persistent grid where the knobs need one).
         cfg = max(variants.values(), key=lambda c: c.prefill.tail)
-        cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, programs_per_sm=int(cfg.prefill.ws)))
+        persistent = int(cfg.prefill.ws or cfg.prefill.flatten)
+        cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, programs_per_sm=persistent))
         emap = torch.full((2 * Es,), -1, dtype=torch.int32, device=self.dev)
         emap[torch.randperm(2 * Es, device=self.dev, generator=gen)[:Es]] = torch.arange(Es, dtype=torch.int32,
                                                                                         device=self.dev)

@@ -49,7 +49,6 @@ def test_entries_without_prefill_keep_the_sorted_kernels():
     (dict(ws=1, tma=2, tail=1), "ws=1 needs .*act_tma=1"),           # the producer loads by TMA only
     (dict(ws=1, tma=2, act_tma=1), "ws=1 needs .*tail=1"),           # one loop per tile
     (dict(ws=1, tma=2, act_tma=1, tail=1, programs_per_sm=0), "ws=1 needs .*programs_per_sm >= 1"),
-    (dict(ws=1, tma=2, act_tma=1, tail=1, flatten=1), "ws=1 needs .*flatten=0"),
     (dict(ws=2, tma=2, act_tma=1, tail=1), "ws must be one of"),
     (dict(gu1=1, tma=1), "gu1=1 .* needs tma=2"),                    # [2, BN, BK] blocks built in the kernel
 ])

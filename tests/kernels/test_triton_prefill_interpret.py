@@ -105,11 +105,12 @@ else:
             flat = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, flatten=1, act_tma=act_tma, x_tma=x_tma))
             assert torch.equal(ptrs, _check(x, wts, w, ids, config=flat))
 
-    @pytest.mark.parametrize("x_tma", [0, 1])
+    @pytest.mark.parametrize("x_tma,flatten", [(0, 0), (1, 0), (0, 1)])
     @pytest.mark.parametrize("bias,n_remote,on_input", [(False, 0, False), (True, 3, False), (False, 3, True)])
-    def test_warp_specialized_schedule_gives_the_plain_loops_bits(x_tma, bias, n_remote, on_input, gen):
+    def test_warp_specialized_schedule_gives_the_plain_loops_bits(x_tma, flatten, bias, n_remote, on_input, gen):
         # ws=1 finds a tile's expert from the padded ends re-read per tile (no scan); the
         # interpreter runs that schedule (the specialization itself is the GPU compiler's).
+        # flatten with ws flattens GEMM1's loops only.
         # Empty experts, one-row experts, tile boundaries and remote experts included.
         counts = COUNTS + [5, 3, 2][:n_remote]
         w, ids = _routing_with_counts(counts, 2, gen)
@@ -120,7 +121,7 @@ else:
         wts = _weights(len(COUNTS), 48, 40, torch.float32, gen, bias=bias)
         x = torch.randn(ids.shape[0], 48, generator=gen)
         plain = _check(x, wts, w, ids, emap, config=_config(2, 1, 1, act_tma=1, x_tma=x_tma), on_input=on_input)
-        ws = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1))
+        ws = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, flatten=flatten, act_tma=1, x_tma=x_tma, ws=1))
         assert torch.equal(plain, _check(x, wts, w, ids, emap, config=ws, on_input=on_input))
 
     @pytest.mark.parametrize("tail,x_tma,activation", [(1, 0, "silu"), (2, 1, "swigluoai"), (4, 0, "gelu"),

@@ -256,9 +256,10 @@ _FP8_WS_GEMM2 = (TileConfig(128, 256, 128, 8, 4, 3), TileConfig(128, 128, 128, 8
 def fp8_prefill_space(T: int, E: int, k: int) -> List[MoEConfig]:
     """Candidates for QuantKnobs.static_prefill at T tokens (fp8 with static per-tensor scales):
     tiles of FP8_MIN_TILE_ROWS rows or more, weight tiles by TMA, with and without tail tiles,
-    activation rows by TMA, gate and up in one product, GEMM2 warp-specialized; up to 1024 rows
-    per expert also two programs per SM (more weight loads in flight). None below 32 rows per
-    expert, where the sorted kernels' short tiles stream the weights."""
+    activation rows by TMA, gate and up in one product, GEMM2 warp-specialized (and GEMM1's loops
+    flattened next to it); up to 1024 rows per expert also two programs per SM (more weight
+    loads in flight). None below 32 rows per expert, where the sorted kernels' short tiles
+    stream the weights."""
     per_expert = T * k / E
     if per_expert < 32:
         return []
@@ -275,6 +276,6 @@ def fp8_prefill_space(T: int, E: int, k: int) -> List[MoEConfig]:
                 out += [MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, act_tma=1, x_tma=x_tma, gu1=gu1))
                         for x_tma in (0, 1) for gu1 in (0, 1)]
         if g1.BLOCK_SIZE_M == 128:
-            out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
-                    for w2 in _FP8_WS_GEMM2 for x_tma in (0, 1) for gu1 in (0, 1)]
+            out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, flatten=flatten, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
+                    for w2 in _FP8_WS_GEMM2 for x_tma, flatten in ((0, 0), (1, 0), (0, 1)) for gu1 in (0, 1)]
     return out

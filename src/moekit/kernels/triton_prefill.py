@@ -14,10 +14,11 @@ sync, no extra launch). Work items (row tile, column tile) go in groups of GROUP
 tiles so the weight tiles they share stay in L2; PROGRAMS programs walk them with stride
 PROGRAMS (a persistent grid when PROGRAMS is the multiprocessor count, one item each when
 it is the item bound). FLATTEN (TAIL = 1, persistent) asks Triton to flatten the two loops
-into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue. WS
-(GEMM2; TAIL = 1, persistent, both operands by TMA, no bias: Triton 3.6's Hopper pass takes
-no other loads) asks Triton to warp-specialize the tile loop instead: a producer warpgroup
-keeps the TMA loads in flight across tiles while two consumer warpgroups multiply and store.
+into one pipelined loop, so a tile's first loads overlap the previous tile's epilogue (with
+WS, GEMM1's loops only). WS (GEMM2; TAIL = 1, persistent, both operands by TMA, no bias:
+Triton 3.6's Hopper pass takes no other loads) asks Triton to warp-specialize the tile loop
+instead: a producer warpgroup keeps the TMA loads in flight across tiles while two consumer
+warpgroups multiply and store.
 Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I] through
 TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
 A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
@@ -520,6 +521,6 @@ def fused_moe_prefill(
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
         WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold,
         HAS_BIAS=b2 is not None,
-        num_warps=g2.num_warps, num_stages=g2.num_stages, **common)
+        num_warps=g2.num_warps, num_stages=g2.num_stages, **dict(common, FLATTEN=bool(pre.flatten and not pre.ws)))
     has_map = expert_map is not None
     return sum_over_k(y, topk_ids, expert_map if has_map else topk_ids, has_map, out_dtype)

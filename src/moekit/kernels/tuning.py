@@ -137,7 +137,8 @@ class PrefillConfig:
         tail: 1, 2 or 4: rows are padded per expert to BLOCK_SIZE_M / tail (>= 16), and an
             expert's last tile runs a loop of BLOCK_SIZE_M / 2 or / 4 rows when those hold its rows.
         flatten: 1 has Triton flatten a persistent grid's tile and K loops into one pipelined
-            loop (tail 1 and programs_per_sm >= 1 only: one loop per tile).
+            loop (tail 1 and programs_per_sm >= 1 only: one loop per tile); with ws, GEMM1's
+            only (GEMM2's loop is warp-specialized instead).
         act_tma: 1 has GEMM2 read its activation rows (contiguous in the sorted layout) through
             TMA descriptors built in the kernel as well, one per row-tile height (tma=2 only),
             so both operands of its products come by TMA; 0 through pointers.
@@ -147,8 +148,8 @@ class PrefillConfig:
         ws: 1 has Triton warp-specialize GEMM2's persistent tile loop (Hopper; act_tma=1): a
             producer warpgroup keeps the loads in flight across tiles for two consumer
             warpgroups that split each tile's rows; with a bias it runs unspecialized (same
-            bits). Needs tma=2, tail=1, a persistent grid and flatten=0; Hopper's compiler
-            takes GEMM2 num_warps=4 (12 warps then run). GEMM1 stays as it is (specialized on
+            bits). Needs tma=2, tail=1 and a persistent grid; Hopper's compiler takes GEMM2
+            num_warps=4 (12 warps then run). GEMM1 stays as it is (specialized on
             Triton 3.6, it left rows unwritten).
         gu1: 1 has GEMM1 multiply a tile's gate and up rows as one [BK, 2 BN] product, its
             weight tiles read as [2, BN, BK] blocks of w13 viewed [E * 2, I, H] (tma=2; gated
@@ -180,11 +181,10 @@ class PrefillConfig:
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
                                  f"got tma={self.tma}")
-        if self.ws and (self.tma != 2 or not self.act_tma or self.tail != 1 or self.programs_per_sm == 0
-                        or self.flatten):
-            raise ValueError(f"prefill ws=1 needs tma=2, act_tma=1, tail=1, programs_per_sm >= 1 and flatten=0, "
+        if self.ws and (self.tma != 2 or not self.act_tma or self.tail != 1 or self.programs_per_sm == 0):
+            raise ValueError(f"prefill ws=1 needs tma=2, act_tma=1, tail=1 and programs_per_sm >= 1, "
                              f"got tma={self.tma}, act_tma={self.act_tma}, tail={self.tail}, "
-                             f"programs_per_sm={self.programs_per_sm}, flatten={self.flatten}")
+                             f"programs_per_sm={self.programs_per_sm}")
 
     def to_json(self) -> Dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
@@ -528,4 +528,6 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
         g1 = _PREFILL_TILES[0][1]
         out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
                 for g2 in _WS_GEMM2_TILES for x_tma in (0, 1) for gu1 in (0, 1)]
+        out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, flatten=1, act_tma=1, ws=1, gu1=gu1))
+                for g2 in _WS_GEMM2_TILES for gu1 in (0, 1)]
     return out
