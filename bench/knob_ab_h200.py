@@ -26,7 +26,7 @@ from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, graph_time_us, quanti
 from moekit.kernels.launch import fused_moe
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
-from moekit.kernels.tuning import get_config
+from moekit.kernels.tuning import MoEConfig, PrefillConfig, TileConfig, get_config
 from moekit.quant import get_scheme
 
 FP8_POINTS = (("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 256),
@@ -78,12 +78,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
-    name_, value = args.knob.split("=")
-    knob = {name_: int(value)}
+    knob_name, value = args.knob.split("=")
+    knob = {knob_name: int(value)}
     cuda = args.device == "cuda"
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    name = "NVIDIA_H200" if cuda else None
+    table_device = "NVIDIA_H200" if cuda else None
     shapes = GPU_SHAPES if cuda else (("tiny", 8, 2, 64, 32),)
     ms = [int(m) for m in args.ms.split(",")] if cuda else [64]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -96,9 +96,8 @@ def main() -> None:
             return fused_moe(x, w13, w2, None, None, w, ids, None, "silu", config=c, direct=False, out_dtype=x.dtype)
 
         for M in ms:
-            cfg = get_config(M, E, k, H, I, dtype, name)
-            if not cuda:
-                from moekit.kernels.tuning import MoEConfig, PrefillConfig, TileConfig  # noqa: PLC0415
+            cfg = get_config(M, E, k, H, I, dtype, table_device)
+            if not cuda:  # the dry run's tiny tiles, warp-specialized schedule
                 cfg = MoEConfig(TileConfig(64, 32, 32, 2, 4, 2), TileConfig(64, 16, 16, 3, 4, 2),
                                 PrefillConfig(2, 1, 1, act_tma=1, ws=1))
             if cfg.prefill is None:
@@ -112,7 +111,7 @@ def main() -> None:
         for shape, M in FP8_POINTS:
             _, E, k, H, I = next(s for s in GPU_SHAPES if s[0] == shape)
             wts = quantized_weights("fp8_w8a8", E, H, I, True, dev)
-            _, knobs = quant_tiles(M, E, k, H, I, dtype, name, scheme, modes_of(scheme))
+            _, knobs = quant_tiles(M, E, k, H, I, dtype, table_device, scheme, modes_of(scheme))
             if knobs.static_prefill is None:
                 continue
             sets = routing_sets(M, E, k, H, 2, dtype, dev)
