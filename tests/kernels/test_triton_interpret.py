@@ -71,29 +71,33 @@ else:
     def test_interpreter_flag_was_read():
         assert settings.triton_interpret
 
-    @pytest.mark.parametrize("T,E,k,bm,n_remote,small", [
-        (1, 4, 2, 16, 0, True),        # one token
-        (5, 9, 3, 16, 3, True),        # non-local experts (-1) get no rows
-        (37, 70, 2, 32, 0, True),      # most experts empty, E not a power of two
-        (40, 3, 3, 16, 0, True),       # k = E: every expert full, several blocks each
-        (1, 8, 2, 16, 6, True),        # both slots non-local: no rows at all
-        (500, 8, 3, 64, 2, False),     # chunked path (two chunks) with an expert map
-        (700, 70, 4, 16, 0, False),    # chunked path, three chunks, chunk boundaries inside experts
+    @pytest.mark.parametrize("T,E,k,bm,n_remote,small,chunk", [
+        (1, 4, 2, 16, 0, True, None),       # one token
+        (5, 9, 3, 16, 3, True, None),       # non-local experts (-1) get no rows
+        (37, 70, 2, 32, 0, True, None),     # most experts empty, E not a power of two
+        (40, 3, 3, 16, 0, True, None),      # k = E: every expert full, several blocks each
+        (1, 8, 2, 16, 6, True, None),       # both slots non-local: no rows at all
+        (500, 8, 3, 64, 2, False, None),    # chunked path (six chunks of 256) with an expert map
+        (700, 70, 4, 16, 0, False, None),   # chunked path, chunk boundaries inside experts
+        (1, 4, 2, 16, 0, False, None),      # chunked path, one chunk, mostly padding lanes
+        (33, 5, 2, 16, 1, False, 16),       # many small chunks, the last one partial, a map
+        (64, 300, 8, 128, 0, False, 32),    # E_PAD 512: 16 chunks' histograms read in two steps
     ])
-    def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, gen):
+    def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, chunk, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
         if n_remote and T == 1:  # route the token to non-local experts only
             ids = (emap < 0).nonzero().flatten()[:k].to(torch.int32).reshape(1, k)
-        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0)
+        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0, chunk=chunk)
         rows, ends = _expected_alignment(ids, emap, E, bm)
         assert al.expert_end.tolist() == ends
-        got = al.sorted_ids[:len(rows)].tolist()
-        if small:  # one program: assignment order within each expert
-            assert got == rows
-        else:  # chunked: rows claimed in arrival order, so compare each expert's rows as a set
-            for lo, hi in zip([0] + ends[:-1], ends):
-                assert sorted(got[lo:hi]) == sorted(rows[lo:hi])
+        # Both paths: each expert's assignments in order, then its padding.
+        assert al.sorted_ids[:len(rows)].tolist() == rows
         assert al.max_blocks * bm >= len(rows)
+
+    def test_alignment_chunk_must_be_a_power_of_two(gen):
+        ids = torch.zeros(4, 2, dtype=torch.int32)
+        with pytest.raises(ValueError, match="chunk must be a power of two"):
+            moe_align(ids, None, 4, 16, small_max=0, chunk=48)
 
     @pytest.mark.parametrize("case", [
         dict(T=1, E=4, k=2, H=32, I=16),                      # one token: direct path

@@ -2,7 +2,7 @@
 
 Every size here is known from tensor shapes, never read from the device, so a call can be
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
-(4 launches; 6 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
+(4 launches; 5 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
 GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
 A config with prefill knobs (MoEConfig.prefill) runs the sorted path's GEMMs on
 kernels/triton_prefill.py instead (rows padded to its row granule).
@@ -27,9 +27,9 @@ from .triton_moe import pow2 as _pow2
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "alignment_buffers", "moe_align", "fused_moe", "ALIGN_SMALL_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX"]
 
-# Up to this many assignments one program aligns them (one launch); above, three launches.
+# Up to this many assignments one program aligns them (one launch); above, two launches.
 ALIGN_SMALL_MAX = align.SMALL
 # Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
 _FUSED_SUM_RB, _FUSED_SUM_BN = 16, 64
@@ -59,7 +59,7 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
-              small_max: int = ALIGN_SMALL_MAX) -> Alignment:
+              small_max: int = ALIGN_SMALL_MAX, chunk: Optional[int] = None) -> Alignment:
     """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
 
     Args:
@@ -67,27 +67,45 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         expert_map: [E_global] int32 global -> local id or -1, or None.
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
         small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
+        chunk: assignments per chunk above small_max (a power of two >= 16; default
+            triton_align.chunk_size). The rows are the same for every chunk size.
     """
-    TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
+    TK, E = topk_ids.numel(), num_experts
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
-    sorted_ids, expert_end = al.sorted_ids, al.expert_end
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids
+    emap = expert_map if expert_map is not None else topk_ids
     if TK <= small_max:
-        n = _pow2(TK)
-        align.align_small_kernel[(1,)](topk_ids, emap, sorted_ids, expert_end, TK, E,
-                                       BM=block_m, N=n, E_PAD=e_pad, HAS_MAP=has_map, num_warps=4)
-    else:
-        NC = triton.cdiv(TK, align.CHUNK)
-        counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
-        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        align.align_count_kernel[(NC,)](topk_ids, emap, counts, TK, N=align.CHUNK, E_PAD=e_pad, HAS_MAP=has_map,
-                                        num_warps=4)
-        align.align_scan_kernel[(1,)](counts, cursor, expert_end, sorted_ids, E, TK, BM=block_m, E_PAD=e_pad,
-                                      num_warps=4)
-        align.align_scatter_kernel[(NC,)](topk_ids, emap, cursor, sorted_ids, TK, E, N=align.CHUNK, E_PAD=e_pad,
-                                          HAS_MAP=has_map, num_warps=4)
+        align.align_small_kernel[(1,)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
+                                       BM=block_m, N=_pow2(TK), E_PAD=e_pad, HAS_MAP=expert_map is not None,
+                                       num_warps=4)
+        return al
+    n = _align_chunk(TK, chunk)
+    hist, keys = _chunk_buffers(TK, n, e_pad, topk_ids.device)
+    align.align_chunk_kernel[(hist.shape[0],)](topk_ids, emap, hist, keys, TK, N=n, E_PAD=e_pad,
+                                                HAS_MAP=expert_map is not None, num_warps=4)
+    place_chunks(al, hist, keys, TK, E, n, e_pad)
     return al
+
+
+def _align_chunk(TK: int, chunk: Optional[int]) -> int:
+    if chunk is None:
+        return align.chunk_size(TK)
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    return chunk
+
+
+def _chunk_buffers(TK: int, n: int, e_pad: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """hist [chunks, e_pad] and keys [chunks * n] int32 of the chunked alignment (written whole)."""
+    nc = triton.cdiv(TK, n)
+    return (torch.empty(nc, e_pad, dtype=torch.int32, device=device),
+            torch.empty(nc * n, dtype=torch.int32, device=device))
+
+
+def place_chunks(al: Alignment, hist: torch.Tensor, keys: torch.Tensor, TK: int, E: int, n: int, e_pad: int) -> None:
+    """The chunked alignment's second launch: every chunk's rows, expert_end and the sentinels."""
+    nc = hist.shape[0]
+    align.align_place_kernel[(nc,)](hist, keys, al.sorted_ids, al.expert_end, TK, E, nc, BM=al.block_m, N=n,
+                                    E_PAD=e_pad, CB=min(_pow2(nc), max(1, 4096 // e_pad)), num_warps=4)
 
 
 def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:

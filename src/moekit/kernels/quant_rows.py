@@ -17,7 +17,7 @@ import triton
 from ..quant.schemes import QuantScheme
 from . import triton_align as align
 from . import triton_quant_rows as qr
-from .launch import Alignment, _pow2, alignment_buffers
+from .launch import Alignment, _chunk_buffers, _pow2, alignment_buffers, place_chunks
 
 __all__ = ["QuantModes", "modes_of", "quantize_rows", "quant_rows", "align_and_quantize", "tensor_scale", "GRAN"]
 
@@ -137,24 +137,18 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
     first launch (pdl: its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
-    sorted_ids, expert_end = al.sorted_ids, al.expert_end
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids
+    emap = expert_map if expert_map is not None else topk_ids
     small = TK <= small_max
-    n_align = 1 if small else triton.cdiv(TK, align.CHUNK)
-    counts = expert_end if small else torch.zeros(e_pad, dtype=torch.int32, device=dev)
+    n = _pow2(TK) if small else align.chunk_size(TK)
+    hist, keys = (al.expert_end, al.expert_end) if small else _chunk_buffers(TK, n, e_pad, dev)
+    n_align = 1 if small else hist.shape[0]
     (xx, qq, ss, w, sr, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
                                                                    topk_ids, expert_map, src)
     qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](
-        topk_ids, emap, sorted_ids, expert_end, counts, xx, qq, ss, w, sr, TK, E, *sizes, n_align, n_chunks,
-        BM=block_m, N=_pow2(TK) if small else align.CHUNK, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small,
-        num_warps=4)
+        topk_ids, emap, al.sorted_ids, al.expert_end, hist, keys, xx, qq, ss, w, sr, TK, E, *sizes, n_align,
+        n_chunks, BM=block_m, N=n, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small, num_warps=4)
     if not small:
-        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        align.align_scan_kernel[(1,)](counts, cursor, expert_end, sorted_ids, E, TK, BM=block_m, E_PAD=e_pad,
-                                      num_warps=4)
-        align.align_scatter_kernel[(n_align,)](topk_ids, emap, cursor, sorted_ids, TK, E, N=align.CHUNK, E_PAD=e_pad,
-                                               HAS_MAP=has_map, num_warps=4)
+        place_chunks(al, hist, keys, TK, E, n, e_pad)
     return al
 
 

@@ -3,8 +3,8 @@
 Output layout (no host synchronisation: every size is a bound known from the shapes):
     sorted_ids [max_blocks * BM] int32: assignment index a = t * k + j of each GEMM row,
         grouped by expert, each expert's rows padded to a multiple of BM with the
-        sentinel T * k; in assignment order within an expert up to SMALL assignments,
-        in arrival order above (see align_scatter_kernel).
+        sentinel T * k; within an expert in assignment order (the sort is stable, so the
+        rows, and every GEMM tile's contents, are the same on every run).
     expert_end [E] int32: cumulative padded row counts; row block b belongs to the expert
         whose rows [end[e-1], end[e]) hold b * BM, and blocks at or past end[E-1] are unused.
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
@@ -13,9 +13,14 @@ Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local an
 out-of-range lanes. Up to SMALL assignments one program does it all (one launch): a
 bitonic sort of keys (bin * n + index) puts each expert's assignments together in order,
 a histogram gives the counts, and a row's place is its expert's padded start plus its
-rank. Above, three launches over chunks of CHUNK assignments: histograms added into global
-counts, a one-program scan, then each assignment claims a row with an atomic increment
-(a sort of thousands of keys in one program costs tens of microseconds).
+rank. Above, two launches over chunks of N assignments, with no atomics:
+    align_chunk_kernel: each chunk sorted the same way (its keys kept) and its histogram
+        stored as row c of hist [n_chunks, E_PAD];
+    align_place_kernel: each chunk adds up the histograms (all chunks: the experts' padded
+        starts; the chunks before it: where its own rows of each expert begin) and writes its
+        sorted assignments there; chunk 0 also writes expert_end and the padding sentinels.
+A sort of thousands of keys in one program costs tens of microseconds; a chunk's sort of
+a few hundred runs beside the others.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_count_kernel", "align_scan_kernel", "align_scatter_kernel",
-           "local_expert", "SMALL", "CHUNK"]
+__all__ = ["align_small_kernel", "align_chunk_kernel", "align_place_kernel", "local_expert", "chunk_size",
+           "SMALL"]
 
-# Largest T*k aligned by the one-program sort; assignments per program above it.
+# Largest T*k aligned by the one-program sort.
 SMALL = 512
-CHUNK = 1024
+
+
+def chunk_size(TK: int) -> int:
+    """Assignments per chunk above SMALL: a power of two from 256 to 2048, about 128 chunks."""
+    n = 256
+    while n < 2048 and n * 128 < TK:
+        n *= 2
+    return n
 
 
 @triton.jit
@@ -48,13 +60,18 @@ def _bins(ids_ptr, map_ptr, offs, n, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr)
 
 
 @triton.jit
-def _sorted_rows(bins, base, first, N: tl.constexpr):
-    """Sort N assignments by bin (stable); return (bin, index in the chunk, row) of each.
+def _chunk_keys(bins, N: tl.constexpr):
+    """Sort keys bin * N + index of N assignments (stable by bin: indices are distinct)."""
+    return tl.sort(bins * N + tl.arange(0, N))
+
+
+@triton.jit
+def _place(key, base, first, N: tl.constexpr):
+    """(bin, index in the chunk, row) of each sorted key.
 
     base [E_PAD]: the first row of each expert for this chunk.  first [E_PAD]: where each
     bin starts in the chunk's sorted order (exclusive cumsum of its histogram).
     """
-    key = tl.sort(bins * N + tl.arange(0, N))
     sbin = key // N
     sidx = key - sbin * N
     rows = tl.gather(base, sbin, 0) + tl.arange(0, N) - tl.gather(first, sbin, 0)
@@ -83,47 +100,47 @@ def align_small_kernel(
     padded = (local + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    sbin, sidx, rows = _sorted_rows(bins, starts, tl.cumsum(counts, axis=0) - counts, N)
+    sbin, sidx, rows = _place(_chunk_keys(bins, N), starts, tl.cumsum(counts, axis=0) - counts, N)
     tl.store(sorted_ptr + rows, sidx, mask=sbin < E)
     _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
     tl.store(expert_end_ptr + experts, ends, mask=experts < E)
 
 
 @triton.jit(do_not_specialize=["TK"])
-def align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
-    """counts[e] += assignments of chunk c (N of them) in bin e (integer adds: exact in any order)."""
+def align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N: tl.constexpr, E_PAD: tl.constexpr,
+                       HAS_MAP: tl.constexpr):
+    """Chunk c = program_id(0) of N assignments: its sorted keys to keys[c * N:], its histogram
+    to hist[c, :E_PAD]."""
     c = tl.program_id(0)
     bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
-    tl.atomic_add(counts_ptr + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
+    tl.store(keys_ptr + c * N + tl.arange(0, N), _chunk_keys(bins, N))
+    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
 
 
-@triton.jit(do_not_specialize=["TK"])
-def align_scan_kernel(
-    counts_ptr, cursor_ptr, expert_end_ptr, sorted_ptr, E, TK,
-    BM: tl.constexpr, E_PAD: tl.constexpr,
+@triton.jit(do_not_specialize=["TK", "NC"])
+def align_place_kernel(
+    hist_ptr, keys_ptr, sorted_ptr, expert_end_ptr, TK, E, NC,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr,
 ):
-    """One program (grid (1,)): padded expert extents, each expert's first free row
-    (cursor), sentinel rows."""
+    """Rows of chunk c = program_id(0) of NC (see the module docstring); CB histogram rows
+    are read per step.  Integer sums: the same in any order."""
+    c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    local = tl.where(experts < E, tl.load(counts_ptr + experts), 0)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in tl.range(0, NC, CB, num_stages=2):
+        cs = c0 + tl.arange(0, CB)
+        h = tl.load(hist_ptr + cs[:, None] * E_PAD + experts[None, :], mask=(cs < NC)[:, None], other=0)
+        total += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((cs < c)[:, None], h, 0), axis=0)
+    local = tl.where(experts < E, total, 0)
     padded = (local + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    tl.store(cursor_ptr + experts, starts)
-    tl.store(expert_end_ptr + experts, ends, mask=experts < E)
-    _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
-
-
-@triton.jit(do_not_specialize=["TK"])
-def align_scatter_kernel(
-    ids_ptr, map_ptr, cursor_ptr, sorted_ptr, TK, E,
-    N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """sorted_ids[row] = a for the local assignments of chunk c; a row is claimed from its
-    expert's cursor, so the order within an expert is the order of arrival. That order does
-    not change any result: each row's GEMM outputs depend on that row alone, and the sum
-    over k runs in slot order."""
-    offs = tl.program_id(0) * N + tl.arange(0, N)
-    bins = _bins(ids_ptr, map_ptr, offs, TK, E_PAD, HAS_MAP)
-    rows = tl.atomic_add(cursor_ptr + bins, 1, mask=bins < E)
-    tl.store(sorted_ptr + rows, offs, mask=bins < E)
+    mine = tl.load(hist_ptr + c * E_PAD + experts)
+    key = tl.load(keys_ptr + c * N + tl.arange(0, N))
+    sbin, sidx, rows = _place(key, starts + before, tl.cumsum(mine, axis=0) - mine, N)
+    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)
+    if c == 0:
+        tl.store(expert_end_ptr + experts, ends, mask=experts < E)
+        _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)

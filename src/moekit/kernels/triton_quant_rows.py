@@ -214,7 +214,7 @@ def quant_rows_kernel(
 
 @triton.jit(do_not_specialize=["TK", "top_k"])
 def align_quant_kernel(
-    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, counts_ptr,
+    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, hist_ptr, keys_ptr,
     x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr,
     TK, E, K, top_k, stride_x, stride_q, stride_s, NA, NCH,
     BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SMALL: tl.constexpr,
@@ -224,7 +224,7 @@ def align_quant_kernel(
     """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
     Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
-    NA = 1; else the histogram of chunk pid of N assignments into counts, NA chunks); the
+    NA = 1; else triton_align.align_chunk_kernel for chunk pid of N assignments, NA chunks); the
     others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
     PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
@@ -235,7 +235,7 @@ def align_quant_kernel(
         if SMALL:
             align.align_small_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, E_PAD, HAS_MAP)
         else:
-            align.align_count_kernel(ids_ptr, map_ptr, counts_ptr, TK, N, E_PAD, HAS_MAP)
+            align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
         j = pid - NA
         _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
