@@ -36,9 +36,13 @@ SMALL = 512
 
 
 def chunk_size(TK: int) -> int:
-    """Assignments per chunk above SMALL: a power of two from 256 to 2048, about 128 chunks."""
+    """Assignments per chunk above SMALL: about TK / 64 as a power of two from 256 to 1024.
+
+    On an H200 (bench/results/h200-align-ab.json) a chunk's sort costs about 2 us at 256 keys,
+    7 at 1024 and 25 at 2048, while the histograms every chunk adds up grow with the chunk count.
+    """
     n = 256
-    while n < 2048 and n * 128 < TK:
+    while n < 1024 and n * 64 < TK:
         n *= 2
     return n
 
