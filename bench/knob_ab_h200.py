@@ -58,7 +58,7 @@ def _point(label, run, cfg, knob, sets, rounds, cuda, flops) -> dict:
         return {"point": label, "config": cfg.to_json(), "skipped": f"{knob} does not apply"}
     try:
         same = all(torch.equal(run(cfg, *s), run(flipped, *s)) for s in sets)
-    except ValueError as e:  # refused by the launcher (tiles the knob cannot run)
+    except (ValueError, RuntimeError) as e:  # refused by the launcher, or Triton failed to compile it
         print(f"{label:28s} skipped: {e}", flush=True)
         return {"point": label, "config": cfg.to_json(), "skipped": str(e)}
     times = {"A": [], "B": []}

@@ -522,8 +522,8 @@ def prefill_space(T: int, E: int, k: int, elem_bytes: int = 2) -> list:
                         for gu1 in (0, 1)]
             if tail == 1:
                 out.append(MoEConfig(g1, g2, PrefillConfig(1, per_sm, tail, flatten=1)))
-                for x_tma in (0, 1):
-                    out.append(MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma)))
+                out += [MoEConfig(g1, g2, PrefillConfig(2, per_sm, tail, flatten=1, act_tma=1, x_tma=x_tma, gu1=gu1))
+                        for x_tma in (0, 1) for gu1 in (0, 1)]
     if per_expert >= 64 and elem_bytes == 2:
         g1 = _PREFILL_TILES[0][1]
         out += [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
