@@ -184,28 +184,3 @@ def test_gate_and_up_in_one_product_with_bias_map_and_swiglu(cuda_gen):
         out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation, config=cfg, direct=False)
         ref = reference_experts(x, wts, w, ids, expert_map=emap, activation=activation)
         assert rel_err(out, ref) <= TOL[torch.bfloat16], activation
-
-
-def _with_pdl(c, pdl=1):
-    return MoEConfig(c.gemm1, c.gemm2, dataclasses.replace(c.prefill, pdl=pdl))
-
-
-PDL_CONFIGS = [_with_pdl(c) for c in (_configs()[0], _configs()[1], _configs()[6], WS_CONFIGS[0], GU1_CONFIGS[-1])]
-
-
-@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
-def test_pdl_chain_gives_the_unchained_bits(shape, cuda_gen):
-    # pdl=1 only lets each launch start before the one it depends on has finished; every
-    # kernel waits for its predecessor before touching memory: same bits.
-    _same_bits_as(PDL_CONFIGS, lambda c: _with_pdl(c, 0), shape, cuda_gen)
-
-
-@pytest.mark.parametrize("T", [40, 1024], ids=["one_program_alignment", "chunked_alignment"])
-def test_pdl_chain_under_graph_replay(T, cuda_gen):
-    cfg = PDL_CONFIGS[2]
-    x, wts, w, ids, emap = _problem(16, 8, 2048, 768, T, cuda_gen, n_remote=3)
-    out = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False)
-    assert rel_err(out, reference_experts(x, wts, w, ids, expert_map=emap)) <= TOL[torch.bfloat16]
-    _replay_with_new_routing(
-        lambda: fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False),
-        ids, torch.rand(T, 19, device="cuda", generator=cuda_gen).topk(8, dim=1).indices.int())

@@ -8,8 +8,6 @@ tensor-descriptor loads, zero fill past the tensor included. fp16/fp32 only (tl.
 bf16 is wrong in the interpreter).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -208,7 +206,7 @@ else:
     def test_large_alignment_path_end_to_end(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
-        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # the chunked alignment at the granule
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # count / scan / scatter alignment at the granule
         w, ids = _routing_with_counts(COUNTS, 2, gen)
         wts = _weights(len(COUNTS), 32, 16, torch.float32, gen)
         _check(torch.randn(ids.shape[0], 32, generator=gen), wts, w, ids, config=_config(1, 1, 4))
@@ -219,15 +217,6 @@ else:
         with pytest.raises(ValueError, match="TMA needs w13's rows 16-byte aligned"):
             fused_moe(torch.randn(2, 36, generator=gen).half(), wts.w13, wts.w2, None, None,
                       torch.rand(2, 2, generator=gen), ids, None, "silu", config=_config(tma=1), direct=False)
-
-    def test_pdl_refused_off_hopper(gen):
-        wts = _weights(3, 32, 16, torch.float32, gen)
-        ids = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
-        cfg = _config(1, 1, 1)
-        cfg = MoEConfig(cfg.gemm1, cfg.gemm2, dataclasses.replace(cfg.prefill, pdl=1))
-        with pytest.raises(ValueError, match=r"config.prefill.pdl=1 needs a CUDA GPU of compute capability 9.0"):
-            fused_moe(torch.randn(2, 32, generator=gen), wts.w13, wts.w2, None, None, torch.rand(2, 2, generator=gen),
-                      ids, None, "silu", config=cfg, direct=False)
 
     def test_row_tiles_bound_holds():
         # Every expert adds at most one partly filled tile; a tile holds at least one assignment.

@@ -59,7 +59,7 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
-              small_max: int = ALIGN_SMALL_MAX, chunk: Optional[int] = None, pdl: bool = False) -> Alignment:
+              small_max: int = ALIGN_SMALL_MAX, chunk: Optional[int] = None) -> Alignment:
     """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
 
     Args:
@@ -69,7 +69,6 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
         chunk: assignments per chunk above small_max (a power of two >= 16; default
             triton_align.chunk_size). The rows are the same for every chunk size.
-        pdl: the last launch lets a programmatic dependent (the next launch, SM90+) start.
     """
     TK, E = topk_ids.numel(), num_experts
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
@@ -77,13 +76,13 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
     if TK <= small_max:
         align.align_small_kernel[(1,)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
                                        BM=block_m, N=_pow2(TK), E_PAD=e_pad, HAS_MAP=expert_map is not None,
-                                       PDL=pdl, num_warps=4)
+                                       num_warps=4)
         return al
     n = _align_chunk(TK, chunk)
     hist, keys = _chunk_buffers(TK, n, e_pad, topk_ids.device)
     align.align_chunk_kernel[(hist.shape[0],)](topk_ids, emap, hist, keys, TK, N=n, E_PAD=e_pad,
                                                 HAS_MAP=expert_map is not None, num_warps=4)
-    place_chunks(al, hist, keys, TK, E, n, e_pad, pdl)
+    place_chunks(al, hist, keys, TK, E, n, e_pad)
     return al
 
 
@@ -102,13 +101,11 @@ def _chunk_buffers(TK: int, n: int, e_pad: int, device) -> Tuple[torch.Tensor, t
             torch.empty(nc * n, dtype=torch.int32, device=device))
 
 
-def place_chunks(al: Alignment, hist: torch.Tensor, keys: torch.Tensor, TK: int, E: int, n: int, e_pad: int,
-                 pdl: bool = False) -> None:
-    """The chunked alignment's second launch: every chunk's rows, expert_end and the sentinels
-    (pdl: it lets a programmatic dependent start)."""
+def place_chunks(al: Alignment, hist: torch.Tensor, keys: torch.Tensor, TK: int, E: int, n: int, e_pad: int) -> None:
+    """The chunked alignment's second launch: every chunk's rows, expert_end and the sentinels."""
     nc = hist.shape[0]
     align.align_place_kernel[(nc,)](hist, keys, al.sorted_ids, al.expert_end, TK, E, nc, BM=al.block_m, N=n,
-                                    E_PAD=e_pad, CB=min(_pow2(nc), max(1, 4096 // e_pad)), PDL=pdl, num_warps=4)
+                                    E_PAD=e_pad, CB=min(_pow2(nc), max(1, 4096 // e_pad)), num_warps=4)
 
 
 def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:
@@ -132,11 +129,11 @@ def _gemv_kwargs(cfg: TileConfig):
                 num_stages=cfg.num_stages)
 
 
-def _check_pdl(device: torch.device, knob: str = "config.gemm2.PDL=1") -> None:
+def _check_pdl(device: torch.device) -> None:
     """Programmatic dependent launch needs an SM90+ GPU (not the interpreter)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         got = device.type if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
-        raise ValueError(f"{knob} needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
+        raise ValueError(f"config.gemm2.PDL=1 needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
 
 
 def fused_moe(
@@ -193,10 +190,7 @@ def fused_moe(
     if config is None:
         config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
     if config.prefill is not None and not direct:
-        if config.prefill.pdl:
-            _check_pdl(dev, "config.prefill.pdl=1")
-        al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX,
-                       pdl=bool(config.prefill.pdl))
+        al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX)
         return prefill.fused_moe_prefill(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,
                                          al.expert_end, al.max_blocks * al.block_m, activation, alpha, limit,
                                          on_input, config, out_dtype)

@@ -94,12 +94,9 @@ def _sentinels(sorted_ptr, starts, counts, padded, TK, BM: tl.constexpr, E_PAD: 
 @triton.jit(do_not_specialize=["TK"])
 def align_small_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
-    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """The whole alignment of TK <= N assignments in one program (grid (1,)); PDL: let a
-    programmatic dependent (SM90+) launch at once."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    """The whole alignment of TK <= N assignments in one program (grid (1,))."""
     experts = tl.arange(0, E_PAD)
     bins = _bins(ids_ptr, map_ptr, tl.arange(0, N), TK, E_PAD, HAS_MAP)
     counts = tl.histogram(bins, E_PAD)
@@ -127,12 +124,10 @@ def align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N: tl.constexpr
 @triton.jit(do_not_specialize=["TK", "NC"])
 def align_place_kernel(
     hist_ptr, keys_ptr, sorted_ptr, expert_end_ptr, TK, E, NC,
-    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, CB: tl.constexpr,
 ):
     """Rows of chunk c = program_id(0) of NC (see the module docstring); CB histogram rows
-    are read per step.  Integer sums: the same in any order.  PDL: as align_small_kernel."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    are read per step.  Integer sums: the same in any order."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     before = tl.zeros([E_PAD], dtype=tl.int32)

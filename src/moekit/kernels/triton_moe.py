@@ -401,16 +401,12 @@ def gemm2_kernel(
 def sum_k_kernel(
     y_ptr, out_ptr, ids_ptr, map_ptr, T, N, top_k, stride_y, stride_o,
     BT: tl.constexpr, BN: tl.constexpr, HAS_MAP: tl.constexpr, STAGES: tl.constexpr = None,
-    PDL: tl.constexpr = False,
 ):
     """out[t, n] = sum over j = 0..k-1 (in order) of y[t*k+j, n], skipping non-local slots.
 
     y [TK, N] (x's dtype); out [T, N] (fp32 or x's dtype; the sum is fp32).
     STAGES: loads of the slot loop kept in flight (None: Triton's default, no pipelining).
-    PDL: a programmatic dependent (SM90+): wait for the launch before first.
     """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     t_ok = t < T
@@ -436,10 +432,9 @@ def pow2(n: int, lo: int = 16) -> int:
 
 
 def sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, emap: torch.Tensor, has_map: bool,
-               out_dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+               out_dtype: torch.dtype) -> torch.Tensor:
     """[T, H] in out_dtype: each token's k rows of y [T * k, H] added in slot order (sum_k_kernel;
-    emap: expert_map, or any int32 tensor when has_map is False; pdl: launched as a programmatic
-    dependent of the launch before, SM90+)."""
+    emap: expert_map, or any int32 tensor when has_map is False)."""
     T, k = topk_ids.shape
     H = y.shape[1]
     out = torch.empty(T, H, dtype=out_dtype, device=y.device)
@@ -454,5 +449,5 @@ def sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, emap: torch.Tensor, has_
         bt, stages = max(1, 4096 // bn), 3
     sum_k_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bn))](
         y, out, topk_ids, emap, T, H, k, y.stride(0), out.stride(0),
-        BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        BT=bt, BN=bn, HAS_MAP=has_map, STAGES=stages, num_warps=4)
     return out

@@ -59,16 +59,6 @@ INTERPRETER_SMS = 2
 
 
 @triton.jit
-def _pdl_chain(PDL: tl.constexpr):
-    """A programmatic dependent's start (SM90+): wait until the launch before has finished and
-    its writes are visible (before anything else: nothing here may overlap it, not even the
-    descriptors written to global scratch), then let the next launch begin."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _schedule(expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr):
     """Per expert lane: tiles ending there (cumulative), the row base of its tiles (row of
     its tile m is base + m * BM), its padded end row; and the number of row tiles."""
@@ -297,7 +287,7 @@ def prefill_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
-    SCALED: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr, FOLD: tl.constexpr,
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -306,9 +296,7 @@ def prefill_gemm1_kernel(
     out [R, N] in x's dtype (SCALED: fp8); expert_end [E] padded row ends. SCALED (fp8 x and
     w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k], s [E, 4];
     FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales.
-    PDL: a programmatic dependent (SM90+): wait for the launch before, let the next one launch.
     """
-    _pdl_chain(PDL)
     if GU1:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
     elif TMA == 2:
@@ -351,16 +339,14 @@ def prefill_gemm2_kernel(
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
+    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr, SCALED: tl.constexpr,
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
     act [R, K=I]; w2 [E, N=H, K] (w_desc: its [E * N, K] descriptor, blocks [BN, BK]);
     b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends. SCALED (a bias and fp8
     act and w2): the static scales s[e, 2] and s[e, 3] multiply the product before the bias.
-    PDL: as prefill_gemm1_kernel.
     """
-    _pdl_chain(PDL)
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     a_d0, a_d1, a_d2 = _row_descs(a_ptr, R, K, stride_am, BM, BK, TAIL, ACT_TMA)
@@ -492,8 +478,6 @@ def fused_moe_prefill(
     R13 = w13.shape[1]
     dev = x.device
     scaled = scales is not None
-    if pre.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
-        raise ValueError(f"config.prefill.pdl=1 needs a CUDA GPU of compute capability 9.0 or newer, got {dev}")
     if scaled and (on_input or src is None or y_dtype is None):
         raise ValueError("the fp8 prefill kernels take src and y_dtype, and the routed weight on the output")
     if scaled and BM // pre.tail < FP8_MIN_TILE_ROWS:
@@ -505,7 +489,7 @@ def fused_moe_prefill(
     bound_m = row_tiles_bound(TK, E, BM)
     e_pad = max(E_LANES, triton.next_power_of_2(E))
     common = dict(TAIL=pre.tail, FLATTEN=bool(pre.flatten), E_PAD=e_pad, TMA=pre.tma, ON_INPUT=on_input,
-                  IEEE=x.dtype == torch.float32, PDL=bool(pre.pdl), **({"launch_pdl": True} if pre.pdl else {}))
+                  IEEE=x.dtype == torch.float32)
     bias13 = b13 if b13 is not None else x
     bias2 = b2 if b2 is not None else x
     p1 = _programs(bound_m * triton.cdiv(I, g1.BLOCK_SIZE_N), pre.programs_per_sm, dev)
@@ -539,4 +523,4 @@ def fused_moe_prefill(
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **dict(common, FLATTEN=bool(pre.flatten and not pre.ws)))
     has_map = expert_map is not None
-    return sum_over_k(y, topk_ids, expert_map if has_map else topk_ids, has_map, out_dtype, pdl=bool(pre.pdl))
+    return sum_over_k(y, topk_ids, expert_map if has_map else topk_ids, has_map, out_dtype)

@@ -154,10 +154,6 @@ class PrefillConfig:
         gu1: 1 has GEMM1 multiply a tile's gate and up rows as one [BK, 2 BN] product, its
             weight tiles read as [2, BN, BK] blocks of w13 viewed [E * 2, I, H] (tma=2; gated
             activations; same bits as two products).
-        pdl: 1 chains the call's launches as programmatic dependents (SM90+): the alignment's
-            last launch, GEMM1, GEMM2 and the sum over k each let the next one launch while it
-            runs, and each waits for its predecessor before touching memory, so only the launch
-            gaps go (same bits).
     """
 
     tma: int = 1
@@ -168,11 +164,10 @@ class PrefillConfig:
     x_tma: int = 0
     ws: int = 0
     gu1: int = 0
-    pdl: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1)), ("pdl", (0, 1))):
+                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
