@@ -203,10 +203,12 @@ else:
         o16 = _check(x, wts, w, ids, out_dtype=torch.float16)
         assert torch.equal(o16, o32.to(torch.float16))
 
-    def test_large_alignment_path_end_to_end(gen, monkeypatch):
+    @pytest.mark.parametrize("medium_max", [4096, 0], ids=["one_launch", "two_launches"])
+    def test_large_alignment_path_end_to_end(medium_max, gen, monkeypatch):
         import moekit.kernels.launch as launch
 
-        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # count / scan / scatter alignment at the granule
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # the chunked alignment at the granule
+        monkeypatch.setattr(launch, "ALIGN_MEDIUM_MAX", medium_max)
         w, ids = _routing_with_counts(COUNTS, 2, gen)
         wts = _weights(len(COUNTS), 32, 16, torch.float32, gen)
         _check(torch.randn(ids.shape[0], 32, generator=gen), wts, w, ids, config=_config(1, 1, 4))
