@@ -9,11 +9,7 @@ measured. Two parts, one process:
 2. whole calls through the shipped tables (moe_align swapped for the old one in A): the
    outputs compared, then timed as bench/knob_ab_h200.py does.
 
-    PYTHONPATH=src python bench/align_ab_h200.py [--out FILE] [--rounds 3] [--medium]
-
---medium compares the chunked alignment's one launch (up to MEDIUM assignments) with its two
-launches instead: alignment alone at 1024-16384 assignments, then whole calls at M = 256 / 1024
-with launch.ALIGN_MEDIUM_MAX at its default against 0.
+    PYTHONPATH=src python bench/align_ab_h200.py [--out FILE] [--rounds 3]
 
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny shapes (wall-clock times).
 """
@@ -209,83 +205,15 @@ def call_part(cuda, dev, rounds):
     return rows
 
 
-MEDIUM_POINTS = tuple((label, E, k, M, 64) for label, E, k in (("olmoe", 64, 8), ("qwen3", 128, 8), ("deepseek-v3", 256, 8))
-                      for M in (128, 256, 512, 1024, 2048)) + (("gpt-oss", 32, 4, 256, 64), ("mixtral", 8, 2, 1024, 64))
-MEDIUM_CALLS = (("olmoe-1b-7b", 256), ("gpt-oss-20b", 256), ("gpt-oss-20b", 1024), ("mixtral-8x7b", 1024),
-                ("qwen3-30b-a3b", 256), ("deepseek-v3", 256))
-
-
-def medium_part(cuda, dev, rounds):
-    rows = []
-    points = MEDIUM_POINTS if cuda else (("tiny", 40, 4, 300, 32),)
-    for label, E, k, M, bm in points:
-        sets = [(torch.rand(M, E, device=dev).topk(k, dim=1).indices.to(torch.int32).contiguous(),)
-                for _ in range(8)]
-        fns = {"two_launches": lambda ids: moe_align(ids, None, E, bm, medium_max=0),
-               "one_launch": lambda ids: moe_align(ids, None, E, bm, medium_max=10**9)}
-        ok = {}
-        for name, fn in fns.items():
-            want, ends = expected_rows(sets[0][0], E, bm)
-            al = fn(sets[0][0])
-            ok[name] = al.expert_end.tolist() == ends and al.sorted_ids[:len(want)].tolist() == want
-        med, all_t = _interleaved(fns, sets, rounds, cuda)
-        row = {"point": f"{label} E={E} k={k} M={M} BM={bm}", "assignments": M * k, "correct": ok, "us": med,
-               "rounds_us": all_t}
-        print(row["point"], "correct", ok, {n: round(v, 2) for n, v in med.items()}, flush=True)
-        rows.append(row)
-    calls = []
-    dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = {s[0]: s for s in GPU_SHAPES} if cuda else {"tiny": ("tiny", 8, 2, 64, 32)}
-    for shape, M in (MEDIUM_CALLS if cuda else (("tiny", 300),)):
-        _, E, k, H, I = shapes[shape]
-        sets = routing_sets(M, E, k, H, 2, dtype, dev)
-        if cuda and shape == "qwen3-30b-a3b":  # fp8 static: x quantized in the alignment's launch
-            wts = quantized_weights("fp8_w8a8", E, H, I, True, dev)
-            run = lambda x, w, ids, wts=wts: _quant_call(wts, x, w, ids)  # noqa: E731
-            label = f"{shape} fp8 static M={M}"
-        else:
-            w13 = (torch.randn(E, 2 * I, H, device=dev) * H ** -0.5).to(dtype)
-            w2 = (torch.randn(E, H, I, device=dev) * I ** -0.5).to(dtype)
-            cfg = get_config(M, E, k, H, I, dtype, "NVIDIA_H200" if cuda else None)
-            run = lambda x, w, ids, w13=w13, w2=w2, cfg=cfg: fused_moe(  # noqa: E731
-                x, w13, w2, None, None, w, ids, None, "silu", config=cfg, direct=False, out_dtype=x.dtype)
-            label = f"{shape} bf16 M={M}"
-
-        def two(*s, run=run):
-            keep = launch.ALIGN_MEDIUM_MAX
-            launch.ALIGN_MEDIUM_MAX = 0
-            try:
-                return run(*s)
-            finally:
-                launch.ALIGN_MEDIUM_MAX = keep
-
-        same = [bool(torch.equal(two(*s), run(*s))) for s in sets]
-        med, all_t = _interleaved({"A_two_launches": two, "B_one_launch": run}, sets, rounds, cuda)
-        calls.append({"point": label, "bit_identical": same, "us": med, "rounds_us": all_t,
-                      "speedup": med["A_two_launches"] / med["B_one_launch"]})
-        print(f"{label:30s} same {same} A {med['A_two_launches']:9.1f} B {med['B_one_launch']:9.1f} "
-              f"x{calls[-1]['speedup']:.3f}", flush=True)
-    return rows, calls
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "align_ab.json"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--skip-calls", action="store_true")
-    p.add_argument("--medium", action="store_true")
     args = p.parse_args()
     cuda = args.device == "cuda"
     dev = torch.device(args.device)
-    if args.medium:
-        rows, calls = medium_part(cuda, dev, args.rounds)
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "alignment-one-launch-ab", "device": torch.cuda.get_device_name() if cuda else "cpu",
-                       "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-                       "alignment": rows, "calls": calls}, f, indent=1)
-        print(f"wrote {args.out}")
-        return
     result = {"benchmark": "alignment-ab", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
               "timing": "CUDA graphs (8 alignments / 2 calls with distinct routing per graph), 10 / 5 replays, median "

@@ -83,14 +83,11 @@ else:
         (33, 5, 2, 16, 1, False, 16),       # many small chunks, the last one partial, a map
         (64, 300, 8, 128, 0, False, 32),    # E_PAD 512: 16 chunks' histograms read in two steps
     ])
-    @pytest.mark.parametrize("medium_max", [4096, 0], ids=["one_launch", "two_launches"])
-    def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, chunk, medium_max, gen):
-        if small and not medium_max:
-            pytest.skip("one program: the chunked launches do not apply")
+    def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, chunk, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
         if n_remote and T == 1:  # route the token to non-local experts only
             ids = (emap < 0).nonzero().flatten()[:k].to(torch.int32).reshape(1, k)
-        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0, chunk=chunk, medium_max=medium_max)
+        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0, chunk=chunk)
         rows, ends = _expected_alignment(ids, emap, E, bm)
         assert al.expert_end.tolist() == ends
         # Both paths: each expert's assignments in order, then its padding.
@@ -141,12 +138,10 @@ else:
         c = _check(x, wts, w, ids, emap, direct=False, config=big)
         assert rel_err(a, b) <= 1e-5 and rel_err(b, c) <= 1e-5
 
-    @pytest.mark.parametrize("medium_max", [4096, 0], ids=["one_launch", "two_launches"])
-    def test_large_alignment_path_end_to_end(medium_max, gen, monkeypatch):
+    def test_large_alignment_path_end_to_end(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
-        monkeypatch.setattr(launch, "ALIGN_MEDIUM_MAX", medium_max)
         x, wts, w, ids, emap = _problem(70, 9, 3, 32, 16, torch.float32, gen, n_remote=2)
         _check(x, wts, w, ids, emap, direct=False)
 

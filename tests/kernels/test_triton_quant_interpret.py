@@ -225,12 +225,10 @@ else:
         x[0] *= 100
         _check(x, wts, w, ids, emap)
 
-    @pytest.mark.parametrize("medium_max", [4096, 0], ids=["one_launch", "two_launches"])
-    def test_large_alignment_path_and_small_tiles(medium_max, gen, monkeypatch):
+    def test_large_alignment_path_and_small_tiles(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)
-        monkeypatch.setattr(launch, "ALIGN_MEDIUM_MAX", medium_max)
         wts = _weights("int4_w4a16", {"group_size": 32, "symmetric": False}, 6, 64, 32, gen)
         w, ids = _routing(70, 6, 3, gen)
         _check(torch.randn(70, 64, generator=gen).half(), wts, w, ids)

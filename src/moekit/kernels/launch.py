@@ -2,7 +2,7 @@
 
 Every size here is known from tensor shapes, never read from the device, so a call can be
 captured in a CUDA graph. Pipeline (sorted path): align -> GEMM1 -> GEMM2 -> sum over k
-(4 launches; 5 above triton_align.MEDIUM assignments); direct path (few tokens): GEMM1 ->
+(4 launches; 5 above triton_align.SMALL assignments); direct path (few tokens): GEMM1 ->
 GEMM2 (2 launches). The output is written in fp32 or, to spare the caller a cast, x's dtype.
 A config with prefill knobs (MoEConfig.prefill) runs the sorted path's GEMMs on
 kernels/triton_prefill.py instead (rows padded to its row granule).
@@ -27,13 +27,10 @@ from .triton_moe import pow2 as _pow2
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX",
-           "ALIGN_MEDIUM_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX"]
 
-# Up to this many assignments one program aligns them (one launch); up to the second, chunks
-# in one launch; above, two launches.
+# Up to this many assignments one program aligns them (one launch); above, two launches.
 ALIGN_SMALL_MAX = align.SMALL
-ALIGN_MEDIUM_MAX = align.MEDIUM
 # Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
 _FUSED_SUM_RB, _FUSED_SUM_BN = 16, 64
 
@@ -62,8 +59,7 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_experts: int, block_m: int,
-              small_max: int = ALIGN_SMALL_MAX, chunk: Optional[int] = None,
-              medium_max: Optional[int] = None) -> Alignment:
+              small_max: int = ALIGN_SMALL_MAX, chunk: Optional[int] = None) -> Alignment:
     """Sort the assignments of topk_ids [T, k] int32 by local expert, padded to block_m rows.
 
     Args:
@@ -73,7 +69,6 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
         chunk: assignments per chunk above small_max (a power of two >= 16; default
             triton_align.chunk_size). The rows are the same for every chunk size.
-        medium_max: largest T*k aligned in one launch of chunks (default ALIGN_MEDIUM_MAX).
     """
     TK, E = topk_ids.numel(), num_experts
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
@@ -84,11 +79,6 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
                                        num_warps=4)
         return al
     n = _align_chunk(TK, chunk)
-    if TK <= (ALIGN_MEDIUM_MAX if medium_max is None else medium_max):
-        align.align_medium_kernel[(triton.cdiv(TK, n),)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
-                                                         BM=block_m, N=n, TKP=_pow2(TK), E_PAD=e_pad,
-                                                         HAS_MAP=expert_map is not None, num_warps=4)
-        return al
     hist, keys = _chunk_buffers(TK, n, e_pad, topk_ids.device)
     align.align_chunk_kernel[(hist.shape[0],)](topk_ids, emap, hist, keys, TK, N=n, E_PAD=e_pad,
                                                 HAS_MAP=expert_map is not None, num_warps=4)

@@ -17,7 +17,6 @@ import triton
 from ..quant.schemes import QuantScheme
 from . import triton_align as align
 from . import triton_quant_rows as qr
-from . import launch
 from .launch import Alignment, _chunk_buffers, _pow2, alignment_buffers, place_chunks
 
 __all__ = ["QuantModes", "modes_of", "quantize_rows", "quant_rows", "align_and_quantize", "tensor_scale", "GRAN"]
@@ -133,25 +132,22 @@ def quant_rows(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights=N
 
 
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
-                       group: int, topk_weights, small_max: int, pdl: bool = False, src=None,
-                       medium_max: Optional[int] = None) -> Alignment:
+                       group: int, topk_weights, small_max: int, pdl: bool = False, src=None) -> Alignment:
     """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src) in the alignment's
     first launch (pdl: its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     emap = expert_map if expert_map is not None else topk_ids
-    # 0: one program, 1: chunks in one launch, 2: chunks in two launches
-    mode = 0 if TK <= small_max else 1 if TK <= (launch.ALIGN_MEDIUM_MAX if medium_max is None else medium_max) else 2
-    n = _pow2(TK) if mode == 0 else align.chunk_size(TK)
-    hist, keys = _chunk_buffers(TK, n, e_pad, dev) if mode == 2 else (al.expert_end, al.expert_end)
-    n_align = triton.cdiv(TK, n)
+    small = TK <= small_max
+    n = _pow2(TK) if small else align.chunk_size(TK)
+    hist, keys = (al.expert_end, al.expert_end) if small else _chunk_buffers(TK, n, e_pad, dev)
+    n_align = 1 if small else hist.shape[0]
     (xx, qq, ss, w, sr, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
                                                                    topk_ids, expert_map, src)
     qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](
         topk_ids, emap, al.sorted_ids, al.expert_end, hist, keys, xx, qq, ss, w, sr, TK, E, *sizes, n_align,
-        n_chunks, BM=block_m, N=n, TKP=_pow2(TK), E_PAD=e_pad, MODE=mode, **meta, PDL=pdl and mode < 2,
-        num_warps=4)
-    if mode == 2:
+        n_chunks, BM=block_m, N=n, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small, num_warps=4)
+    if not small:
         place_chunks(al, hist, keys, TK, E, n, e_pad)
     return al
 

@@ -13,9 +13,7 @@ Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local an
 out-of-range lanes. Up to SMALL assignments one program does it all (one launch): a
 bitonic sort of keys (bin * n + index) puts each expert's assignments together in order,
 a histogram gives the counts, and a row's place is its expert's padded start plus its
-rank. Above, chunks of N assignments, with no atomics; up to MEDIUM assignments in one
-launch (align_medium_kernel: each chunk histograms all assignments and those before it
-itself), beyond in two:
+rank. Above, two launches over chunks of N assignments, with no atomics:
     align_chunk_kernel: each chunk sorted the same way (its keys kept) and its histogram
         stored as row c of hist [n_chunks, E_PAD];
     align_place_kernel: each chunk adds up the histograms (all chunks: the experts' padded
@@ -30,12 +28,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_medium_kernel", "align_chunk_kernel", "align_place_kernel", "local_expert",
-           "chunk_size", "SMALL", "MEDIUM"]
+__all__ = ["align_small_kernel", "align_chunk_kernel", "align_place_kernel", "local_expert", "chunk_size",
+           "SMALL"]
 
-# Largest T*k aligned by the one-program sort, and by the one-launch chunked alignment.
+# Largest T*k aligned by the one-program sort.
 SMALL = 512
-MEDIUM = 4096
 
 
 def chunk_size(TK: int) -> int:
@@ -124,24 +121,6 @@ def align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N: tl.constexpr
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(bins, E_PAD))
 
 
-@triton.jit
-def _write_chunk(sorted_ptr, expert_end_ptr, key, total, before, mine, c, TK, E,
-                 BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr):
-    """Rows of chunk c from its sorted keys and three histograms over the bins: of all
-    assignments (total), of the chunks before c (before) and of chunk c (mine); chunk 0 also
-    writes expert_end and the sentinels."""
-    experts = tl.arange(0, E_PAD)
-    local = tl.where(experts < E, total, 0)
-    padded = (local + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    sbin, sidx, rows = _place(key, starts + before, tl.cumsum(mine, axis=0) - mine, N)
-    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)
-    if c == 0:
-        tl.store(expert_end_ptr + experts, ends, mask=experts < E)
-        _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
-
-
 @triton.jit(do_not_specialize=["TK", "NC"])
 def align_place_kernel(
     hist_ptr, keys_ptr, sorted_ptr, expert_end_ptr, TK, E, NC,
@@ -158,24 +137,14 @@ def align_place_kernel(
         h = tl.load(hist_ptr + cs[:, None] * E_PAD + experts[None, :], mask=(cs < NC)[:, None], other=0)
         total += tl.sum(h, axis=0)
         before += tl.sum(tl.where((cs < c)[:, None], h, 0), axis=0)
+    local = tl.where(experts < E, total, 0)
+    padded = (local + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
     mine = tl.load(hist_ptr + c * E_PAD + experts)
     key = tl.load(keys_ptr + c * N + tl.arange(0, N))
-    _write_chunk(sorted_ptr, expert_end_ptr, key, total, before, mine, c, TK, E, BM, N, E_PAD)
-
-
-@triton.jit(do_not_specialize=["TK"])
-def align_medium_kernel(
-    ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
-    BM: tl.constexpr, N: tl.constexpr, TKP: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """The chunked alignment in one launch for TK <= TKP (a power of two of a few thousand):
-    chunk c = program_id(0) histograms all assignments and those before it itself, so no
-    program waits for another's histogram."""
-    c = tl.program_id(0)
-    offs = tl.arange(0, TKP)
-    bins_all = _bins(ids_ptr, map_ptr, offs, TK, E_PAD, HAS_MAP)
-    total = tl.histogram(bins_all, E_PAD)
-    before = tl.histogram(tl.where(offs < c * N, bins_all, E_PAD - 1), E_PAD)
-    bins = _bins(ids_ptr, map_ptr, c * N + tl.arange(0, N), TK, E_PAD, HAS_MAP)
-    _write_chunk(sorted_ptr, expert_end_ptr, _chunk_keys(bins, N), total, before, tl.histogram(bins, E_PAD), c,
-                 TK, E, BM, N, E_PAD)
+    sbin, sidx, rows = _place(key, starts + before, tl.cumsum(mine, axis=0) - mine, N)
+    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)
+    if c == 0:
+        tl.store(expert_end_ptr + experts, ends, mask=experts < E)
+        _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)

@@ -217,28 +217,23 @@ def align_quant_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, hist_ptr, keys_ptr,
     x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr,
     TK, E, K, top_k, stride_x, stride_q, stride_s, NA, NCH,
-    BM: tl.constexpr, N: tl.constexpr, TKP: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
-    MODE: tl.constexpr,
+    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SMALL: tl.constexpr,
     BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
     ON_INPUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
-    Programs below NA align chunk pid of N assignments (triton_align; MODE 0: the whole
-    one-program alignment of N >= TK assignments, NA = 1; 1: align_medium_kernel, TK <= TKP;
-    2: align_chunk_kernel, its second launch to follow); the others quantize row
-    (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
+    Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
+    NA = 1; else triton_align.align_chunk_kernel for chunk pid of N assignments, NA chunks); the
+    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
     PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < NA:
-        if MODE == 0:
+        if SMALL:
             align.align_small_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, E_PAD, HAS_MAP)
-        elif MODE == 1:
-            align.align_medium_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, TKP, E_PAD,
-                                      HAS_MAP)
         else:
             align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
