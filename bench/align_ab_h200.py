@@ -19,13 +19,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, graph_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets
 from moekit.kernels import launch, launch_quant
 from moekit.kernels import triton_align as align
 from moekit.kernels.launch import alignment_buffers, fused_moe, moe_align
@@ -98,20 +97,13 @@ def expected_rows(ids, E, bm):
     return rows, ends
 
 
-def _time(fn, sets, cuda):
-    if cuda:
-        return graph_time_us(fn, sets, replays=10)
-    t = time.perf_counter()
-    for args in sets:
-        fn(*args)
-    return (time.perf_counter() - t) * 1e6 / len(sets)
 
 
 def _interleaved(fns, sets, rounds, cuda):
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(_time(fn, sets, cuda))
+            times[name].append(ab_time_us(fn, sets, cuda, replays=10))
     return {name: statistics.median(t) for name, t in times.items()}, times
 
 

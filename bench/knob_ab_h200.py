@@ -17,12 +17,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from moekit.benchmarks.floors import layer_flops
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, graph_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets
 from moekit.kernels.launch import fused_moe
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
@@ -41,13 +40,6 @@ def _flipped(cfg, knob):
         return None
 
 
-def _time(fn, sets, cuda: bool) -> float:
-    if cuda:
-        return graph_time_us(fn, sets, replays=5)
-    t = time.perf_counter()
-    for args in sets:
-        fn(*args)
-    return (time.perf_counter() - t) * 1e6 / len(sets)
 
 
 def _point(label, run, cfg, knob, sets, rounds, cuda, flops) -> dict:
@@ -64,7 +56,7 @@ def _point(label, run, cfg, knob, sets, rounds, cuda, flops) -> dict:
     times = {"A": [], "B": []}
     for _ in range(rounds):
         for name, c in (("A", cfg), ("B", flipped)):
-            times[name].append(_time(lambda *s, c=c: run(c, *s), sets, cuda))
+            times[name].append(ab_time_us(lambda *s, c=c: run(c, *s), sets, cuda))
     med = {n: statistics.median(t) for n, t in times.items()}
     row = {"point": label, "config": cfg.to_json(), "knob": knob, "bit_identical": same, "us": med,
            "rounds_us": times, "speedup": med["A"] / med["B"], "tflops_A": flops / med["A"] * 1e-6,

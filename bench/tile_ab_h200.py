@@ -19,11 +19,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-from moekit.benchmarks.gpu import GPU_SHAPES, graph_time_us, precompile, routing_sets
+from moekit.benchmarks.gpu import GPU_SHAPES, ab_time_us, precompile, routing_sets
 from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
@@ -46,20 +45,13 @@ def _variants(t: TileConfig, table, b_tiles):
     return out
 
 
-def _time(fn, sets, cuda):
-    if cuda:
-        return graph_time_us(fn, sets, replays=5)
-    t = time.perf_counter()
-    for s in sets:
-        fn(*s)
-    return (time.perf_counter() - t) * 1e6 / len(sets)
 
 
 def _ab(run, a, b, sets, rounds, cuda):
     ta, tb = [], []
     for _ in range(rounds):
-        ta.append(_time(lambda *s: run(a, *s), sets, cuda))
-        tb.append(_time(lambda *s: run(b, *s), sets, cuda))
+        ta.append(ab_time_us(lambda *s: run(a, *s), sets, cuda))
+        tb.append(ab_time_us(lambda *s: run(b, *s), sets, cuda))
     return statistics.median(ta), statistics.median(tb), ta, tb
 
 

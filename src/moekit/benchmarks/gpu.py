@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -60,6 +61,17 @@ def routing_sets(M: int, E: int, k: int, H: int, n: int, dtype: torch.dtype, dev
         w, ids = route(torch.randn(M, E, device=device), cfg)
         sets.append((x, w, ids))
     return sets
+
+
+def ab_time_us(fn: Callable, arg_sets: Sequence[tuple], cuda: bool, replays: int = 5) -> float:
+    """graph_time_us on CUDA; elsewhere (a dry run under TRITON_INTERPRET=1) wall-clock
+    microseconds per call of one eager pass over arg_sets."""
+    if cuda:
+        return graph_time_us(fn, arg_sets, replays=replays)
+    start = time.perf_counter()
+    for args in arg_sets:
+        fn(*args)
+    return (time.perf_counter() - start) * 1e6 / len(arg_sets)
 
 
 def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5) -> float:
