@@ -55,8 +55,8 @@ _KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_wa
 _SMEM_LIMIT = 220 * 1024
 # Rows of the shortest fp8 tile of the prefill kernels (BLOCK_SIZE_M / prefill tail): Hopper's
 # fp8 warpgroup products take 64 rows; a shorter tile runs other instructions whose sums round
-# differently, and rows land in tiles in arrival order, so a row's bits would depend on the
-# tile it lands in.
+# differently, so a row's bits would depend on the tile it lands in, that is on how many other
+# assignments its expert got in the batch.
 FP8_MIN_TILE_ROWS = 64
 
 
