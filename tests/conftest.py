@@ -1,4 +1,5 @@
-"""Shared test helpers: tolerances (PERF.md), relative error, GPU skipping, generators, expert maps."""
+"""Shared test helpers: tolerances (PERF.md), relative error, GPU skipping, generators, expert maps,
+the quantized kernels' activation rounding."""
 
 import pytest
 import torch
@@ -17,6 +18,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if denom == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / denom
+
+
+def triton_act_dtype(weights, x: torch.Tensor):
+    """What the quantized Triton kernels round GEMM1's activation to before GEMM2's input is
+    quantized (quant.emulated_experts' act_dtype): x's dtype, as they store it, except with static
+    activation scales, which GEMM1 applies to its fp32 output itself."""
+    return None if "a2_scale" in weights.scales else x.dtype
 
 
 def pytest_collection_modifyitems(config, items):

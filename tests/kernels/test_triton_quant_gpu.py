@@ -4,7 +4,7 @@ CUDA-graph capture, determinism and the oracle's choice. Run with `pytest -m gpu
 import pytest
 import torch
 
-from conftest import rel_err, random_expert_map
+from conftest import rel_err, random_expert_map, triton_act_dtype
 
 pytest.importorskip("triton")
 
@@ -59,7 +59,8 @@ def _routing(T, E_global, k, gen):
 def _check(x, wts, w, ids, emap=None, on_input=False):
     _poison_allocator()
     out = fused_experts(x, wts, None, w, ids, expert_map=emap, apply_router_weight_on_input=on_input, backend="triton")
-    ref = emulated_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input)
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input,
+                           act_dtype=triton_act_dtype(wts, x))
     assert out.dtype == x.dtype and torch.isfinite(out).all()
     err = rel_err(out, ref)
     assert err <= TOLERANCE[get_scheme(wts.quant).precision], err
@@ -166,7 +167,7 @@ def test_fp8_static_scales_on_the_prefill_kernels(name, T, bias, static, cuda_ge
                                s["a13_scale"], s["a2_scale"], w, ids, emap, scheme_of(wts), "silu",
                                out_dtype=x.dtype, **kw)
 
-    ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
     out = run(config=cfg)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision], rel_err(out, ref)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import library
 
-from conftest import rel_err
+from conftest import rel_err, triton_act_dtype
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 if not IN_INTERPRETER:
@@ -68,7 +68,7 @@ else:
         out = fused_experts(x, wts, None, w, ids, activation=activation, apply_router_weight_on_input=on_input,
                             expert_map=emap, backend="triton")
         ref = emulated_experts(x, wts, w, ids, activation=activation, apply_router_weight_on_input=on_input,
-                               expert_map=emap)
+                               expert_map=emap, act_dtype=triton_act_dtype(wts, x))
         assert out.dtype == x.dtype and out.shape == ref.shape
         assert torch.isfinite(out).all()
         err = rel_err(out, ref)
@@ -138,7 +138,7 @@ else:
                                    out_dtype=x.dtype, **kw)
 
         out = run(config=cfg)
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) <= TOLERANCE[get_scheme("fp8_w8a8").precision], rel_err(out, ref)
         sorted_path = run(config=MoEConfig(g1, g2))

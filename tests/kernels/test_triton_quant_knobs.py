@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import rel_err, random_expert_map
+from conftest import rel_err, random_expert_map, triton_act_dtype
 from triton_child import IN_INTERPRETER, run_in_interpreter
 
 pytest.importorskip("triton")
@@ -199,7 +199,7 @@ else:
         w = torch.rand(T, k, generator=gen) + 0.05
         x = torch.randn(T, H, generator=gen).half()
         out = _run(wts, x, w, ids, emap, config, knobs)
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
         assert out.dtype == x.dtype and torch.isfinite(out).all()
         err = rel_err(out, ref)
         assert err <= TOLERANCE[get_scheme(wts.quant).precision], err

@@ -5,7 +5,7 @@ to run. Run with `pytest -m gpu tests/kernels`."""
 import pytest
 import torch
 
-from conftest import rel_err, random_expert_map
+from conftest import rel_err, random_expert_map, triton_act_dtype
 
 pytest.importorskip("triton")
 
@@ -83,7 +83,7 @@ def test_variant_matches_emulated_reference(scheme, opts, tiles, knobs, T, n_rem
     x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
     torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # an unwritten element would show
     out = _run(wts, x, w, ids, emap, _tiles(*tiles), QuantKnobs(**knobs))
-    ref = emulated_experts(x, wts, w, ids, expert_map=emap)
+    ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
     assert out.dtype == x.dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision]
 

@@ -148,3 +148,25 @@ def test_gradients_through_quantized_experts(gen):
     w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), "int8_w8a8")
     with pytest.raises(ValueError, match="rounds the activations, so no gradient flows"):
         fused_experts(x, w, None, tw, ids)
+
+
+def test_act_dtype_rounds_gemm1_output_before_gemm2(gen):
+    # Weight-only: GEMM2's input is the activation itself, so act_dtype=bf16 is the float
+    # reference with the activation rounded to bf16, and fp32 changes nothing.
+    H, I = 128, 128
+    w = quantize_experts(torch.randn(4, 2 * I, H, generator=gen), torch.randn(4, H, I, generator=gen), "int8_w8a16")
+    x, ids, tw = torch.randn(5, H, generator=gen), torch.randint(0, 4, (5, 2), generator=gen).int(), torch.rand(5, 2)
+    base = emulated_experts(x, w, tw, ids)
+    assert torch.equal(emulated_experts(x, w, tw, ids, act_dtype=torch.float32), base)
+    rounded = emulated_experts(x, w, tw, ids, act_dtype=torch.bfloat16)
+    assert 1e-5 < rel_err(rounded, base) <= 1e-2
+    s = get_scheme("int8_w8a16")
+    plain = [dequantize_weight(getattr(w, n), w.scales[f"{n}_scale"], None, s) for n in ("w13", "w2")]
+    want = torch.zeros(5, H)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            h = plain[0][e] @ x[t]
+            a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16).float()
+            want[t] += tw[t, j] * (plain[1][e] @ a)
+    assert rel_err(rounded, want) <= 1e-5

@@ -72,12 +72,18 @@ def emulated_experts(
     activation_params: Optional[ActivationParams] = None,
     apply_router_weight_on_input: bool = False,
     expert_map: Optional[torch.Tensor] = None,
+    act_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Routed output [T, H] fp32 of quantized experts, emulated in fp32.
 
     Args:
         x: [T, H] float.  weights: quantized ExpertWeights (quant set).
         topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
+        act_dtype: the dtype GEMM1's activation is stored in before GEMM2's input is quantized
+            (a kernel that stores it in x's dtype rounds it there first); None keeps fp32. A
+            value next to a quantization step can land on either side of it depending on that
+            rounding, one step apart, which on a small problem moves the output by several
+            percent; emulating the kernel's rounding compares like with like.
     """
     scheme = scheme_of(weights)
     T, H = x.shape
@@ -106,6 +112,8 @@ def emulated_experts(
             h = h + weights.b13[e].float()
         acts.append(apply_activation(h, activation, activation_params))  # [n_e, I]
     # Step 3: GEMM2 on the quantized-dequantized activations, weight, sum.
+    if act_dtype is not None:
+        acts = [a.to(act_dtype).float() for a in acts]
     acts = _fake_quant_rows(acts, scheme, weights.scales.get("a2_scale"))
     out = x.new_zeros((T, H), dtype=torch.float32)
     for e in range(E):
