@@ -125,7 +125,9 @@ def test_reference_reads_as_the_math(gen):
         h = weights.w13[e] @ x[0]
         a = torch.nn.functional.silu(h[:3]) * h[3:]
         want += w[0, j].double() * (weights.w2[e] @ a)
-    torch.testing.assert_close(out[0].double(), want, rtol=1e-6, atol=1e-7)
+    # The reference computes in fp32: within fp32 rounding of the whole row (an element that
+    # cancels to near zero carries the rounding of the terms that cancelled, so no per-element bound).
+    assert rel_err(out[0], want) <= 1e-6
 
 
 @settings(max_examples=25, deadline=None)

@@ -150,23 +150,34 @@ def test_gradients_through_quantized_experts(gen):
         fused_experts(x, w, None, tw, ids)
 
 
+def _integer_weights(E, N, K, gen):
+    """[E, N, K] integers in [-127, 127] with 127 in every 128-column group: int8 group-128
+    scales of exactly 1, so the dequantized weights are these integers."""
+    w = torch.randint(-127, 128, (E, N, K), generator=gen).float()
+    w[..., ::128] = 127.0
+    return w
+
+
 def test_act_dtype_rounds_gemm1_output_before_gemm2(gen):
-    # Weight-only: GEMM2's input is the activation itself, so act_dtype=bf16 is the float
-    # reference with the activation rounded to bf16, and fp32 changes nothing.
+    # Weight-only int8 with integer weights and x: GEMM1 is exact in fp32 in any order, so
+    # act_dtype=bf16 must give exactly the activation rounded to bf16 before GEMM2 (which
+    # adds only fp32 rounding), and fp32 must change nothing.
     H, I = 128, 128
-    w = quantize_experts(torch.randn(4, 2 * I, H, generator=gen), torch.randn(4, H, I, generator=gen), "int8_w8a16")
-    x, ids, tw = torch.randn(5, H, generator=gen), torch.randint(0, 4, (5, 2), generator=gen).int(), torch.rand(5, 2)
+    w13, w2 = _integer_weights(4, 2 * I, H, gen), _integer_weights(4, H, I, gen)
+    w = quantize_experts(w13, w2, "int8_w8a16")
+    s = get_scheme("int8_w8a16")
+    assert torch.equal(dequantize_weight(w.w13, w.scales["w13_scale"], None, s), w13)
+    x = torch.randint(-3, 4, (5, H), generator=gen).float()
+    ids, tw = torch.randint(0, 4, (5, 2), generator=gen).int(), torch.rand(5, 2, generator=gen)
     base = emulated_experts(x, w, tw, ids)
     assert torch.equal(emulated_experts(x, w, tw, ids, act_dtype=torch.float32), base)
     rounded = emulated_experts(x, w, tw, ids, act_dtype=torch.bfloat16)
-    assert 1e-5 < rel_err(rounded, base) <= 1e-2
-    s = get_scheme("int8_w8a16")
-    plain = [dequantize_weight(getattr(w, n), w.scales[f"{n}_scale"], None, s) for n in ("w13", "w2")]
     want = torch.zeros(5, H)
     for t in range(5):
         for j in range(2):
             e = int(ids[t, j])
-            h = plain[0][e] @ x[t]
+            h = w13[e] @ x[t]
             a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16).float()
-            want[t] += tw[t, j] * (plain[1][e] @ a)
-    assert rel_err(rounded, want) <= 1e-5
+            want[t] += tw[t, j] * (w2[e] @ a)
+    assert rel_err(rounded, want) <= 1e-6
+    assert 1e-4 < rel_err(rounded, base) <= 1e-2
