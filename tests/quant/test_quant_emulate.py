@@ -106,17 +106,23 @@ def test_emulation_matches_the_per_token_definition(case, gen):
 
 
 def test_emulation_with_expert_map_and_weight_on_input(gen):
+    # Integer weights (per-channel int8 scales of exactly 1), integer x with a row maximum of
+    # 127 and power-of-two routed weights: x's quantization and GEMM1 are exact in any order,
+    # so no value can land on the other side of a quantization step than in the per-token
+    # definition, and the two agree to fp32 rounding.
     E_global, E, H, I = 6, 3, 64, 32
-    w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen), "int8_w8a8")
+    w = quantize_experts(_integer_weights(E, 2 * I, H, gen), _integer_weights(E, H, I, gen), "int8_w8a8")
     emap = torch.tensor([-1, 0, -1, 1, 2, -1], dtype=torch.int32)
-    x = torch.randn(9, H, generator=gen)
+    x = torch.randint(-127, 128, (9, H), generator=gen).float()
+    x[:, 0] = 127.0
     ids = torch.randint(0, E_global, (9, 1), generator=gen, dtype=torch.int32)
-    tw = torch.rand(9, 1, generator=gen)
+    ids[0, 0], ids[1, 0] = 0, 1  # one remote token, one local
+    tw = 2.0 ** -torch.randint(0, 4, (9, 1), generator=gen).float()
     out = emulated_experts(x, w, tw, ids, activation="silu", apply_router_weight_on_input=True, expert_map=emap)
     ref = dumb_forward(x, w, tw, ids, "silu", on_input=True, expert_map=emap)
     assert rel_err(out, ref) <= 1e-5
     remote = (emap.long()[ids.long()] < 0).squeeze(1)
-    assert remote.any() and (out[remote] == 0).all()
+    assert remote.any() and (out[remote] == 0).all() and (out[~remote] != 0).any()
 
 
 def test_weight_only_emulation_is_the_float_reference_on_dequantized_weights(gen):
