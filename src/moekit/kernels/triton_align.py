@@ -70,21 +70,32 @@ def _chunk_keys(bins, N: tl.constexpr):
 
 
 @triton.jit
-def _place(key, base, first, N: tl.constexpr):
-    """(bin, index in the chunk, row) of each sorted key.
-
-    base [E_PAD]: the first row of each expert for this chunk.  first [E_PAD]: where each
-    bin starts in the chunk's sorted order (exclusive cumsum of its histogram).
-    """
-    sbin = key // N
-    sidx = key - sbin * N
-    rows = tl.gather(base, sbin, 0) + tl.arange(0, N) - tl.gather(first, sbin, 0)
-    return sbin, sidx, rows
+def _extents(counts, E, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """(first row, assignments, padded rows) of each expert lane from the counts per bin."""
+    local = tl.where(tl.arange(0, E_PAD) < E, counts, 0)
+    padded = (local + BM - 1) // BM * BM
+    return tl.cumsum(padded, axis=0) - padded, local, padded
 
 
 @triton.jit
-def _sentinels(sorted_ptr, starts, counts, padded, TK, BM: tl.constexpr, E_PAD: tl.constexpr):
-    """Fill each expert's padding rows [start + count, start + padded) with the sentinel TK."""
+def _write_rows(sorted_ptr, key, base, hist, first_index, E, N: tl.constexpr):
+    """sorted_ids[row] = first_index + index in the chunk, for the chunk's N sorted keys.
+
+    base [E_PAD]: the first row of each expert for this chunk.  hist [E_PAD]: the chunk's
+    histogram (its exclusive cumsum is where each bin starts in the sorted order).
+    """
+    sbin = key // N
+    sidx = key - sbin * N
+    first = tl.cumsum(hist, axis=0) - hist
+    rows = tl.gather(base, sbin, 0) + tl.arange(0, N) - tl.gather(first, sbin, 0)
+    tl.store(sorted_ptr + rows, first_index + sidx, mask=sbin < E)
+
+
+@triton.jit
+def _write_ends(sorted_ptr, expert_end_ptr, starts, counts, padded, TK, E, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """expert_end, and the sentinel TK in each expert's padding rows [start + count, start + padded)."""
+    experts = tl.arange(0, E_PAD)
+    tl.store(expert_end_ptr + experts, starts + padded, mask=experts < E)
     for p0 in tl.static_range(0, BM, 16):
         col = p0 + tl.arange(0, 16)
         tl.store(sorted_ptr + (starts + counts)[:, None] + col[None, :], tl.zeros([E_PAD, 16], tl.int32) + TK,
@@ -97,17 +108,11 @@ def align_small_kernel(
     BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     """The whole alignment of TK <= N assignments in one program (grid (1,))."""
-    experts = tl.arange(0, E_PAD)
     bins = _bins(ids_ptr, map_ptr, tl.arange(0, N), TK, E_PAD, HAS_MAP)
     counts = tl.histogram(bins, E_PAD)
-    local = tl.where(experts < E, counts, 0)
-    padded = (local + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    sbin, sidx, rows = _place(_chunk_keys(bins, N), starts, tl.cumsum(counts, axis=0) - counts, N)
-    tl.store(sorted_ptr + rows, sidx, mask=sbin < E)
-    _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
-    tl.store(expert_end_ptr + experts, ends, mask=experts < E)
+    starts, local, padded = _extents(counts, E, BM, E_PAD)
+    _write_rows(sorted_ptr, _chunk_keys(bins, N), starts, counts, 0, E, N)
+    _write_ends(sorted_ptr, expert_end_ptr, starts, local, padded, TK, E, BM, E_PAD)
 
 
 @triton.jit(do_not_specialize=["TK"])
@@ -137,14 +142,8 @@ def align_place_kernel(
         h = tl.load(hist_ptr + cs[:, None] * E_PAD + experts[None, :], mask=(cs < NC)[:, None], other=0)
         total += tl.sum(h, axis=0)
         before += tl.sum(tl.where((cs < c)[:, None], h, 0), axis=0)
-    local = tl.where(experts < E, total, 0)
-    padded = (local + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    mine = tl.load(hist_ptr + c * E_PAD + experts)
+    starts, local, padded = _extents(total, E, BM, E_PAD)
     key = tl.load(keys_ptr + c * N + tl.arange(0, N))
-    sbin, sidx, rows = _place(key, starts + before, tl.cumsum(mine, axis=0) - mine, N)
-    tl.store(sorted_ptr + rows, c * N + sidx, mask=sbin < E)
+    _write_rows(sorted_ptr, key, starts + before, tl.load(hist_ptr + c * E_PAD + experts), c * N, E, N)
     if c == 0:
-        tl.store(expert_end_ptr + experts, ends, mask=experts < E)
-        _sentinels(sorted_ptr, starts, local, padded, TK, BM, E_PAD)
+        _write_ends(sorted_ptr, expert_end_ptr, starts, local, padded, TK, E, BM, E_PAD)
