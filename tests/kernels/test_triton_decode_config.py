@@ -11,8 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from moekit.kernels.tuning import (  # noqa: E402
-    DECODE_MAX, SHIPPED_DIR, MoEConfig, PrefillConfig, TileConfig, compile_variant, late_variants, parse_configs,
-    search_space,
+    DECODE_MAX, SHIPPED_DIR, MoEConfig, TileConfig, compile_variant, late_variants, parse_configs, search_space,
     use_direct,
 )
 
@@ -37,15 +36,6 @@ def test_fused_knob_round_trips_and_engine_style_entries_stay_valid():
     entry = cfg.to_json()
     assert entry["FUSED"] == 1 and "FUSED" not in entry["gemm2"]
     assert parse_configs(json.dumps({"1": entry}), "f.json")[1] == cfg
-
-
-def test_gemm1_align_knob_round_trips_and_stays_gemm1s():
-    cfg = MoEConfig(TileConfig(16, 64, 128, 8, 4, 3, ALIGN=1), TileConfig(16, 128, 128, 8, 4, 3))
-    entry = cfg.to_json()
-    assert entry["ALIGN"] == 1 and "ALIGN" not in entry["gemm2"]
-    assert parse_configs(json.dumps({"16": entry}), "f.json")[16] == cfg
-    engine_style = parse_configs(json.dumps({"16": dict(BASE, ALIGN=1)}), "f.json")[16]
-    assert engine_style.gemm1.ALIGN == 1 and engine_style.gemm2.ALIGN == 0
 
 
 def test_engine_style_entry_shares_its_knobs_with_gemm2():
@@ -74,10 +64,6 @@ def test_shipped_files_carry_only_known_keys():
     (lambda: MoEConfig(TileConfig(16, 16, 16, FUSED=1), TileConfig(16, 16, 16, SPLIT_K=2)),
      "gemm1.FUSED=1 has no GEMM2 launch to split"),
     (lambda: TileConfig(16, 16, 16, GEMV=1, PRE=3), "PRE must be 0, 1 or 2"),
-    (lambda: TileConfig(16, 16, 16, ALIGN=2), "ALIGN must be 0 or 1"),
-    (lambda: MoEConfig(TileConfig(16, 16, 16), TileConfig(16, 16, 16, ALIGN=1)), "gemm2.ALIGN must be 0"),
-    (lambda: MoEConfig(TileConfig(64, 16, 16, ALIGN=1), TileConfig(64, 16, 16), PrefillConfig()),
-     "the prefill kernels take none of the decode knobs"),
     (lambda: MoEConfig(TileConfig(16, 16, 16, GEMV=1, PRE=1), TileConfig(16, 16, 16)), "gemm1.PRE must be 0"),
 ])
 def test_bad_knobs_are_errors_naming_them(build, match):

@@ -3,8 +3,6 @@ PERF.md shapes' H and I, bit-identical results although the split's partials arr
 order, and CUDA-graph replays (the split counters are cleared by GEMM1 on every call).
 Run with `pytest -m gpu tests/kernels`."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -64,11 +62,6 @@ SORTED = {
                                 dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, SPLIT_K=2)),
     "bm64-split4-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8),
                                     dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, SPLIT_K=4, PDL=_pdl()), 64),
-    # GEMM1 aligns the rows itself (no alignment launch); GEMM2 reads them after it.
-    "bm16-align": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, ALIGN=1),
-                               dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8)),
-    "bm32-align-split2-pdl": lambda: _cfg(dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, ALIGN=1),
-                                          dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, SPLIT_K=2, PDL=_pdl()), 32),
 }
 _weights_cache = {}
 
@@ -122,7 +115,7 @@ def test_sorted_split_on_perf_shapes(shape, variant, M, cuda_gen):
 
 @pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "dot-split16-pdl"), (1, "fused-pdl"),
                                        (1, "gemv-split4-pre2-pdl"), (1, "dot-split4-pre1-pdl"),
-                                       (256, "bm64-split4-pdl"), (256, "bm32-align-split2-pdl")])
+                                       (256, "bm64-split4-pdl")])
 def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
     # Partials arrive in a different order on every run; the last arriver sums them in split order.
     name, E, k, H, I = SHAPES[1]
@@ -136,7 +129,7 @@ def test_split_results_are_bit_identical_run_to_run(M, variant, cuda_gen):
 
 
 @pytest.mark.parametrize("M,variant", [(1, "gemv-split8-pdl"), (1, "fused-pdl"), (1, "gemv-split4-pre2-pdl"),
-                                       (64, "bm64-split4-pdl"), (64, "bm32-align-split2-pdl"), (16, "bm16-align")])
+                                       (64, "bm64-split4-pdl")])
 def test_cuda_graph_replays_with_fresh_routing(M, variant, cuda_gen):
     name, E, k, H, I = SHAPES[3]
     wts = _weights(name, E, H, I, cuda_gen)
@@ -159,16 +152,3 @@ def test_cuda_graph_replays_with_fresh_routing(M, variant, cuda_gen):
         graph.replay()
         assert torch.equal(out, _run(x, wts, w, ids, cfg, M == 1))
         assert rel_err(out, reference_experts(x, wts, w, ids)) <= TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("M", [1, 16, 256, 1100])  # 1100: above 512 assignments for k = 8
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_gemm1_alignment_gives_the_launchs_bits(shape, M, cuda_gen):
-    name, E, k, H, I = shape
-    wts = _weights(name, E, H, I, cuda_gen)
-    w, ids = _routing(M, E, k, cuda_gen)
-    x = torch.randn(M, H, device="cuda", generator=cuda_gen).bfloat16()
-    for variant in ("bm16-align", "bm32-align-split2-pdl"):
-        cfg = SORTED[variant]()
-        plain = MoEConfig(replace(cfg.gemm1, ALIGN=0), cfg.gemm2)
-        assert torch.equal(_run(x, wts, w, ids, cfg, False), _run(x, wts, w, ids, plain, False))

@@ -94,51 +94,6 @@ else:
         assert al.sorted_ids[:len(rows)].tolist() == rows
         assert al.max_blocks * bm >= len(rows)
 
-    @pytest.mark.parametrize("case", [
-        dict(T=1, E=4, k=2, bm=16),                        # one token
-        dict(T=9, E=12, k=2, bm=16, H=33, I=17),           # experts with no token, odd H and I
-        dict(T=9, E=5, k=1, bm=16),                        # k = 1
-        dict(T=40, E=3, k=3, bm=16, bias=True),            # k = E: several row blocks per expert, biases
-        dict(T=7, E=5, k=2, bm=32, n_remote=4),            # expert map with non-local experts
-        dict(T=3, E=6, k=2, bm=16, activation="gelu_no_mul", bias=True),  # not gated
-        dict(T=1, E=4, k=2, bm=16, n_remote=6, remote_only=True),         # no local assignment at all
-    ])
-    def test_gemm1_aligning_its_rows_matches_the_alignment_launch(case, gen, monkeypatch):
-        import moekit.kernels.launch as launch
-
-        case = dict(case)
-        T, E, k, bm = (case.pop(n) for n in ("T", "E", "k", "bm"))
-        remote_only = case.pop("remote_only", False)
-        x, wts, w, ids, emap = _problem(T, E, k, case.pop("H", 32), case.pop("I", 24), torch.float32, gen, **case)
-        if remote_only:
-            ids = (emap < 0).nonzero().flatten()[:k].to(torch.int32).reshape(1, k)
-        activation = case.get("activation", "silu")
-        written = []
-        buffers = launch.alignment_buffers
-        monkeypatch.setattr(launch, "alignment_buffers", lambda *a: written.append(buffers(*a)) or written[-1])
-        monkeypatch.setattr(launch, "moe_align", None)  # GEMM1 must align: the launch is not called
-        tiles = lambda align: MoEConfig(TileConfig(bm, 16, 32, 2, 4, 2, ALIGN=align), TileConfig(bm, 32, 16, 1, 4, 2))  # noqa: E731
-        out = _check(x, wts, w, ids, emap, activation=activation, direct=False, config=tiles(1))
-        al = written[0][0]
-        rows, ends = _expected_alignment(ids, emap, E, bm)
-        assert al.expert_end.tolist() == ends  # GEMM1 wrote the launch's layout, for GEMM2
-        assert al.sorted_ids[:len(rows)].tolist() == rows
-        monkeypatch.undo()
-        assert torch.equal(out, _check(x, wts, w, ids, emap, activation=activation, direct=False, config=tiles(0)))
-
-    def test_gemm1_alignment_above_its_limit_keeps_the_launch(gen, monkeypatch):
-        import moekit.kernels.launch as launch
-        import moekit.kernels.triton_align as align
-
-        monkeypatch.setattr(align, "ALIGN_IN_GEMM1_MAX", 16)
-        calls = []
-        real = launch.moe_align
-        monkeypatch.setattr(launch, "moe_align", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        x, wts, w, ids, emap = _problem(9, 5, 2, 32, 16, torch.float32, gen)  # 18 assignments
-        cfg = MoEConfig(TileConfig(16, 16, 32, 2, 4, 2, ALIGN=1), TileConfig(16, 32, 16, 1, 4, 2))
-        _check(x, wts, w, ids, emap, direct=False, config=cfg)
-        assert calls == [1]
-
     def test_alignment_chunk_must_be_a_power_of_two(gen):
         ids = torch.zeros(4, 2, dtype=torch.int32)
         with pytest.raises(ValueError, match="chunk must be a power of two"):

@@ -30,8 +30,8 @@ if not IN_INTERPRETER:
         run_in_interpreter(__file__)
 
     def test_knobs_validate_and_round_trip():
-        k = QuantKnobs(gate_up=True, split_k=3, w_convert="cast", gemm1_align=True)
-        assert k.to_json() == {"gate_up": True, "split_k": 3, "w_convert": "cast", "gemm1_align": True}
+        k = QuantKnobs(gate_up=True, split_k=3, w_convert="cast")
+        assert k.to_json() == {"gate_up": True, "split_k": 3, "w_convert": "cast"}
         assert QuantKnobs.from_json(k.to_json()) == k
         assert QuantKnobs().to_json() == {}
         with pytest.raises(ValueError, match="split_k"):
@@ -40,8 +40,6 @@ if not IN_INTERPRETER:
             QuantKnobs(w_convert="magic")
         with pytest.raises(TypeError, match="prefetch1"):
             QuantKnobs(prefetch1=1)
-        with pytest.raises(TypeError, match="gemm1_align"):
-            QuantKnobs(gemm1_align=1)
         with pytest.raises(ValueError, match="quant"):
             QuantKnobs.from_json({"split": 2})
 
@@ -176,7 +174,6 @@ if not IN_INTERPRETER:
 
 else:
     import moekit.kernels.launch as launch
-    import moekit.kernels.launch_quant as launch_quant
     from moekit.kernels.launch_quant import fused_moe_quant
     from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of
 
@@ -241,40 +238,6 @@ else:
     def test_x_quantized_in_the_chunked_alignment(scheme, opts, gen, monkeypatch):
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # three-launch alignment, x in its first
         _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
-
-    @pytest.mark.parametrize("scheme,opts,k,n_remote,on_input", [
-        ("fp8_w8a8", {"static": True}, 2, 3, False),        # GEMM1 quantizes x's rows as it loads them
-        ("fp8_w8a8", {"static": True}, 1, 0, True),         # the routed weight on the input, then the scale
-        ("int4_w4a16", {"group_size": 32, "symmetric": False}, 3, 2, False),
-        ("int8_w8a16", {"group_size": 32}, 2, 0, False),
-        ("fp8_w8a8_channel", {}, 2, 2, False),               # x needs a quantization pass: the launch stays
-    ])
-    def test_gemm1_aligning_its_rows_gives_the_same_bits(scheme, opts, k, n_remote, on_input, gen, monkeypatch):
-        wts = _weights(scheme, opts, 6, 64, 64, gen)
-        emap = random_expert_map(6, n_remote, gen)
-        T = 11
-        ids = torch.stack([torch.randperm(6 + n_remote, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
-        w = torch.rand(T, k, generator=gen) + 0.05
-        x = torch.randn(T, 64, generator=gen).half()
-        s = wts.scales
-
-        def run(knobs):
-            return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
-                                   s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, emap,
-                                   scheme_of(wts), "silu", on_input=on_input, config=_tiles(16, 32, 32, 16, 32),
-                                   knobs=knobs, out_dtype=x.dtype)
-
-        want = run(QuantKnobs(gate_up=True))
-        calls = []
-        for name in ("moe_align", "align_and_quantize"):
-            real = getattr(launch_quant, name)
-            monkeypatch.setattr(launch_quant, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
-        got = run(QuantKnobs(gate_up=True, gemm1_align=True))
-        assert torch.equal(got, want)
-        assert calls == ([1] if scheme == "fp8_w8a8_channel" else [])
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=on_input,
-                               act_dtype=triton_act_dtype(wts, x))
-        assert rel_err(got, ref) <= TOLERANCE[get_scheme(wts.quant).precision]
 
     def test_knob_misuse_is_refused(gen):
         wts = _weights("fp8_w8a8_block128", {}, 2, 128, 128, gen)

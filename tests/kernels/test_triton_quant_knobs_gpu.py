@@ -68,11 +68,6 @@ VARIANTS = [
     ("fp8_w8a8", {"static": True}, (16, 64, 128, 128, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=2)),
     ("fp8_w8a8", {}, (32, 128, 128, 128, 128, 8), dict(swap1=True, swap2=True, prefetch1=True, prefetch2=True)),
     ("fp8_w8a8_channel", {}, (16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=4)),
-    # GEMM1 aligns the rows itself (x quantized as GEMM1 loads it with static scales)
-    ("fp8_w8a8", {"static": True}, (16, 64, 256, 64, 256), dict(gemm1_align=True, swap1=True, swap2=True, pdl=True)),
-    ("fp8_w8a8", {"static": True}, (32, 64, 128, 128, 128), dict(gemm1_align=True, gate_up=True, split_k=2)),
-    ("int4_w4a16", {}, (16, 64, 128, 64, 128), dict(gemm1_align=True, w_convert="ptx", gate_up=True, pdl=True)),
-    ("int8_w8a16", {"group_size": 64, "symmetric": False}, (16, 64, 64, 64, 64), dict(gemm1_align=True)),
 ]
 IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
        for v in VARIANTS]
@@ -116,19 +111,3 @@ def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, c
         ids.copy_(new_ids)
         graph.replay()
         assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
-
-
-@pytest.mark.parametrize("T", [1, 16, 64, 256])
-@pytest.mark.parametrize("scheme,opts,tiles,knobs", [
-    ("fp8_w8a8", {"static": True}, (16, 64, 256, 64, 256), dict(swap1=True, swap2=True, pdl=True)),
-    ("fp8_w8a8", {"static": True}, (32, 64, 128, 128, 128), dict()),
-    ("int4_w4a16", {}, (16, 64, 128, 64, 128), dict(gate_up=True, pdl=True)),
-])
-def test_gemm1_alignment_gives_the_launchs_bits(scheme, opts, tiles, knobs, T, cuda_gen):
-    E, k, H, I = 128, 8, 2048, 768
-    wts = _weights(scheme, opts, E, H, I, cuda_gen)
-    w, ids = _routing(T, E, k, cuda_gen)
-    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
-    want = _run(wts, x, w, ids, config=_tiles(*tiles), knobs=QuantKnobs(**knobs))
-    got = _run(wts, x, w, ids, config=_tiles(*tiles), knobs=QuantKnobs(gemm1_align=True, **knobs))
-    assert torch.equal(got, want)

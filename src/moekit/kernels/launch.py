@@ -8,8 +8,7 @@ A config with prefill knobs (MoEConfig.prefill) runs the sorted path's GEMMs on
 kernels/triton_prefill.py instead (rows padded to its row granule).
 Decode knobs (TileConfig): GEMV runs the direct path's GEMMs on kernels/triton_decode.py;
 SPLIT_K splits GEMM2's reduction over programs (fp32 partials and tile counters allocated
-here per call, the counters cleared by GEMM1); PDL launches GEMM2 as GEMM1's dependent;
-gemm1.ALIGN has GEMM1 align the rows itself (sorted path: no alignment launch).
+here per call, the counters cleared by GEMM1); PDL launches GEMM2 as GEMM1's dependent.
 """
 
 from __future__ import annotations
@@ -202,7 +201,6 @@ def fused_moe(
     g1, g2 = config.gemm1, config.gemm2
     if g2.PDL:
         _check_pdl(dev)
-    align_in_gemm1 = bool(g1.ALIGN) and not direct and TK <= align.ALIGN_IN_GEMM1_MAX
     if direct and g1.FUSED:  # its own buffers: none of the two-launch path's below
         return _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, activation, alpha, limit,
                              on_input, g1, g2, out_dtype)
@@ -215,10 +213,7 @@ def fused_moe(
         act = torch.empty(TK, I, dtype=x.dtype, device=dev)
         out2 = torch.empty(T, H, dtype=out_dtype, device=dev)
     else:
-        if align_in_gemm1:  # buffers GEMM1 writes (triton_align.align_expert)
-            al, e_pad = alignment_buffers(topk_ids, E, config.block_m)
-        else:
-            al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=ALIGN_SMALL_MAX)
+        al = moe_align(topk_ids, expert_map, E, config.block_m, small_max=ALIGN_SMALL_MAX)
         sorted_ids, expert_end = al.sorted_ids, al.expert_end
         rows1 = rows2 = al.max_blocks
         act = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=dev)
@@ -243,13 +238,12 @@ def fused_moe(
             GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, HAS_MAP=has_map, ON_INPUT=on_input,
             **chain, **_gemv_kwargs(g1))
     else:
-        by_expert = dict(ALIGN=True, ALIGN_N=_pow2(TK), E_PAD=e_pad) if align_in_gemm1 else {}
-        moe.gemm1_kernel[((E if align_in_gemm1 else rows1) * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
+        moe.gemm1_kernel[(rows1 * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
             x, w13, bias13, act, topk_weights, topk_ids, emap, sorted_ids, expert_end, counters,
             I, H, TK, k, rows1, E, n_cnt,
             x.stride(0), w13.stride(0), w13.stride(1), stride_b13, act.stride(0),
             float(alpha), float(limit),
-            DIRECT=direct, GATED=gated, ACT=activation, **flags, **chain, **by_expert, **_launch_kwargs(g1))
+            DIRECT=direct, GATED=gated, ACT=activation, **flags, **chain, **_launch_kwargs(g1))
     flags.pop("HAS_BIAS")
     stride_b2 = bias2.stride(0) if b2 is not None else 0
     stride_ps = partials.stride(0) if split > 1 else 0
@@ -266,8 +260,8 @@ def fused_moe(
             act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, sorted_ids, expert_end,
             H, I, TK, k, rows2, E, split,
             act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
-            DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0, ROWS_BY_GEMM1=align_in_gemm1,
-            **flags, **chain, **_launch_kwargs(g2), **pdl)
+            DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0, **flags, **chain,
+            **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
     return moe.sum_over_k(out2, topk_ids, emap, has_map, out_dtype)

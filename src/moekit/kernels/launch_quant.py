@@ -2,8 +2,6 @@
 
 Pipeline (every size known from shapes, no host synchronisation, CUDA-graph safe):
     align (+ quantize x) -> GEMM1 -> [quantize act] -> GEMM2 -> sum over k (and K splits)
-With knobs.gemm1_align (weight-only schemes and static fp8 scales) GEMM1 aligns the rows
-itself and quantizes x's rows as it loads them: GEMM1 -> GEMM2 -> sum.
 x is quantized in the alignment's launch (knob fuse_x_quant; a launch of its own
 otherwise) for dynamic per-token and per-group scales and for static per-expert scales
 (once per assignment: a token's k experts have k scales); dynamic per-tensor scales take a
@@ -35,8 +33,7 @@ from . import triton_moe as moe
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
-from . import triton_align as align
-from .launch import _check, _pow2, alignment_buffers, moe_align
+from .launch import _check, _pow2, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
@@ -318,15 +315,8 @@ def fused_moe_quant(
     TK = T * k
     small_max = launch.ALIGN_SMALL_MAX
     w_in = topk_weights if on_input else None
-    # GEMM1 aligns the rows itself where x needs no quantization pass first (knobs.gemm1_align).
-    align_in_gemm1 = (knobs.gemm1_align and config.prefill is None and (modes.act_dtype is None or static)
-                      and TK <= align.ALIGN_IN_GEMM1_MAX)
-    src = None
     # Step 1: alignment and GEMM1's input (x quantized in the alignment's launch when it can be).
-    if align_in_gemm1:  # buffers GEMM1 writes; static fp8: GEMM1 quantizes x's rows as it loads them
-        al, e_pad = alignment_buffers(topk_ids, E, config.row_granule)
-        a1, a1_s, a1_mode, a1_sm, a1_se = (x, x, 0, 0, 0) if modes.act_dtype is None else (x, a13_scale, 1, 0, 1)
-    elif modes.act_dtype is None:
+    if modes.act_dtype is None:
         al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=small_max)
         a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
     else:
@@ -365,20 +355,16 @@ def fused_moe_quant(
     q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
     bias13 = b13 if b13 is not None else x
     gated = is_gated(activation)
-    has_map = expert_map is not None
-    by_expert = dict(ALIGN=True, ALIGN_N=_pow2(TK), E_PAD=e_pad, HAS_MAP=has_map, A_ON_LOAD=static) \
-        if align_in_gemm1 else {}
-    qk.gemm1_quant_kernel[((E if align_in_gemm1 else al.max_blocks) * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
+    qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
         a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
-        topk_weights, al.sorted_ids, al.expert_end, src if src is not None else al.sorted_ids,
-        topk_ids, expert_map if has_map else topk_ids,
+        topk_weights, al.sorted_ids, al.expert_end, src if static else al.sorted_ids,
         I, H, TK, k, al.max_blocks, E,
         a1.stride(0), a1_sm, a1_se, q13.stride(0), q13.stride(1), s13_e, s13_n,
         bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
-        A_QUANT=a1_mode, A_BY_ASSIGN=src is not None, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags, **by_expert,
+        A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
+        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags,
         **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
@@ -407,6 +393,7 @@ def fused_moe_quant(
         PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
+    has_map = expert_map is not None
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
         y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
         S=splits, BN=bn, HAS_MAP=has_map, STAGES=_sum_stages(T), **chain, num_warps=4)

@@ -51,11 +51,6 @@ class QuantKnobs:
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
-    gemm1_align: GEMM1 aligns the rows itself (a program per expert and column block;
-        triton_align.align_expert), so the call has no alignment launch, for calls whose x needs
-        no quantization pass first: weight-only schemes, and fp8 with static scales (GEMM1
-        quantizes x's rows as it loads them). Other calls of the same table, and calls above
-        triton_align.ALIGN_IN_GEMM1_MAX assignments, keep the alignment launch.
     static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
         with static per-tensor scales, one weight scale per expert) run triton_prefill's
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
@@ -72,7 +67,6 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
-    gemm1_align: bool = False
     static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:

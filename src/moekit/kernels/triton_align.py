@@ -21,12 +21,6 @@ rank. Above, two launches over chunks of N assignments, with no atomics:
         sorted assignments there; chunk 0 also writes expert_end and the padding sentinels.
 A sort of thousands of keys in one program costs tens of microseconds; a chunk's sort of
 a few hundred runs beside the others.
-
-GEMM1 may also align in its own programs (align_expert, up to ALIGN_IN_GEMM1_MAX
-assignments): a program of expert e counts all assignments, finds e's padded extent, and
-writes e's rows (in assignment order: a prefix sum ranks them), its padding sentinels and
-expert_end[e], which every program of e writes alike; GEMM2 then reads the same layout as
-the launches above would have written, one launch fewer before the weights start streaming.
 """
 
 from __future__ import annotations
@@ -34,13 +28,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_chunk_kernel", "align_place_kernel", "align_expert", "local_expert",
-           "chunk_size", "SMALL", "ALIGN_IN_GEMM1_MAX"]
+__all__ = ["align_small_kernel", "align_chunk_kernel", "align_place_kernel", "local_expert", "chunk_size",
+           "SMALL"]
 
 # Largest T*k aligned by the one-program sort.
 SMALL = 512
-# Largest T*k GEMM1's programs align themselves (each counts every assignment).
-ALIGN_IN_GEMM1_MAX = 8192
 
 
 def chunk_size(TK: int) -> int:
@@ -155,27 +147,3 @@ def align_place_kernel(
     _write_rows(sorted_ptr, key, starts + before, tl.load(hist_ptr + c * E_PAD + experts), c * N, E, N)
     if c == 0:
         _write_ends(sorted_ptr, expert_end_ptr, starts, local, padded, TK, E, BM, E_PAD)
-
-
-@triton.jit
-def align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E,
-                 BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
-    """Expert e's part of the alignment (see the module docstring), done in a GEMM1 program of
-    e over TK <= N assignments: e's sorted_ids rows, its sentinels and expert_end[e] are written
-    (every program of e writes the same values), and are visible to this program's threads
-    when it returns. Returns (e's first row, e's assignments)."""
-    lanes = tl.arange(0, N)
-    bins = _bins(ids_ptr, map_ptr, lanes, TK, E_PAD, HAS_MAP)
-    starts, local, padded = _extents(tl.histogram(bins, E_PAD), E, BM, E_PAD)
-    sel = tl.arange(0, E_PAD) == e
-    start = tl.sum(tl.where(sel, starts, 0), axis=0)
-    count = tl.sum(tl.where(sel, local, 0), axis=0)
-    pad = tl.sum(tl.where(sel, padded, 0), axis=0) - count
-    mine = bins == e
-    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    tl.store(sorted_ptr + start + rank, lanes, mask=mine)
-    p = tl.arange(0, BM)
-    tl.store(sorted_ptr + start + count + p, TK + p * 0, mask=p < pad)
-    tl.store(expert_end_ptr + e, start + count + pad)
-    tl.debug_barrier()  # the rows just stored are read back by other threads of the program
-    return start, count

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_align import align_expert, local_expert
+from .triton_align import local_expert
 
 __all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "pow2", "zero_counters", "split_sum",
            "split_iters", "direct_slots", "direct_w2_tile", "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -131,13 +131,42 @@ def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _gemm1_rows(x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, assign, live, out_rows, e, pid_n, N, K, top_k,
-                stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRECT: tl.constexpr, GATED: tl.constexpr,
-                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr):
-    """One [BM, BN] tile of GEMM1: rows of assignments `assign` (live ones), all of expert e,
-    stored at act rows out_rows."""
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])
+def gemm1_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, cnt_ptr,
+    N, K, TK, top_k, NUM_M, E, n_cnt,
+    stride_xm, stride_we, stride_wn, stride_be, stride_om,
+    alpha, limit,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I).
+
+    x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
+    Clears GEMM2's n_cnt split counters at cnt_ptr (none: n_cnt = 0).  PDL: let GEMM2 launch early.
+    """
+    zero_counters(cnt_ptr, n_cnt)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    rows = tl.arange(0, BM)
+    if DIRECT:
+        # One live row: assignment pid_m. Non-local assignments need no activation row.
+        e = _expert_of(ids_ptr, map_ptr, pid_m, HAS_MAP)
+        if e < 0:
+            return
+        assign = pid_m + rows * 0
+        live = rows == 0
+        out_rows = assign
+    else:
+        e = _block_expert(expert_end_ptr, pid_m, E, BM)
+        if e >= E:  # past the last expert's rows
+            return
+        assign = tl.load(sorted_ptr + pid_m * BM + rows)
+        live = assign < TK
+        out_rows = pid_m * BM + rows
     token = tl.where(live, assign // top_k, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < N
@@ -184,63 +213,6 @@ def _gemm1_rows(x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, assign, live, out_rows
     if DIRECT:
         o_mask = o_mask & live[:, None]
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])
-def gemm1_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, cnt_ptr,
-    N, K, TK, top_k, NUM_M, E, n_cnt,
-    stride_xm, stride_we, stride_wn, stride_be, stride_om,
-    alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    DIRECT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ALIGN: tl.constexpr = False, ALIGN_N: tl.constexpr = 16, E_PAD: tl.constexpr = 16,
-):
-    """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I).
-
-    x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
-    Clears GEMM2's n_cnt split counters at cnt_ptr (none: n_cnt = 0).  PDL: let GEMM2 launch early.
-    ALIGN (sorted): grid E x column blocks; a program aligns its expert's rows itself
-    (triton_align.align_expert over ALIGN_N >= TK lanes, E_PAD bins), writing sorted_ids and
-    expert_end for GEMM2, then runs the expert's row blocks one after another.
-    """
-    zero_counters(cnt_ptr, n_cnt)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.arange(0, BM)
-    if ALIGN:
-        num_n = tl.cdiv(N, BN)
-        e = tl.program_id(0) // num_n
-        pid_n = tl.program_id(0) % num_n
-        start, count = align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E, BM, ALIGN_N, E_PAD,
-                                    HAS_MAP)
-        for r0 in range(start, start + count, BM):
-            assign = tl.load(sorted_ptr + r0 + rows)
-            _gemm1_rows(x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, assign, assign < TK, r0 + rows, e, pid_n, N, K,
-                        top_k, stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK,
-                        DIRECT, GATED, ACT, HAS_BIAS, ON_INPUT, IEEE)
-    else:
-        pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
-        if DIRECT:
-            # One live row: assignment pid_m. Non-local assignments need no activation row.
-            e = _expert_of(ids_ptr, map_ptr, pid_m, HAS_MAP)
-            if e < 0:
-                return
-            assign = pid_m + rows * 0
-            live = rows == 0
-            out_rows = assign
-        else:
-            e = _block_expert(expert_end_ptr, pid_m, E, BM)
-            if e >= E:  # past the last expert's rows
-                return
-            assign = tl.load(sorted_ptr + pid_m * BM + rows)
-            live = assign < TK
-            out_rows = pid_m * BM + rows
-        _gemm1_rows(x_ptr, w_ptr, b_ptr, out_ptr, topk_w_ptr, assign, live, out_rows, e, pid_n, N, K, top_k,
-                    stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, DIRECT, GATED,
-                    ACT, HAS_BIAS, ON_INPUT, IEEE)
 
 
 @triton.jit
@@ -334,7 +306,6 @@ def gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
     ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr = 0,
-    ROWS_BY_GEMM1: tl.constexpr = False,
 ):
     """Down projection with the routed weight (unless it went on the input).
 
@@ -345,8 +316,6 @@ def gemm2_kernel(
     [n_split, rows, N] fp32 at part_ptr (stride_ps per split), one counter per tile at cnt_ptr.
     PRE (direct only, 0-2): the weight tiles of the first PRE iterations are loaded before the
     program waits for GEMM1 (PDL).
-    ROWS_BY_GEMM1: GEMM1 wrote sorted_ids and expert_end (gemm1_kernel ALIGN): under PDL the
-    program waits for GEMM1 before it reads them.
     """
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     rows = tl.arange(0, BM)
@@ -389,14 +358,12 @@ def gemm2_kernel(
         o_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + rows[:, None] * 0 + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        if PDL and ROWS_BY_GEMM1:
-            tl.extra.cuda.gdc_wait()
         e = _block_expert(expert_end_ptr, pid_m, E, BM)
         if e >= E:  # past the last expert's rows
             return
         assign = tl.load(sorted_ptr + pid_m * BM + rows)
         live = assign < TK
-        if PDL and not ROWS_BY_GEMM1:
+        if PDL:
             tl.extra.cuda.gdc_wait()
         k_lo = 0
         k_hi = K

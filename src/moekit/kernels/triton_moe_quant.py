@@ -55,7 +55,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_align import align_expert
 from .triton_moe import _apply_act, _block_expert, _tile_ids
 from .triton_quant_rows import to_quant
 
@@ -200,13 +199,13 @@ def _dequant(acc, a_s_ptrs, a_ok, ws_ptrs,
 
 
 @triton.jit
-def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, a_mul, w_ptr, ws_ptr, wz_ptr, wrows, row0, up_off, k_lo, k_hi, K,
+def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up_off, k_lo, k_hi, K,
               stride_wn, stride_sn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
               A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
               W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
               EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr, A_ON_LOAD: tl.constexpr):
+              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr):
     """Dequantized products over K columns [k_lo, k_hi) of rows a with one expert's weight rows
     `wrows` (and, GATED, rows wrows + up_off): returns (gate, up), fp32 [BM, BN] each (up = gate
     when not GATED).
@@ -217,8 +216,6 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, a_mul, w_ptr, ws_ptr, wz_ptr, wrows, r
     tile's first gate row. INTERLEAVED: wrows alternate gate and up rows (GATED is False).
     Weight scales of W_SROWS-row blocks are one per tile and K group when a tile's gate (and up)
     rows lie in one block: scalars (two, gate and up, when INTERLEAVED), not a load per column.
-    A_ON_LOAD: the rows are x's floats, quantized to fp8 here as triton_quant_rows does (GRAN 4):
-    each row times a_mul [BM] (the routed weight, on_input; else None), over its static scale.
     """
     kk = tl.arange(0, BK)
     a_ptrs = a_row_ptrs[:, None] + (k_lo + kk)[None, :]
@@ -245,8 +242,6 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, a_mul, w_ptr, ws_ptr, wz_ptr, wrows, r
     else:
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = acc_g
-    if A_ON_LOAD:
-        a_div = tl.load(a_s_ptrs, mask=a_ok, other=1.0)[:, None]
     if PREFETCH:  # EVEN_K: every tile is whole
         a_next = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
         qg_next = tl.load(w_ptrs)
@@ -282,11 +277,6 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, a_mul, w_ptr, ws_ptr, wz_ptr, wrows, r
             q_u = q_g
             if GATED:
                 q_u = tl.load(wu_ptrs, mask=w_ok, other=0.0)
-        if A_ON_LOAD:
-            v = a.to(tl.float32)
-            if a_mul is not None:
-                v = v * a_mul[:, None]
-            a = to_quant(v / a_div, 448.0, False)
         a_odd = a
         if A_QUANT == 0 and W_INT4:
             a, a_odd = tl.split(tl.reshape(a, [BM, BK // 2, 2]))
@@ -335,22 +325,38 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, a_mul, w_ptr, ws_ptr, wz_ptr, wrows, r
     return gate, up
 
 
-@triton.jit
-def _gemm1_quant_rows(
-    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr, topk_w_ptr, src_ptr,
-    assign, live, out_rows, e, pid_n, N, K, top_k,
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
+def gemm1_quant_kernel(
+    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
+    topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
+    N, K, TK, top_k, NUM_M, E,
     stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
     alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, A_ON_LOAD: tl.constexpr,
+    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
-    """One [BM, BN] tile of GEMM1: rows of assignments `assign` (live ones), all of expert e,
-    stored at act rows out_rows."""
+    """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
+
+    a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
+    reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
+    out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
+    PDL: launched as a programmatic dependent: waits for the previous kernels before reading
+    anything they wrote, and lets the next kernel launch once its products are done.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    e = _block_expert(expert_end_ptr, pid_m, E, BM)
+    if e >= E:  # past the last expert's rows
+        return
+    rows = tl.arange(0, BM)
+    assign = tl.load(sorted_ptr + pid_m * BM + rows)
+    live = assign < TK
     token = tl.where(live, assign // top_k, 0).to(tl.int64)
     w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -362,21 +368,20 @@ def _gemm1_quant_rows(
         a_rows = token
     a_row_ptrs = a_ptr + a_rows * stride_am
     a_s_ptrs = a_s_ptr + e64 * stride_ase + a_rows * stride_asm
-    a_mul = w_row if ON_INPUT else None
     w_e, ws_e, wz_e = w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se
     if GATED and GATE_UP:
         c2 = tl.arange(0, 2 * BN)
         n2 = pid_n * BN + c2 // 2
         wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
-        acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, a_mul, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K,
-                           stride_wn, stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4,
-                           HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP, A_ON_LOAD)
+        acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
+                           stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
+                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP)
         gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
     else:
-        gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, a_mul, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0),
-                             pid_n * BN, N, 0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE,
-                             W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V,
-                             PREFETCH, False, SWAP, A_ON_LOAD)
+        gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0), pid_n * BN, N,
+                             0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
+                             W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False,
+                             SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ON_INPUT and A_QUANT == 0:
@@ -389,72 +394,11 @@ def _gemm1_quant_rows(
         if GATED:
             up += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     h = _apply_act(gate, up, ACT, alpha, limit)
-    o_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if OUT_STATIC:
         tl.store(o_ptrs, to_quant(h / tl.load(out_s_ptr + e64), 448.0, False), mask=col_ok[None, :])
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
-def gemm1_quant_kernel(
-    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-    topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr, ids_ptr, map_ptr,
-    N, K, TK, top_k, NUM_M, E,
-    stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-    alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-    A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
-    W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
-    A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
-    EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-    ALIGN: tl.constexpr = False, ALIGN_N: tl.constexpr = 16, E_PAD: tl.constexpr = 16, HAS_MAP: tl.constexpr = False,
-    A_ON_LOAD: tl.constexpr = False,
-):
-    """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
-
-    a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
-    reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
-    out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
-    PDL: launched as a programmatic dependent: waits for the previous kernels before reading
-    anything they wrote, and lets the next kernel launch once its products are done.
-    ALIGN: grid E x column blocks; a program aligns its expert's rows itself (as
-    triton_moe.gemm1_kernel's ALIGN) from topk ids (ids_ptr, map_ptr when HAS_MAP). A_ON_LOAD:
-    a is x's floats [T, K], quantized with the static per-expert scale a_s[e] as it is loaded.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    rows = tl.arange(0, BM)
-    if ALIGN:
-        num_n = tl.cdiv(N, BN)
-        e = tl.program_id(0) // num_n
-        pid_n = tl.program_id(0) % num_n
-        start, count = align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E, BM, ALIGN_N, E_PAD,
-                                    HAS_MAP)
-        for r0 in range(start, start + count, BM):
-            assign = tl.load(sorted_ptr + r0 + rows)
-            _gemm1_quant_rows(
-                a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr, topk_w_ptr, src_ptr,
-                assign, assign < TK, r0 + rows, e, pid_n, N, K, top_k,
-                stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-                alpha, limit, BM, BN, BK, GATED, ACT, HAS_BIAS, ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4,
-                HAS_ZERO, INT_DOT, KGROUP, A_BY_ASSIGN, OUT_STATIC, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-                GATE_UP, PDL, SWAP, A_ON_LOAD)
-    else:
-        pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
-        e = _block_expert(expert_end_ptr, pid_m, E, BM)
-        if e >= E:  # past the last expert's rows
-            return
-        assign = tl.load(sorted_ptr + pid_m * BM + rows)
-        _gemm1_quant_rows(
-            a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr, topk_w_ptr, src_ptr,
-            assign, assign < TK, pid_m * BM + rows, e, pid_n, N, K, top_k,
-            stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-            alpha, limit, BM, BN, BK, GATED, ACT, HAS_BIAS, ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4,
-            HAS_ZERO, INT_DOT, KGROUP, A_BY_ASSIGN, OUT_STATIC, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-            GATE_UP, PDL, SWAP, A_ON_LOAD)
 
 
 @triton.jit(do_not_specialize=["TK", "NUM_M", "E"])
@@ -492,11 +436,11 @@ def gemm2_quant_kernel(
     e64 = e.to(tl.int64)
     k_lo = pid_s * K_SPLIT
     acc, _ = _mainloop(
-        a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm, None,
+        a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
         pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
         A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-        False, SWAP, False)
+        False, SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:

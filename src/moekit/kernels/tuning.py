@@ -81,10 +81,6 @@ class TileConfig:
         PRE: 0-2 (GEMM2 only, direct path) loads the weight tiles of a program's first PRE
             iterations into registers before it waits for GEMM1 (under PDL they stream while
             GEMM1's last programs run); the sorted path ignores it as it does GEMV.
-        ALIGN: 1 (GEMM1 only, sorted path, up to triton_align.ALIGN_IN_GEMM1_MAX assignments;
-            above, and on the direct path, it is ignored) drops the alignment launch: GEMM1 runs
-            a program per expert and column block, each aligning its expert's rows itself
-            (triton_align.align_expert) for itself and for GEMM2, then multiplying them.
     """
 
     BLOCK_SIZE_M: int
@@ -98,14 +94,13 @@ class TileConfig:
     PDL: int = 0
     FUSED: int = 0
     PRE: int = 0
-    ALIGN: int = 0
 
     def __post_init__(self) -> None:
         for name in _KEYS + ("SPLIT_K",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("GEMV", "PDL", "FUSED", "ALIGN"):
+        for name in ("GEMV", "PDL", "FUSED"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be 0 or 1, got {getattr(self, name)!r}")
         if self.PRE not in (0, 1, 2) or isinstance(self.PRE, bool):
@@ -220,9 +215,8 @@ class MoEConfig:
             if getattr(self.gemm1, name) != _OPTIONAL[name]:
                 raise ValueError(f"gemm1.{name} must be {_OPTIONAL[name]} (a GEMM2 knob), "
                                  f"got {getattr(self.gemm1, name)}")
-        for name in ("FUSED", "ALIGN"):
-            if getattr(self.gemm2, name):
-                raise ValueError(f"gemm2.{name} must be 0 (a GEMM1 knob)")
+        if self.gemm2.FUSED:
+            raise ValueError("gemm2.FUSED must be 0 (fusing both GEMMs is gemm1's knob)")
         if self.gemm1.FUSED and self.gemm2.SPLIT_K != 1:
             raise ValueError(f"gemm1.FUSED=1 has no GEMM2 launch to split: gemm2.SPLIT_K must be 1, "
                              f"got {self.gemm2.SPLIT_K}")
@@ -264,7 +258,7 @@ class MoEConfig:
         g1 = TileConfig(**{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
         prefill = PrefillConfig.from_json(entry["prefill"], f"{where}.prefill") if "prefill" in entry else None
         if "gemm2" not in entry:  # one config for both GEMMs (fusing them is GEMM1's knob alone)
-            return cls(g1, replace(g1, FUSED=0, ALIGN=0), prefill)
+            return cls(g1, replace(g1, FUSED=0), prefill)
         down = entry["gemm2"]
         allowed = _KEYS[1:] + tuple(_OPTIONAL)
         if not isinstance(down, dict) or set(down) - set(allowed):
