@@ -82,6 +82,8 @@ else:
         (1, 4, 2, 16, 0, False, None),      # chunked path, one chunk, mostly padding lanes
         (33, 5, 2, 16, 1, False, 16),       # many small chunks, the last one partial, a map
         (64, 300, 8, 128, 0, False, 32),    # E_PAD 512: 16 chunks' histograms read in two steps
+        (700, 70, 4, 16, 3, True, None),    # one launch over 2800 assignments, a map
+        (64, 300, 8, 128, 0, True, None),   # one launch, a program for each of 300 experts
     ])
     def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, chunk, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)

@@ -206,7 +206,7 @@ else:
     def test_large_alignment_path_end_to_end(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
-        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # count / scan / scatter alignment at the granule
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # the chunked alignment at the granule
         w, ids = _routing_with_counts(COUNTS, 2, gen)
         wts = _weights(len(COUNTS), 32, 16, torch.float32, gen)
         _check(torch.randn(ids.shape[0], 32, generator=gen), wts, w, ids, config=_config(1, 1, 4))

@@ -236,7 +236,7 @@ else:
     @pytest.mark.parametrize("scheme,opts", [("fp8_w8a8_block128", {}), ("fp8_w8a8", {"static": True}),
                                              ("fp8_w8a8_channel", {})])
     def test_x_quantized_in_the_chunked_alignment(scheme, opts, gen, monkeypatch):
-        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # three-launch alignment, x in its first
+        monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # two-launch alignment, x in its first
         _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
 
     def test_knob_misuse_is_refused(gen):

@@ -29,7 +29,7 @@ from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
 
 __all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX"]
 
-# Up to this many assignments one program aligns them (one launch); above, two launches.
+# Up to this many assignments one launch aligns them (a program per expert); above, two.
 ALIGN_SMALL_MAX = align.SMALL
 # Tiles of the fused direct path's partial sum: RB rows x BN columns per load.
 _FUSED_SUM_RB, _FUSED_SUM_BN = 16, 64
@@ -66,7 +66,7 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
         topk_ids: [T, k] int32, contiguous (global ids when expert_map is given).
         expert_map: [E_global] int32 global -> local id or -1, or None.
         num_experts: E local experts.  block_m: rows per GEMM block (a power of two >= 16).
-        small_max: largest T*k aligned by the one-program kernel (its sort grows with T*k).
+        small_max: largest T*k aligned in one launch (each of its programs reads every assignment).
         chunk: assignments per chunk above small_max (a power of two >= 16; default
             triton_align.chunk_size). The rows are the same for every chunk size.
     """
@@ -74,9 +74,9 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     emap = expert_map if expert_map is not None else topk_ids
     if TK <= small_max:
-        align.align_small_kernel[(1,)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
-                                       BM=block_m, N=_pow2(TK), E_PAD=e_pad, HAS_MAP=expert_map is not None,
-                                       num_warps=4)
+        align.align_expert_kernel[(E,)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
+                                        BM=block_m, N=_pow2(TK), E_PAD=e_pad, HAS_MAP=expert_map is not None,
+                                        num_warps=4)
         return al
     n = _align_chunk(TK, chunk)
     hist, keys = _chunk_buffers(TK, n, e_pad, topk_ids.device)

@@ -140,9 +140,9 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
     emap = expert_map if expert_map is not None else topk_ids
     small = TK <= small_max
     n = _pow2(TK) if small else align.chunk_size(TK)
-    # The one-program path writes no histograms or keys: any int32 buffer stands in for them.
+    # The one-launch path writes no histograms or keys: any int32 buffer stands in for them.
     hist, keys = (al.expert_end, al.expert_end) if small else _chunk_buffers(TK, n, e_pad, dev)
-    n_align = 1 if small else hist.shape[0]
+    n_align = E if small else hist.shape[0]
     (xx, qq, ss, w, sr, _, _), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
                                                                    topk_ids, expert_map, src)
     qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](

@@ -10,17 +10,18 @@ Output layout (no host synchronisation: every size is a bound known from the sha
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
 Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local and
-out-of-range lanes. Up to SMALL assignments one program does it all (one launch): a
-bitonic sort of keys (bin * n + index) puts each expert's assignments together in order,
-a histogram gives the counts, and a row's place is its expert's padded start plus its
-rank. Above, two launches over chunks of N assignments, with no atomics:
-    align_chunk_kernel: each chunk sorted the same way (its keys kept) and its histogram
-        stored as row c of hist [n_chunks, E_PAD];
+out-of-range lanes. Up to SMALL assignments one launch does it all, a program per expert
+(align_expert_kernel): each counts every assignment (a histogram gives the experts' padded
+extents), and writes its own expert's rows, in assignment order (a prefix sum over the
+lanes of its expert ranks them), its padding sentinels and its expert_end. Above, two
+launches over chunks of N assignments, with no atomics:
+    align_chunk_kernel: each chunk sorted by stable keys (bin * N + index), its keys kept
+        and its histogram stored as row c of hist [n_chunks, E_PAD];
     align_place_kernel: each chunk adds up the histograms (all chunks: the experts' padded
         starts; the chunks before it: where its own rows of each expert begin) and writes its
         sorted assignments there; chunk 0 also writes expert_end and the padding sentinels.
-A sort of thousands of keys in one program costs tens of microseconds; a chunk's sort of
-a few hundred runs beside the others.
+Every program of the one-launch path reads all assignments, which stops paying above a few
+thousand; a chunk's sort of a few hundred runs beside the others.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["align_small_kernel", "align_chunk_kernel", "align_place_kernel", "local_expert", "chunk_size",
-           "SMALL"]
+__all__ = ["align_expert_kernel", "align_expert", "align_chunk_kernel", "align_place_kernel", "local_expert",
+           "chunk_size", "SMALL"]
 
-# Largest T*k aligned by the one-program sort.
-SMALL = 512
+# Largest T*k aligned in one launch by a program per expert. On an H200
+# (bench/results/h200-align-per-expert.json) it beats the one-program sort it replaced and the
+# chunked launches up to 2048 assignments (E = 128: 4.0 -> 2.8 us at 128, 5.4 -> 3.2 at 512,
+# 5.9 -> 4.7 at 2048), and loses at 8192 (6.9 -> 8.8-11.1).
+SMALL = 2048
 
 
 def chunk_size(TK: int) -> int:
@@ -102,17 +106,32 @@ def _write_ends(sorted_ptr, expert_end_ptr, starts, counts, padded, TK, E, BM: t
                  mask=col[None, :] < (padded - counts)[:, None])
 
 
+@triton.jit
+def align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E,
+                 BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Expert e's part of the alignment of TK <= N assignments (see the module docstring): its
+    sorted_ids rows, its padding sentinels and expert_end[e]."""
+    lanes = tl.arange(0, N)
+    bins = _bins(ids_ptr, map_ptr, lanes, TK, E_PAD, HAS_MAP)
+    starts, local, padded = _extents(tl.histogram(bins, E_PAD), E, BM, E_PAD)
+    sel = tl.arange(0, E_PAD) == e
+    start = tl.sum(tl.where(sel, starts, 0), axis=0)
+    count = tl.sum(tl.where(sel, local, 0), axis=0)
+    pad = tl.sum(tl.where(sel, padded, 0), axis=0) - count
+    mine = bins == e
+    tl.store(sorted_ptr + start + tl.cumsum(mine.to(tl.int32), axis=0) - 1, lanes, mask=mine)
+    p = tl.arange(0, BM)
+    tl.store(sorted_ptr + start + count + p, TK + p * 0, mask=p < pad)
+    tl.store(expert_end_ptr + e, start + count + pad)
+
+
 @triton.jit(do_not_specialize=["TK"])
-def align_small_kernel(
+def align_expert_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
     BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    """The whole alignment of TK <= N assignments in one program (grid (1,))."""
-    bins = _bins(ids_ptr, map_ptr, tl.arange(0, N), TK, E_PAD, HAS_MAP)
-    counts = tl.histogram(bins, E_PAD)
-    starts, local, padded = _extents(counts, E, BM, E_PAD)
-    _write_rows(sorted_ptr, _chunk_keys(bins, N), starts, counts, 0, E, N)
-    _write_ends(sorted_ptr, expert_end_ptr, starts, local, padded, TK, E, BM, E_PAD)
+    """The whole alignment of TK <= N assignments in one launch, grid (E,): expert program_id(0)'s part."""
+    align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, tl.program_id(0), TK, E, BM, N, E_PAD, HAS_MAP)
 
 
 @triton.jit(do_not_specialize=["TK"])

@@ -223,8 +223,8 @@ def align_quant_kernel(
 ):
     """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
-    Programs below NA align (SMALL: the whole one-program alignment of N >= TK assignments,
-    NA = 1; else triton_align.align_chunk_kernel for chunk pid of N assignments, NA chunks); the
+    Programs below NA align (SMALL: expert pid's part of the one-launch alignment of N >= TK
+    assignments, NA = E; else triton_align.align_chunk_kernel for chunk pid of N assignments, NA chunks); the
     others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
     PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
@@ -233,7 +233,7 @@ def align_quant_kernel(
     pid = tl.program_id(0)
     if pid < NA:
         if SMALL:
-            align.align_small_kernel(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E, BM, N, E_PAD, HAS_MAP)
+            align.align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, pid, TK, E, BM, N, E_PAD, HAS_MAP)
         else:
             align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
