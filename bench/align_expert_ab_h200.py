@@ -7,8 +7,8 @@ quantized path's fused launch (x quantized beside the alignment) runs the same p
 replaced kernels are kept here only to be measured. Two parts, one process:
 1. alignment alone at decode points: both paths checked against a stable sort on the host, then
    timed in CUDA graphs of 8 alignments with distinct routing, interleaved;
-2. whole calls through the shipped tables (bf16, and fp8 with static scales, whose alignment
-   launch also quantizes x), A (replaced) and B (current): outputs compared bit for bit, then
+2. whole calls through the shipped tables (bf16, fp8 with static scales, whose alignment
+   launch also quantizes x, and int4 weights), A (replaced) and B (current): outputs compared bit for bit, then
    timed as the decode bench does (CUDA graphs of 8 calls with distinct routing), interleaved.
 
     PYTHONPATH=src python bench/align_expert_ab_h200.py [--out FILE] [--rounds 3]
@@ -113,7 +113,8 @@ ALIGN_POINTS = (("qwen3", 128, 8, 16, 16), ("qwen3", 128, 8, 64, 16), ("qwen3", 
                 ("mixtral", 8, 2, 256, 64), ("gpt-oss", 32, 4, 256, 64))
 CALL_POINTS = (("qwen3-30b-a3b", (16, 64, 256)), ("olmoe-1b-7b", (16, 64, 256)), ("deepseek-v3", (16, 64)),
                ("mixtral-8x7b", (256,)), ("gpt-oss-20b", (64, 256)))
-FP8_POINTS = (("qwen3-30b-a3b", (1, 16, 64, 256)), ("mixtral-8x7b", (16, 64)))
+QUANT_POINTS = (("qwen3-30b-a3b", "fp8_w8a8", (1, 16, 64, 256)), ("mixtral-8x7b", "fp8_w8a8", (1, 16, 64)),
+                ("qwen3-30b-a3b", "int4_w4a16", (1, 16)))
 
 
 def alignment_part(cuda, dev, rounds):
@@ -173,16 +174,17 @@ def call_part(cuda, dev, rounds):
                                               out_dtype=x.dtype)
             rows.append(_call_ab(f"{shape} bf16 M={M}", run, sets, rounds, cuda))
         del w13, w2
-    fp8_points = FP8_POINTS if cuda else (("tiny", (5, 300)),)
-    for shape, ms in fp8_points:
+    quant_points = QUANT_POINTS if cuda else (("tiny", "fp8_w8a8", (5, 300)),)
+    for shape, scheme, ms in quant_points:
         _, E, k, H, I = shapes[shape]
         if not cuda:
             H, I = 256, 128
-        wts = quantized_weights("fp8_w8a8", E, H, I, True, dev)
+        static = scheme == "fp8_w8a8"
+        wts = quantized_weights(scheme, E, H, I, static, dev)
         for M in ms:
             sets = routing_sets(M, E, k, H, 8 if cuda else 2, torch.bfloat16 if cuda else torch.float16, dev)
-            rows.append(_call_ab(f"{shape} fp8 static M={M}", lambda x, w, ids: _quant_call(wts, x, w, ids), sets,
-                                 rounds, cuda))
+            rows.append(_call_ab(f"{shape} {scheme}{' static' if static else ''} M={M}",
+                                 lambda x, w, ids: _quant_call(wts, x, w, ids), sets, rounds, cuda))
         del wts
     return rows
 
@@ -192,6 +194,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "h200-align-per-expert.json"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--calls-only", action="store_true")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -201,7 +204,8 @@ def main() -> None:
               "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
               "timing": "CUDA graphs of 8 alignments / 8 calls with distinct routing, 10 replays, median us per "
                         "call; A and B interleaved, median of the rounds",
-              "alignment": alignment_part(cuda, dev, args.rounds), "calls": call_part(cuda, dev, args.rounds)}
+              "alignment": [] if args.calls_only else alignment_part(cuda, dev, args.rounds),
+              "calls": call_part(cuda, dev, args.rounds)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

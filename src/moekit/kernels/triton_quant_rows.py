@@ -223,21 +223,25 @@ def align_quant_kernel(
 ):
     """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
-    Programs below NA align (SMALL: expert pid's part of the one-launch alignment of N >= TK
-    assignments, NA = E; else triton_align.align_chunk_kernel for chunk pid of N assignments, NA chunks); the
-    others quantize row (pid - NA) // NCH, column chunk (pid - NA) % NCH of x (GRAN 2-4; GRAN 4: token rows).
+    NA programs align (SMALL: expert a's part of the one-launch alignment of N >= TK assignments,
+    NA = E; else triton_align.align_chunk_kernel for chunk a of N assignments, NA chunks); the
+    others quantize row j // NCH, column chunk j % NCH of x (GRAN 2-4; GRAN 4: token rows). The
+    quantizing programs come first on the one-launch path (its E aligning programs are short),
+    last on the chunked one (its chunks lead to the second launch).
     PDL: let the next kernel (a programmatic dependent, SM90+) launch at once.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    if pid < NA:
+    nq = tl.num_programs(0) - NA
+    a = pid - nq if SMALL else pid
+    if a >= 0 and a < NA:
         if SMALL:
-            align.align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, pid, TK, E, BM, N, E_PAD, HAS_MAP)
+            align.align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, a, TK, E, BM, N, E_PAD, HAS_MAP)
         else:
             align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
-        j = pid - NA
+        j = pid if SMALL else pid - NA
         _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
                      stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
 
