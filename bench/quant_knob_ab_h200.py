@@ -7,7 +7,7 @@ only reschedules work must keep them), then both timed in CUDA graphs of 8 calls
 routing, interleaved. `--apply FILE` writes the knob into the shipped tables where B was at least
 --min-gain faster with the same bits.
 
-    PYTHONPATH=src python bench/quant_knob_ab_h200.py --knob fuse_sum=1 [--out FILE] [--rounds 3] [--max-m 256]
+    PYTHONPATH=src python bench/quant_knob_ab_h200.py --knob pdl=1 [--out FILE] [--rounds 3] [--max-m 256]
     python bench/quant_knob_ab_h200.py --apply FILE [--min-gain 1.01]
 
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape (wall-clock times).
@@ -98,7 +98,7 @@ def apply(path, min_gain):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--knob", help="name=value of QuantKnobs fields, comma-separated, e.g. fuse_sum=1")
+    p.add_argument("--knob", help="name=value of QuantKnobs fields, comma-separated, e.g. pdl=1")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quant_knob_ab.json"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-m", type=int, default=256)

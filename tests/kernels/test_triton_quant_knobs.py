@@ -30,8 +30,8 @@ if not IN_INTERPRETER:
         run_in_interpreter(__file__)
 
     def test_knobs_validate_and_round_trip():
-        k = QuantKnobs(gate_up=True, split_k=3, w_convert="cast", fuse_sum=True)
-        assert k.to_json() == {"gate_up": True, "split_k": 3, "w_convert": "cast", "fuse_sum": True}
+        k = QuantKnobs(gate_up=True, split_k=3, w_convert="cast")
+        assert k.to_json() == {"gate_up": True, "split_k": 3, "w_convert": "cast"}
         assert QuantKnobs.from_json(k.to_json()) == k
         assert QuantKnobs().to_json() == {}
         with pytest.raises(ValueError, match="split_k"):
@@ -174,7 +174,6 @@ if not IN_INTERPRETER:
 
 else:
     import moekit.kernels.launch as launch
-    import moekit.kernels.launch_quant as launch_quant
     from moekit.kernels.launch_quant import fused_moe_quant
     from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of
 
@@ -239,31 +238,6 @@ else:
     def test_x_quantized_in_the_chunked_alignment(scheme, opts, gen, monkeypatch):
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # two-launch alignment, x in its first
         _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
-
-    @pytest.mark.parametrize("scheme,opts,T,k,n_remote,split_k", [
-        ("fp8_w8a8", {"static": True}, 13, 3, 0, 1),
-        ("int4_w4a16", {"group_size": 32}, 1, 2, 0, 1),
-        ("fp8_w8a8_channel", {}, 40, 4, 0, 1),
-        ("int8_w8a16", {"group_size": 32}, 9, 2, 3, 1),   # an expert map: the sum launch stays
-        ("fp8_w8a8", {"static": True}, 9, 2, 0, 2),       # K splits: the sum launch stays
-    ])
-    def test_sum_over_k_in_gemm2_gives_the_same_bits(scheme, opts, T, k, n_remote, split_k, gen, monkeypatch):
-        wts = _weights(scheme, opts, 5, 64, 64, gen)
-        emap = random_expert_map(5, n_remote, gen)
-        ids = torch.stack([torch.randperm(5 + n_remote, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
-        w = torch.rand(T, k, generator=gen) + 0.05
-        x = torch.randn(T, 64, generator=gen).half()
-        tiles = _tiles(16, 32, 32, 16, 32)
-        want = _run(wts, x, w, ids, emap, tiles, QuantKnobs(split_k=split_k))
-        launches = []
-        real = launch_quant.qr.sum_slots_kernel
-        monkeypatch.setattr(launch_quant.qr, "sum_slots_kernel", type("K", (), {
-            "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
-        got = _run(wts, x, w, ids, emap, tiles, QuantKnobs(split_k=split_k, fuse_sum=True))
-        assert torch.equal(got, want)
-        assert len(launches) == (1 if n_remote or split_k > 1 else 0)
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
-        assert rel_err(got, ref) <= TOLERANCE[get_scheme(wts.quant).precision]
 
     def test_knob_misuse_is_refused(gen):
         wts = _weights("fp8_w8a8_block128", {}, 2, 128, 128, gen)

@@ -347,11 +347,6 @@ def fused_moe_quant(
                                          al.expert_end, R, activation, alpha, limit, False, config, out_dtype,
                                          scales=scales, src=src, y_dtype=x.dtype)
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
-    # GEMM2 adds a token's k rows itself (knobs.fuse_sum) when nothing else needs adding: one K
-    # split, every slot local. Its counters, one per token and column block, are cleared by GEMM1.
-    fuse_sum = knobs.fuse_sum and _k_splits(I, g2.BLOCK_SIZE_K, knobs.split_k)[0] == 1 and expert_map is None
-    n_cnt = T * triton.cdiv(H, g2.BLOCK_SIZE_N)
-    counters = torch.empty(n_cnt, dtype=torch.int32, device=dev) if fuse_sum else None
     flags = dict(A_KSCALE=modes.a_kscale, W_KSCALE=modes.w_kscale, W_SROWS=modes.w_srows, W_INT4=modes.w_int4,
                  HAS_ZERO=modes.has_zero, INT_DOT=modes.int_dot, KGROUP=max(modes.kgroup, 1),
                  **_convert(modes, knobs, x.dtype))
@@ -370,7 +365,7 @@ def fused_moe_quant(
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
         PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags,
-        **_tile_kwargs(g1), **(dict(cnt_ptr=counters, n_cnt=n_cnt) if fuse_sum else {}))
+        **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, act, 0, 0, 0
@@ -387,7 +382,6 @@ def fused_moe_quant(
     # then the sum over k and the splits.
     splits, k_split = _k_splits(I, g2.BLOCK_SIZE_K, knobs.split_k)
     y = torch.empty(splits, TK, H, dtype=x.dtype if splits == 1 else torch.float32, device=dev)
-    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     q2, s2, z2, s2_e, s2_n = _weight_args(w2, w2_scale, w2_zero)
     bias2 = b2 if b2 is not None else x
     qk.gemm2_quant_kernel[(al.max_blocks * triton.cdiv(H, g2.BLOCK_SIZE_N), splits)](
@@ -396,10 +390,8 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2),
-        **(dict(FUSE_SUM=True, sum_ptr=out, cnt_ptr=counters, top_k=k, stride_sum=out.stride(0)) if fuse_sum else {}))
-    if fuse_sum:
-        return out
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
     has_map = expert_map is not None
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](

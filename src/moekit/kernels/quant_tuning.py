@@ -51,9 +51,6 @@ class QuantKnobs:
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
-    fuse_sum: GEMM2 adds each token's k rows itself, in slot order, in the program that stores the
-        last of them (a counter per token and column block; the same bits as the sum launch),
-        so the call has no sum launch; calls with K splits (split_k) or an expert_map keep it.
     static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
         with static per-tensor scales, one weight scale per expert) run triton_prefill's
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
@@ -70,7 +67,6 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
-    fuse_sum: bool = False
     static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:

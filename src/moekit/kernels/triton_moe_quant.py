@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _tile_ids, zero_counters
+from .triton_moe import _apply_act, _block_expert, _tile_ids
 from .triton_quant_rows import to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
@@ -339,7 +339,6 @@ def gemm1_quant_kernel(
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-    cnt_ptr=None, n_cnt=0,
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
 
@@ -348,12 +347,9 @@ def gemm1_quant_kernel(
     out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
     PDL: launched as a programmatic dependent: waits for the previous kernels before reading
     anything they wrote, and lets the next kernel launch once its products are done.
-    Clears GEMM2's n_cnt counters at cnt_ptr (FUSE_SUM; none: n_cnt = 0).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if cnt_ptr is not None:
-        zero_counters(cnt_ptr, n_cnt)
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
     e = _block_expert(expert_end_ptr, pid_m, E, BM)
     if e >= E:  # past the last expert's rows
@@ -405,26 +401,6 @@ def gemm1_quant_kernel(
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit
-def _sum_when_last(y_ptr, sum_ptr, cnt_ptr, assign, live, cols, col_ok, pid_n, num_n, top_k, stride_y, stride_sum,
-                   BM: tl.constexpr, BN: tl.constexpr):
-    """gemm2_quant_kernel's FUSE_SUM epilogue for the tile's rows (assignments `assign`, live ones)
-    and columns `cols`, once their y values are stored."""
-    token = tl.where(live, assign // top_k, 0)
-    # Every thread's rows are stored before any is counted in (release); the last program's
-    # acquire makes the other programs' rows of its tokens visible to it.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + token * num_n + pid_n, 1, mask=live, sem="acq_rel", scope="gpu")
-    last = live & (arrived == top_k - 1)
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    rows = token.to(tl.int64) * top_k
-    for j in range(0, top_k):
-        total += tl.load(y_ptr + (rows + j)[:, None] * stride_y + cols[None, :], mask=last[:, None] & col_ok[None, :],
-                         other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(sum_ptr + token.to(tl.int64)[:, None] * stride_sum + cols[None, :], total.to(sum_ptr.dtype.element_ty),
-             mask=last[:, None] & col_ok[None, :])
-
-
 @triton.jit(do_not_specialize=["TK", "NUM_M", "E"])
 def gemm2_quant_kernel(
     a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
@@ -437,18 +413,12 @@ def gemm2_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-    FUSE_SUM: tl.constexpr = False, sum_ptr=None, cnt_ptr=None, top_k=1, stride_sum=0,
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
 
     act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
     y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's.
-    FUSE_SUM (S = 1, every slot local): the sum over k in this launch. After storing its rows a
-    program counts each of their tokens in on the token's counter for this column block (cnt_ptr
-    [T, column blocks], cleared by GEMM1); the program that brings a counter to top_k adds the
-    token's top_k rows of y in slot order, as triton_quant_rows.sum_slots_kernel does (the same
-    bits), into sum_ptr [T, N] (stride_sum).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -481,6 +451,3 @@ def gemm2_quant_kernel(
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_os + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om
               + cols[None, :])
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
-    if FUSE_SUM:
-        _sum_when_last(out_ptr, sum_ptr, cnt_ptr, assign, live, cols, col_ok, pid_n, tl.cdiv(N, BN), top_k,
-                       stride_om, stride_sum, BM, BN)
