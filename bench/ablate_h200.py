@@ -18,7 +18,6 @@ full - no_sum what folding the sum over k into GEMM2 can.
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,8 @@ import sys
 import torch
 
 from moekit.benchmarks.floors import floor_seconds
-from moekit.benchmarks.gpu import GPU_SHAPES, PERF_TABLE_CEILINGS, _quant_call, ab_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import (GPU_SHAPES, PERF_TABLE_CEILINGS, _quant_call, ab_time_us, quantized_weights,
+                                  routing_sets, write_ab_result)
 from moekit.kernels import launch, launch_quant, triton_moe, triton_prefill
 from moekit.kernels import triton_quant_rows as qr
 from moekit.kernels.launch import fused_moe
@@ -169,14 +169,9 @@ def main() -> None:
         rows.append(_point(f"{shape} fp8 static M={M}", lambda x, w, ids: _quant_call(wts, x, w, ids), sets,
                            args.rounds, cuda, floor))
         del wts
-    out = {"benchmark": "ablation: the alignment and the sum over k removed from whole calls",
-           "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1 dry run)",
-           "torch": torch.__version__, "command": " ".join(sys.argv),
-           "timing": "CUDA graph of 8 calls with distinct softmax top-k routing, replayed 10 times; median of "
-                     f"{args.rounds} interleaved rounds, us per call", "points": rows}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    write_ab_result(args.out, "ablation: the alignment and the sum over k removed from whole calls", cuda,
+                    "CUDA graph of 8 calls with distinct softmax top-k routing, replayed 10 times; median of "
+                    f"{args.rounds} interleaved rounds, us per call", points=rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ replaced kernels are kept here only to be measured. Two parts, one process:
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,12 +25,12 @@ import triton
 import triton.language as tl
 
 from align_ab_h200 import _interleaved, expected_rows
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, quantized_weights, routing_sets, write_ab_result
 from moekit.kernels import launch, launch_quant
 from moekit.kernels import triton_align as align
 from moekit.kernels import triton_quant_rows as qr
 from moekit.kernels.launch import alignment_buffers, fused_moe, moe_align
-from moekit.kernels.quant_rows import _chunk_buffers, _quant_args, align_and_quantize, place_chunks
+from moekit.kernels.quant_rows import _chunk_buffers, _quant_args, place_chunks
 from moekit.kernels.triton_moe import pow2
 
 OLD_SMALL = 512
@@ -200,15 +199,11 @@ def main() -> None:
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     dev = torch.device(args.device)
-    result = {"benchmark": "alignment-per-expert-ab", "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-              "timing": "CUDA graphs of 8 alignments / 8 calls with distinct routing, 10 replays, median us per "
-                        "call; A and B interleaved, median of the rounds",
-              "alignment": [] if args.calls_only else alignment_part(cuda, dev, args.rounds),
-              "calls": call_part(cuda, dev, args.rounds)}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_ab_result(args.out, "alignment-per-expert-ab", cuda,
+                    "CUDA graphs of 8 alignments / 8 calls with distinct routing, 10 replays, median us per call; A and "
+                    "B interleaved, median of the rounds",
+                    alignment=[] if args.calls_only else alignment_part(cuda, dev, args.rounds),
+                    calls=call_part(cuda, dev, args.rounds))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from moekit.benchmarks.gpu import GPU_SHAPES, QUANT_CASES, _quant_call, ab_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import (GPU_SHAPES, QUANT_CASES, _quant_call, ab_time_us, quantized_weights, routing_sets,
+                                  write_ab_result)
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name
@@ -115,15 +116,9 @@ def main() -> None:
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     knob = {name: _value(name, v) for name, v in (kv.split("=") for kv in args.knob.split(","))}
     rows = run(args, knob)
-    import triton  # noqa: PLC0415
-
-    result = {"benchmark": "quant-knob-ab", "knob": knob, "device": torch.cuda.get_device_name() if args.device == "cuda"
-              else "cpu", "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-              "timing": "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
-                        "A (shipped) and B (knob set) interleaved, median of the rounds", "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_ab_result(args.out, "quant-knob-ab", args.device == "cuda",
+                    "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
+                    "A (shipped) and B (knob set) interleaved, median of the rounds", knob=knob, rows=rows)
 
 
 if __name__ == "__main__":

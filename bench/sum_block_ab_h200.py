@@ -13,7 +13,6 @@ so every variant must give the shipped bits (checked on every routing set).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import sys
 import torch
 import triton
 
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets, write_ab_result
 from moekit.kernels import launch_quant, triton_moe, triton_prefill
 from moekit.kernels.launch import fused_moe
 
@@ -109,13 +108,9 @@ def main() -> None:
             sets = routing_sets(M, E, k, H, 8 if cuda else 2, torch.bfloat16 if cuda else torch.float16, dev)
             rows.append(_point(f"{shape} fp8 static M={M}", fns, sets, args.rounds, cuda))
         del wts
-    result = {"benchmark": "sum-block-ab", "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-              "timing": "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
-                        "variants interleaved, median of the rounds", "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_ab_result(args.out, "sum-block-ab", cuda,
+                    "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
+                    "variants interleaved, median of the rounds", rows=rows)
 
 
 if __name__ == "__main__":

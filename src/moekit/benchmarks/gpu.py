@@ -29,7 +29,7 @@ __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
-    "quant_floor_terms", "run_quant_bench", "quant_main",
+    "quant_floor_terms", "run_quant_bench", "quant_main", "ab_time_us", "write_ab_result",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -72,6 +72,19 @@ def ab_time_us(fn: Callable, arg_sets: Sequence[tuple], cuda: bool, replays: int
     for args in arg_sets:
         fn(*args)
     return (time.perf_counter() - start) * 1e6 / len(arg_sets)
+
+
+def write_ab_result(path: str, benchmark: str, cuda: bool, timing: str, **fields) -> None:
+    """Write an A/B script's results as JSON: what ran, on what (device, torch, triton, the command
+    line), how it was timed, then the script's own fields; and say where."""
+    import triton  # noqa: PLC0415
+
+    doc = {"benchmark": benchmark, "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
+           "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
+           "timing": timing, **fields}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}", flush=True)
 
 
 def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5) -> float:
