@@ -32,10 +32,10 @@ import triton.language as tl
 __all__ = ["align_expert_kernel", "align_expert", "align_chunk_kernel", "align_place_kernel", "local_expert",
            "chunk_size", "SMALL"]
 
-# Largest T*k aligned in one launch by a program per expert. On an H200
-# (bench/results/h200-align-per-expert.json) it beats the one-program sort it replaced and the
-# chunked launches up to 2048 assignments (E = 128: 4.0 -> 2.8 us at 128, 5.4 -> 3.2 at 512,
-# 5.9 -> 4.7 at 2048), and loses at 8192 (6.9 -> 8.8-11.1).
+# Largest T*k aligned in one launch by a program per expert. On an H200 it beats the one-program
+# sort it replaced and the chunked launches up to 2048 assignments (E = 128: 3.8 -> 2.6 us at
+# 128, 5.2 -> 3.0 at 512, 6.0 -> 4.6 at 2048; bench/results/h200-align-per-expert.json), is even
+# at 4096 and loses at 8192 (6.9 -> 8.8-11.1 us; h200-align-per-expert-probe.json).
 SMALL = 2048
 
 
