@@ -18,6 +18,10 @@ if not IN_INTERPRETER:
         run_in_interpreter(__file__)
 
 else:
+    from hypothesis import given
+    from hypothesis import settings as hyp_settings
+    from hypothesis import strategies as st
+
     from moekit import fused_experts
     from moekit.activations import ACTIVATIONS, is_gated
     from moekit.config import settings
@@ -84,6 +88,7 @@ else:
         (64, 300, 8, 128, 0, False, 32),    # E_PAD 512: 16 chunks' histograms read in two steps
         (700, 70, 4, 16, 3, True, None),    # one launch over 2800 assignments, a map
         (64, 300, 8, 128, 0, True, None),   # one launch, a program for each of 300 experts
+        (7, 1, 1, 16, 0, True, None),       # one expert
     ])
     def test_alignment_matches_independent_sort(T, E, k, bm, n_remote, small, chunk, gen):
         _, _, _, ids, emap = _problem(T, E, k, 16, 16, torch.float32, gen, n_remote=n_remote)
@@ -95,6 +100,20 @@ else:
         # Both paths: each expert's assignments in order, then its padding.
         assert al.sorted_ids[:len(rows)].tolist() == rows
         assert al.max_blocks * bm >= len(rows)
+
+    @hyp_settings(max_examples=25, deadline=None)
+    @given(T=st.integers(1, 90), E=st.integers(1, 40), k=st.integers(1, 6), bm=st.sampled_from([16, 32, 64]),
+           n_remote=st.integers(0, 5), small=st.booleans(), seed=st.integers(0, 2**31 - 1))
+    def test_alignment_property(T, E, k, bm, n_remote, small, seed):
+        """Any routing, either path: each expert's assignments in order, then its padding."""
+        g = torch.Generator().manual_seed(seed)
+        k = min(k, E + n_remote)
+        emap = random_expert_map(E, n_remote, g)
+        ids = torch.stack([torch.randperm(E + n_remote, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+        al = moe_align(ids, emap, E, bm, small_max=10**9 if small else 0, chunk=None if small else 16)
+        rows, ends = _expected_alignment(ids, emap, E, bm)
+        assert al.expert_end.tolist() == ends
+        assert al.sorted_ids[:len(rows)].tolist() == rows
 
     def test_alignment_chunk_must_be_a_power_of_two(gen):
         ids = torch.zeros(4, 2, dtype=torch.int32)
