@@ -16,17 +16,14 @@ full - no_sum what folding the sum over k into GEMM2 can.
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny shapes (wall-clock times).
 """
 
-import argparse
 import contextlib
-import os
 import statistics
-import sys
 
 import torch
 
 from moekit.benchmarks.floors import floor_seconds
-from moekit.benchmarks.gpu import (GPU_SHAPES, PERF_TABLE_CEILINGS, _quant_call, ab_time_us, quantized_weights,
-                                  routing_sets, write_ab_result)
+from moekit.benchmarks.gpu import (GPU_SHAPES, PERF_TABLE_CEILINGS, _quant_call, ab_arg_parser, ab_device, ab_time_us,
+                                  quantized_weights, routing_sets, write_ab_result)
 from moekit.kernels import launch, launch_quant, triton_moe, triton_prefill
 from moekit.kernels import triton_quant_rows as qr
 from moekit.kernels.launch import fused_moe
@@ -135,15 +132,9 @@ def _point(label, run, sets, rounds, cuda, floor):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "h200-ablate.json"))
-    p.add_argument("--rounds", type=int, default=3)
+    p = ab_arg_parser(__doc__, "h200-ablate.json")
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu needs TRITON_INTERPRET=1")
-    dev = torch.device(args.device)
+    cuda, dev = ab_device(args)
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = {s[0]: s for s in GPU_SHAPES} if cuda else {"tiny": ("tiny", 8, 2, 64, 32)}
     bf16_points = BF16_POINTS if cuda else (("tiny", 5), ("tiny", 300))

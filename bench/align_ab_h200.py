@@ -14,17 +14,14 @@ measured. Two parts, one process:
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny shapes (wall-clock times).
 """
 
-import argparse
-import json
-import os
 import statistics
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets
+from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us, quantized_weights,
+                                  routing_sets, write_ab_result)
 from moekit.kernels import launch, launch_quant
 from moekit.kernels import triton_align as align
 from moekit.kernels.launch import alignment_buffers, fused_moe, moe_align
@@ -198,25 +195,15 @@ def call_part(cuda, dev, rounds):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "align_ab.json"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = ab_arg_parser(__doc__, "align_ab.json")
     p.add_argument("--skip-calls", action="store_true")
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    dev = torch.device(args.device)
-    result = {"benchmark": "alignment-ab", "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-              "timing": "CUDA graphs (8 alignments / 2 calls with distinct routing per graph), 10 / 5 replays, median "
-                        "us per call; paths interleaved, median of the rounds",
-              "alignment": alignment_part(cuda, dev, args.rounds)}
-    if not args.skip_calls:
-        result["calls"] = call_part(cuda, dev, args.rounds)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-
+    cuda, dev = ab_device(args)
+    write_ab_result(args.out, "alignment-ab", cuda,
+                    "CUDA graphs (8 alignments / 2 calls with distinct routing per graph), 10 / 5 replays, median "
+                    "us per call; paths interleaved, median of the rounds",
+                    alignment=alignment_part(cuda, dev, args.rounds),
+                    **({} if args.skip_calls else {"calls": call_part(cuda, dev, args.rounds)}))
 
 if __name__ == "__main__":
     main()

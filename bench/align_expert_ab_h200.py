@@ -16,16 +16,14 @@ replaced kernels are kept here only to be measured. Two parts, one process:
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny shapes (wall-clock times).
 """
 
-import argparse
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from align_ab_h200 import _interleaved, expected_rows
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, quantized_weights, routing_sets, write_ab_result
+from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, quantized_weights, routing_sets,
+                                  write_ab_result)
 from moekit.kernels import launch, launch_quant
 from moekit.kernels import triton_align as align
 from moekit.kernels import triton_quant_rows as qr
@@ -189,16 +187,10 @@ def call_part(cuda, dev, rounds):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "h200-align-per-expert.json"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = ab_arg_parser(__doc__, "h200-align-per-expert.json")
     p.add_argument("--calls-only", action="store_true")
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu needs TRITON_INTERPRET=1")
-    dev = torch.device(args.device)
+    cuda, dev = ab_device(args)
     write_ab_result(args.out, "alignment-per-expert-ab", cuda,
                     "CUDA graphs of 8 alignments / 8 calls with distinct routing, 10 replays, median us per call; A and "
                     "B interleaved, median of the rounds",

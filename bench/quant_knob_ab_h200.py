@@ -13,7 +13,6 @@ routing, interleaved. `--apply FILE` writes the knob into the shipped tables whe
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape (wall-clock times).
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -22,8 +21,8 @@ import sys
 
 import torch
 
-from moekit.benchmarks.gpu import (GPU_SHAPES, QUANT_CASES, _quant_call, ab_time_us, quantized_weights, routing_sets,
-                                  write_ab_result)
+from moekit.benchmarks.gpu import (GPU_SHAPES, QUANT_CASES, _quant_call, ab_arg_parser, ab_device, ab_time_us,
+                                  quantized_weights, routing_sets, write_ab_result)
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name
@@ -98,12 +97,9 @@ def apply(path, min_gain):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ab_arg_parser(__doc__, "quant_knob_ab.json")
     p.add_argument("--knob", help="name=value of QuantKnobs fields, comma-separated, e.g. pdl=1")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quant_knob_ab.json"))
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-m", type=int, default=256)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--apply", metavar="RESULTS_JSON")
     p.add_argument("--min-gain", type=float, default=1.01)
     args = p.parse_args()
@@ -112,8 +108,7 @@ def main() -> None:
         return
     if not args.knob:
         sys.exit("--knob is required (or --apply)")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu needs TRITON_INTERPRET=1")
+    ab_device(args)
     knob = {name: _value(name, v) for name, v in (kv.split("=") for kv in args.knob.split(","))}
     rows = run(args, knob)
     write_ab_result(args.out, "quant-knob-ab", args.device == "cuda",

@@ -12,15 +12,13 @@ so every variant must give the shipped bits (checked on every routing set).
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape (wall-clock times).
 """
 
-import argparse
-import os
 import statistics
-import sys
 
 import torch
 import triton
 
-from moekit.benchmarks.gpu import GPU_SHAPES, _quant_call, ab_time_us, quantized_weights, routing_sets, write_ab_result
+from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us, quantized_weights,
+                                  routing_sets, write_ab_result)
 from moekit.kernels import launch_quant, triton_moe, triton_prefill
 from moekit.kernels.launch import fused_moe
 
@@ -73,15 +71,9 @@ def _point(label, fns, sets, rounds, cuda):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "h200-sum-block-ab.json"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = ab_arg_parser(__doc__, "h200-sum-block-ab.json")
     args = p.parse_args()
-    cuda = args.device == "cuda"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--device cpu needs TRITON_INTERPRET=1")
-    dev = torch.device(args.device)
+    cuda, dev = ab_device(args)
     shapes = {s[0]: s for s in GPU_SHAPES} if cuda else {"tiny": ("tiny", 8, 2, 256, 128)}
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []

@@ -29,7 +29,7 @@ __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
-    "quant_floor_terms", "run_quant_bench", "quant_main", "ab_time_us", "write_ab_result",
+    "quant_floor_terms", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -72,6 +72,29 @@ def ab_time_us(fn: Callable, arg_sets: Sequence[tuple], cuda: bool, replays: int
     for args in arg_sets:
         fn(*args)
     return (time.perf_counter() - start) * 1e6 / len(arg_sets)
+
+
+def ab_arg_parser(doc: str, out_name: str):
+    """An A/B script's argument parser with the options they share: --out (in $OUT, else here),
+    --rounds of interleaved timings, --device (cpu: a dry run under TRITON_INTERPRET=1)."""
+    import argparse  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), out_name))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    return p
+
+
+def ab_device(args) -> Tuple[bool, torch.device]:
+    """(whether it runs on CUDA, the device) of ab_arg_parser's --device; a CPU dry run needs the interpreter."""
+    import os  # noqa: PLC0415
+
+    cuda = args.device == "cuda"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--device cpu needs TRITON_INTERPRET=1")
+    return cuda, torch.device(args.device)
 
 
 def write_ab_result(path: str, benchmark: str, cuda: bool, timing: str, **fields) -> None:
