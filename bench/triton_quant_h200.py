@@ -40,7 +40,6 @@ SWEEP = (
     ("qwen3-30b-a3b", "int8_w8a16", False, (16, 1, 64)),
 )
 PERF_MS = (1, 16, 64, 256, 1024, 4096, 16384)
-CAP1, CAP2 = 28, 28  # candidates per GEMM and point
 
 
 def parse_args():
@@ -49,6 +48,7 @@ def parse_args():
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the whole call")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 4) - 4))
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--cap", type=int, default=28, help="candidates timed per GEMM and point")
     p.add_argument("--unpack", metavar="TUNED_CONFIGS_JSON", help="write a run's tables into src/moekit/kernels/configs/")
     p.add_argument("--points", help="sweep only these points, ';'-separated SHAPE:SCHEME:s|d:M,M,... (s: static "
                                     "fp8 activation scales); the tables keep their shipped entries at other Ms and "
@@ -131,10 +131,10 @@ def plan():
         for M in Ms:
             g1, g2 = quant_search_space(M, E, k, modes.kgroup, modes.act_dtype is None, modes.w_int4,
                                         modes.a_kscale or modes.w_kscale)
-            g2 = {bm: c[:CAP2] for bm, c in g2.items()}
+            g2 = {bm: c[:args.cap] for bm, c in g2.items()}
             default = quant_tiles(M, E, k, H, I, torch.bfloat16, dev, sch, modes)
             points.append(dict(shape=name, scheme=scheme, static=static, E=E, k=k, H=H, I=I, M=M,
-                               g1=[c for c in g1 if c[0].BLOCK_SIZE_M in g2][:CAP1], g2=g2, default=default))
+                               g1=[c for c in g1 if c[0].BLOCK_SIZE_M in g2][:args.cap], g2=g2, default=default))
     return points
 
 

@@ -12,6 +12,7 @@ table fitted by quant_config with default knobs.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
@@ -200,29 +201,36 @@ def swap_fits(t: TileConfig) -> bool:
 
 def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, int4: bool, k_scaled: bool,
                        gated: bool = True) -> Tuple[List[Tuple[TileConfig, Dict]], Dict[int, List[Tuple[TileConfig, Dict]]]]:
-    """Candidates for tuning the quantized kernels at T tokens, most promising first.
+    """Candidates for tuning the quantized kernels at T tokens, most promising first within
+    each row block, the row blocks' GEMM1 candidates taking turns.
 
     Returns (GEMM1 candidates, {BLOCK_SIZE_M: GEMM2 candidates}); a candidate is (tiles, the
     QuantKnobs fields of its GEMM). The search times each GEMM1 candidate with the first GEMM2
     candidate of its BLOCK_SIZE_M, then the GEMM2 candidates with the winner of GEMM1.
     """
-    bms = _block_ms(T, E, k)
     elem = 1 if not weight_only else (0.5 if int4 else 1)
     r = _rows_per_expert(T, E, k)
     if weight_only:
-        tiles = _WEIGHT_ONLY_TILES
-        knobs1 = [{}, {"prefetch1": True}, {"gate_up": True}, {"gate_up": True, "prefetch1": True}]
-        knobs2 = [{}, {"prefetch2": True}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
-                  {"split_k": 4, "prefetch2": True}]
+        plans = [(bm, _WEIGHT_ONLY_TILES,
+                  [{}, {"prefetch1": True}, {"gate_up": True}, {"gate_up": True, "prefetch1": True}],
+                  [{}, {"prefetch2": True}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
+                   {"split_k": 4, "prefetch2": True}]) for bm in _block_ms(T, E, k)]
     else:
-        tiles = _FP8_SMALL_TILES if max(bms) <= 32 else _FP8_LARGE_TILES
+        bms = _block_ms(T, E, k)
         knobs1 = [{}, {"gate_up": True}]
         knobs2 = [{}, {"split_k": 2}, {"split_k": 4}] if r <= 64 else [{}]
-        if not k_scaled and max(bms) <= 32:  # fp8 few-token tiles: weights on the 64-row side
-            knobs1 += [{"swap1": True}, {"gate_up": True, "swap1": True}]
-            knobs2 += [{"swap2": True}, {"split_k": 2, "swap2": True}, {"split_k": 4, "swap2": True}]
-    g1, g2 = [], {}
-    for bm in bms:
+        if max(bms) > 32:
+            plans = [(bm, _FP8_LARGE_TILES, knobs1, knobs2) for bm in bms]
+        else:
+            swapped1, swapped2 = knobs1, knobs2
+            if not k_scaled:  # fp8 few-token tiles: weights on the 64-row side
+                swapped1 = knobs1 + [{"swap1": True}, {"gate_up": True, "swap1": True}]
+                swapped2 = knobs2 + [{"swap2": True}, {"split_k": 2, "swap2": True}, {"split_k": 4, "swap2": True}]
+            plans = [(bm, _FP8_SMALL_TILES, swapped1, swapped2) for bm in bms]
+            if r > 6:  # a few rows per expert: whole 64-row warpgroup products too (fp8 without conversion)
+                plans.append((64, _FP8_LARGE_TILES, knobs1, knobs2))
+    per_bm, g2 = {}, {}
+    for bm, tiles, knobs1, knobs2 in plans:
         for bn, bk, warps, stages in tiles:
             if kgroup and (bk > kgroup or kgroup % bk):
                 continue
@@ -233,9 +241,11 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
                 if kn.get("swap1") and not swap_fits(t):
                     continue
                 if _fits(t, 2 if gated else 1, elem, k_scaled, weight_only, 2 if kn.get("gate_up") else 1):
-                    g1.append((t, kn))
+                    per_bm.setdefault(bm, []).append((t, kn))
             if _fits(t, 1, elem, k_scaled, weight_only, 1):
                 g2.setdefault(bm, []).extend((t, kn) for kn in knobs2 if swap_fits(t) or not kn.get("swap2"))
+    # Row blocks take turns, so a search that times only the first candidates sees every row block.
+    g1 = [c for group in itertools.zip_longest(*per_bm.values()) for c in group if c is not None]
     return g1, g2
 
 
