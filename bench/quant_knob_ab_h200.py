@@ -8,6 +8,7 @@ routing, interleaved. `--apply FILE` writes the knob into the shipped tables whe
 --min-gain faster with the same bits.
 
     PYTHONPATH=src python bench/quant_knob_ab_h200.py --knob pdl=1 [--out FILE] [--rounds 3] [--max-m 256]
+        [--cases qwen3-30b-a3b:fp8_w8a8,...]
     python bench/quant_knob_ab_h200.py --apply FILE [--min-gain 1.01]
 
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape (wall-clock times).
@@ -46,6 +47,8 @@ def run(args, knob):
     cases = QUANT_CASES if cuda else (("tiny", "fp8_w8a8", True, (5, 40)),)
     rows = []
     for shape, scheme_name, static, ms in cases:
+        if cuda and args.cases and f"{shape}:{scheme_name}" not in args.cases.split(","):
+            continue
         ms = [m for m in ms if m <= args.max_m]
         if not ms:
             continue
@@ -100,6 +103,7 @@ def main() -> None:
     p = ab_arg_parser(__doc__, "quant_knob_ab.json")
     p.add_argument("--knob", help="name=value of QuantKnobs fields, comma-separated, e.g. pdl=1")
     p.add_argument("--max-m", type=int, default=256)
+    p.add_argument("--cases", help="only these SHAPE:SCHEME of QUANT_CASES, comma-separated")
     p.add_argument("--apply", metavar="RESULTS_JSON")
     p.add_argument("--min-gain", type=float, default=1.01)
     args = p.parse_args()

@@ -118,17 +118,21 @@ def split_sum(acc, part_ptr, cnt_ptr, tile, n_split, offs, mask, stride_split):
 
 
 @triton.jit
-def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (row block, column block), GROUP_M row blocks side by side so the
+def _grouped(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """Work item t -> (row block, column block), GROUP_M row blocks side by side so the
     weight tiles they share stay in L2."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(NUM_M - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
+    first_m = (t // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m = first_m + (t % per_group) % group_rows
+    n = (t % per_group) // group_rows
+    return m, n
+
+
+@triton.jit
+def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row block, column block) of NUM_M row blocks and N columns (_grouped)."""
+    return _grouped(tl.program_id(0), NUM_M, tl.cdiv(N, BN), GROUP_M)
 
 
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])

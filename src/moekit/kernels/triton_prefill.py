@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, sum_over_k
+from .triton_moe import _apply_act, _grouped, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -90,17 +90,6 @@ def _whole_tile_rows(m, expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr
     ends = tl.load(expert_end_ptr + lanes, mask=lanes < E, other=2**31 - 1)
     row0 = m * BM
     return tl.sum((ends <= row0).to(tl.int32), axis=0), row0, BM
-
-
-@triton.jit
-def _grouped(t, num_m, num_n, GROUP_M: tl.constexpr):
-    """Work item t -> (row tile, column tile), GROUP_M row tiles side by side."""
-    per_group = GROUP_M * num_n
-    first_m = (t // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    m = first_m + (t % per_group) % group_rows
-    n = (t % per_group) // group_rows
-    return m, n
 
 
 @triton.jit
