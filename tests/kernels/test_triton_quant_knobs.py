@@ -42,13 +42,6 @@ if not IN_INTERPRETER:
             QuantKnobs(prefetch1=1)
         with pytest.raises(ValueError, match="quant"):
             QuantKnobs.from_json({"split": 2})
-        with pytest.raises(ValueError, match="persist1"):
-            QuantKnobs(persist1=-1)
-        with pytest.raises(ValueError, match="persist2"):
-            QuantKnobs(persist2=True)
-        with pytest.raises(ValueError, match="flatten .* needs persist1 or persist2"):
-            QuantKnobs(flatten=True)
-        assert QuantKnobs.from_json({"persist1": 2, "flatten": True}) == QuantKnobs(persist1=2, flatten=True)
 
     def test_file_names_follow_the_large_engines():
         names = {s: quant_file_name(8, 14336, "NVIDIA_H200", get_scheme(s)) for s in
@@ -232,11 +225,6 @@ else:
         ("fp8_w8a8", {}, 48, 40, (16, 16, 32, 16, 32), dict(split_k=3)),       # dynamic per tensor, not fused
         ("fp8_w8a8_channel", {}, 40, 24, (16, 16, 32, 16, 32), dict(gate_up=True)),
         ("int8_w8a8", {}, 40, 24, (16, 16, 32, 16, 32), dict(split_k=2)),
-        # persistent grids: INTERPRETER_SMS programs walk every item (flatten is a compiler hint)
-        ("fp8_w8a8", {"static": True}, 48, 40, (16, 16, 32, 16, 32), dict(persist1=1, persist2=2, split_k=2)),
-        ("int4_w4a16", {"group_size": 32}, 64, 64, (16, 32, 32, 16, 32),
-         dict(persist1=2, persist2=1, gate_up=True, prefetch2=True, flatten=True)),
-        ("fp8_w8a8_block128", {}, 128, 128, (16, 32, 64, 32, 64), dict(persist2=1, split_k=2)),
     ]
 
     @pytest.mark.parametrize("T,n_remote", [(1, 0), (7, 3)], ids=["T1", "T7-expert-map"])
@@ -244,21 +232,6 @@ else:
                              ids=[f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[5].items())}" for v in VARIANTS])
     def test_variant_matches_emulated_reference(scheme, opts, H, I, tiles, knobs, T, n_remote, gen):
         _case(scheme, opts, H, I, T, 4, 2, _tiles(*tiles), QuantKnobs(**knobs), gen, n_remote)
-
-    @pytest.mark.parametrize("T", [0, 1, 13])
-    @pytest.mark.parametrize("scheme,opts", [("fp8_w8a8", {"static": True}), ("int8_w8a16", {"group_size": 32})])
-    def test_persistent_grids_give_the_same_bits(scheme, opts, T, gen):
-        """Each item's math is the same whichever program runs it; experts 0 and E - 1 get no tokens."""
-        E, H, I, k = 6, 64, 96, 2
-        wts = _weights(scheme, opts, E, H, I, gen)
-        ids = torch.stack([torch.randperm(E - 2, generator=gen)[:k] + 1 for _ in range(T)]).to(torch.int32) \
-            if T else torch.zeros(0, k, dtype=torch.int32)
-        w, x = torch.rand(T, k, generator=gen) + 0.05, torch.randn(T, H, generator=gen).half()
-        cfg = _tiles(16, 16, 32, 16, 32)
-        plain = _run(wts, x, w, ids, None, cfg, QuantKnobs(split_k=2))
-        for knobs in (QuantKnobs(split_k=2, persist1=1, persist2=1),
-                      QuantKnobs(split_k=2, persist1=3, persist2=2, flatten=True)):
-            assert torch.equal(_run(wts, x, w, ids, None, cfg, knobs), plain)
 
     @pytest.mark.parametrize("scheme,opts", [("fp8_w8a8_block128", {}), ("fp8_w8a8", {"static": True}),
                                              ("fp8_w8a8_channel", {})])

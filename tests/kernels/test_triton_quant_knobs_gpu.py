@@ -68,12 +68,6 @@ VARIANTS = [
     ("fp8_w8a8", {"static": True}, (16, 64, 128, 128, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=2)),
     ("fp8_w8a8", {}, (32, 128, 128, 128, 128, 8), dict(swap1=True, swap2=True, prefetch1=True, prefetch2=True)),
     ("fp8_w8a8_channel", {}, (16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=4)),
-    # persistent grids, their loops flattened or not
-    ("fp8_w8a8", {"static": True}, (16, 64, 128, 64, 128), dict(persist1=2, persist2=2, flatten=True, swap2=True,
-                                                             pdl=True)),
-    ("fp8_w8a8", {"static": True}, (32, 32, 128, 64, 128), dict(persist1=1, persist2=3, gate_up=True, split_k=2)),
-    ("int4_w4a16", {}, (16, 64, 128, 64, 128), dict(persist1=2, persist2=2, flatten=True, gate_up=True)),
-    ("fp8_w8a8_block128", {}, (16, 64, 128, 128, 128), dict(persist1=1, persist2=1, flatten=True, gate_up=True)),
 ]
 IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
        for v in VARIANTS]
@@ -117,18 +111,3 @@ def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, c
         ids.copy_(new_ids)
         graph.replay()
         assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
-
-
-@pytest.mark.parametrize("knobs", [dict(swap2=True, pdl=True), dict(gate_up=True, split_k=2)],
-                         ids=["swap2-pdl", "gate_up-split2"])
-@pytest.mark.parametrize("persist", [dict(persist1=1, persist2=1), dict(persist1=2, persist2=2, flatten=True)],
-                         ids=["persist1", "persist2-flatten"])
-def test_persistent_grids_give_the_same_bits(knobs, persist, cuda_gen):
-    """The persistent kernels run each item's math unchanged (fp8 static, decode and larger T)."""
-    wts = _weights("fp8_w8a8", {"static": True}, 16, 512, 384, cuda_gen)
-    cfg = _tiles(16, 64, 128, 64, 128)
-    for T in (0, 1, 37, 700):
-        w, ids = _routing(T, 16, 4, cuda_gen)
-        x = torch.randn(T, 512, device="cuda", generator=cuda_gen).bfloat16()
-        plain = _run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(**knobs))
-        assert torch.equal(_run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(**knobs, **persist)), plain)

@@ -355,19 +355,17 @@ def fused_moe_quant(
     q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
     bias13 = b13 if b13 is not None else x
     gated = is_gated(activation)
-    items1 = al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N)
-    programs1 = prefill._programs(items1, knobs.persist1, dev)
-    qk.gemm1_quant_kernel[(programs1,)](
+    qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
         a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
         topk_weights, al.sorted_ids, al.expert_end, src if static else al.sorted_ids,
-        I, H, TK, k, al.max_blocks, E, programs1,
+        I, H, TK, k, al.max_blocks, E,
         a1.stride(0), a1_sm, a1_se, q13.stride(0), q13.stride(1), s13_e, s13_n,
         bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, PERSIST=knobs.persist1 > 0,
-        FLATTEN=knobs.flatten, **chain, **flags, **_tile_kwargs(g1))
+        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags,
+        **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, act, 0, 0, 0
@@ -386,16 +384,13 @@ def fused_moe_quant(
     y = torch.empty(splits, TK, H, dtype=x.dtype if splits == 1 else torch.float32, device=dev)
     q2, s2, z2, s2_e, s2_n = _weight_args(w2, w2_scale, w2_zero)
     bias2 = b2 if b2 is not None else x
-    items2 = al.max_blocks * triton.cdiv(H, g2.BLOCK_SIZE_N)
-    grid2 = (prefill._programs(items2 * splits, knobs.persist2, dev),) if knobs.persist2 else (items2, splits)
-    qk.gemm2_quant_kernel[grid2](
+    qk.gemm2_quant_kernel[(al.max_blocks * triton.cdiv(H, g2.BLOCK_SIZE_N), splits)](
         a2, a2_s, q2, s2, z2, bias2, y, topk_weights, al.sorted_ids, al.expert_end,
-        H, I, TK, al.max_blocks, E, k_split, grid2[0],
+        H, I, TK, al.max_blocks, E, k_split,
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, PERSIST=knobs.persist2 > 0, FLATTEN=knobs.flatten, **chain,
-        **flags, **_tile_kwargs(g2))
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
     has_map = expert_map is not None

@@ -52,11 +52,6 @@ class QuantKnobs:
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
-    persist1, persist2: GEMM1 / GEMM2 run this many programs per multiprocessor, each walking
-        the live (row block, column block) items with a stride (0: a program per item of the
-        row-block bound, the programs past the last expert's rows returning at once).
-    flatten: the persistent loops are pipelined as one with their K loops (Triton's loop
-        flattening), so an item's first weight loads overlap the previous item's epilogue.
     static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
         with static per-tensor scales, one weight scale per expert) run triton_prefill's
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
@@ -73,18 +68,14 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
-    persist1: int = 0
-    persist2: int = 0
-    flatten: bool = False
     static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("split_k", "persist1", "persist2"):
-                least = 1 if f.name == "split_k" else 0
-                if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                    raise ValueError(f"{f.name} must be an int >= {least}, got {value!r}")
+            if f.name == "split_k":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"split_k must be an int >= 1, got {value!r}")
             elif f.name == "w_convert":
                 if value not in W_CONVERT:
                     raise ValueError(f"w_convert must be one of {list(W_CONVERT)}, got {value!r}")
@@ -96,8 +87,6 @@ class QuantKnobs:
                                      f"(fp8 tiles), got {value.block_m} / {value.prefill.tail}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
-        if self.flatten and not (self.persist1 or self.persist2):
-            raise ValueError("flatten pipelines the persistent loops: it needs persist1 or persist2 > 0")
 
     def to_json(self) -> Dict:
         """The fields that differ from the defaults (static_prefill as its table entry)."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _MAX_EXPERTS, _apply_act, _block_expert, _grouped, _tile_ids
+from .triton_moe import _apply_act, _block_expert, _tile_ids
 from .triton_quant_rows import to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
@@ -325,29 +325,35 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     return gate, up
 
 
-@triton.jit
-def _live_blocks(expert_end_ptr, E, BM: tl.constexpr):
-    """(the padded row ends of the E experts [_MAX_EXPERTS], the row blocks they fill)."""
-    ar = tl.arange(0, _MAX_EXPERTS)
-    ends = tl.load(expert_end_ptr + ar, mask=ar < E, other=2147483647)
-    return ends, tl.load(expert_end_ptr + E - 1) // BM
-
-
-@triton.jit
-def _gemm1_tile(
-    pid_m, pid_n, e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-    topk_w_ptr, sorted_ptr, src_ptr, N, K, TK, top_k,
+@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
+def gemm1_quant_kernel(
+    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
+    topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
+    N, K, TK, top_k, NUM_M, E,
     stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
     alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, LAUNCH_NEXT: tl.constexpr, SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
-    """GEMM1 on row block pid_m (expert e) and column block pid_n (gemm1_quant_kernel)."""
+    """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
+
+    a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
+    reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
+    out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
+    PDL: launched as a programmatic dependent: waits for the previous kernels before reading
+    anything they wrote, and lets the next kernel launch once its products are done.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    e = _block_expert(expert_end_ptr, pid_m, E, BM)
+    if e >= E:  # past the last expert's rows
+        return
     rows = tl.arange(0, BM)
     assign = tl.load(sorted_ptr + pid_m * BM + rows)
     live = assign < TK
@@ -376,7 +382,7 @@ def _gemm1_tile(
                              0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
                              W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False,
                              SWAP)
-    if LAUNCH_NEXT:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ON_INPUT and A_QUANT == 0:
         # (w x) W^T = w (x W^T); quantized inputs had w applied before rounding.
@@ -395,75 +401,32 @@ def _gemm1_tile(
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "PROGRAMS"])
-def gemm1_quant_kernel(
-    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-    topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
-    N, K, TK, top_k, NUM_M, E, PROGRAMS,
-    stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-    alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-    A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
-    W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
-    A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
-    EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
-    PERSIST: tl.constexpr, FLATTEN: tl.constexpr,
-):
-    """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
-
-    a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
-    reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
-    out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
-    PDL: launched as a programmatic dependent: waits for the previous kernels before reading
-    anything they wrote, and lets the next kernel launch once its products are done.
-    PERSIST: PROGRAMS programs walk the live (row block, column block) items with stride
-    PROGRAMS (one item per program otherwise, the grid covering NUM_M row blocks); FLATTEN asks
-    Triton to pipeline the item and K loops as one, so an item's first weight loads overlap
-    the previous item's epilogue.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PERSIST:
-        ends, num_m = _live_blocks(expert_end_ptr, E, BM)
-        num_n = tl.cdiv(N, BN)
-        for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
-            pid_m, pid_n = _grouped(t, num_m, num_n, GROUP_M)
-            e = tl.sum((ends <= pid_m * BM).to(tl.int32), axis=0)
-            _gemm1_tile(pid_m, pid_n, e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-                        topk_w_ptr, sorted_ptr, src_ptr, N, K, TK, top_k, stride_am, stride_asm, stride_ase,
-                        stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om, alpha, limit, BM, BN, BK,
-                        GATED, ACT, HAS_BIAS, ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
-                        INT_DOT, KGROUP, A_BY_ASSIGN, OUT_STATIC, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-                        GATE_UP, False, SWAP)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
-        e = _block_expert(expert_end_ptr, pid_m, E, BM)
-        if e < E:  # else past the last expert's rows
-            _gemm1_tile(pid_m, pid_n, e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
-                        topk_w_ptr, sorted_ptr, src_ptr, N, K, TK, top_k, stride_am, stride_asm, stride_ase,
-                        stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om, alpha, limit, BM, BN, BK,
-                        GATED, ACT, HAS_BIAS, ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
-                        INT_DOT, KGROUP, A_BY_ASSIGN, OUT_STATIC, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-                        GATE_UP, PDL, SWAP)
-
-
-@triton.jit
-def _gemm2_tile(
-    pid_m, pid_n, pid_s, e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
-    topk_w_ptr, sorted_ptr, N, K, TK, K_SPLIT,
+@triton.jit(do_not_specialize=["TK", "NUM_M", "E"])
+def gemm2_quant_kernel(
+    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    topk_w_ptr, sorted_ptr, expert_end_ptr,
+    N, K, TK, NUM_M, E, K_SPLIT,
     stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, LAUNCH_NEXT: tl.constexpr, SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
-    """GEMM2 on row block pid_m (expert e), column block pid_n and K split pid_s (gemm2_quant_kernel)."""
+    """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
+    K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
+
+    act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
+    y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
+    pid_s = tl.program_id(1)
+    e = _block_expert(expert_end_ptr, pid_m, E, BM)
+    if e >= E:  # past the last expert's rows
+        return
     rows = tl.arange(0, BM)
     assign = tl.load(sorted_ptr + pid_m * BM + rows)
     live = assign < TK
@@ -478,7 +441,7 @@ def _gemm2_tile(
         pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
         A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
         False, SWAP)
-    if LAUNCH_NEXT:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok & (cols * 0 + pid_s == 0), other=0.0).to(tl.float32)
@@ -488,51 +451,3 @@ def _gemm2_tile(
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_os + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om
               + cols[None, :])
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["TK", "NUM_M", "E", "PROGRAMS"])
-def gemm2_quant_kernel(
-    a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
-    topk_w_ptr, sorted_ptr, expert_end_ptr,
-    N, K, TK, NUM_M, E, K_SPLIT, PROGRAMS,
-    stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-    A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
-    W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, PERSIST: tl.constexpr, FLATTEN: tl.constexpr,
-):
-    """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
-    K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
-
-    act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
-    y [S, TK, N] (grid axis 1: the S splits; PERSIST: one axis, the items of split s after
-    those of split s - 1). K_SPLIT is a multiple of BK. PDL, PERSIST, FLATTEN: as GEMM1's.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PERSIST:
-        ends, num_m = _live_blocks(expert_end_ptr, E, BM)
-        num_n = tl.cdiv(N, BN)
-        per_split = num_m * num_n
-        splits = tl.cdiv(K, K_SPLIT)
-        for t in tl.range(tl.program_id(0), per_split * splits, PROGRAMS, flatten=FLATTEN):
-            pid_m, pid_n = _grouped(t % per_split, num_m, num_n, GROUP_M)
-            e = tl.sum((ends <= pid_m * BM).to(tl.int32), axis=0)
-            _gemm2_tile(pid_m, pid_n, t // per_split, e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
-                        topk_w_ptr, sorted_ptr, N, K, TK, K_SPLIT, stride_am, stride_asm, stride_ase, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om, BM, BN, BK, HAS_BIAS,
-                        ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K,
-                        CONVERT, MAGIC, MAGIC_V, PREFETCH, False, SWAP)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
-        e = _block_expert(expert_end_ptr, pid_m, E, BM)
-        if e < E:  # else past the last expert's rows
-            _gemm2_tile(pid_m, pid_n, tl.program_id(1), e, a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
-                        topk_w_ptr, sorted_ptr, N, K, TK, K_SPLIT, stride_am, stride_asm, stride_ase, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om, BM, BN, BK, HAS_BIAS,
-                        ON_INPUT, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K,
-                        CONVERT, MAGIC, MAGIC_V, PREFETCH, PDL, SWAP)
