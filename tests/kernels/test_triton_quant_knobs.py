@@ -128,6 +128,19 @@ if not IN_INTERPRETER:
         assert not any(kn.get("swap1") for _, kn in g1)
         assert QuantKnobs.from_json({"swap1": True, "swap2": True}) == QuantKnobs(swap1=True, swap2=True)
 
+    def test_row_blocks_take_turns_in_the_search_space():
+        """A search that times only the first candidates sees every row block; at a few rows per
+        expert fp8 gets whole 64-row warpgroup tiles (no swapped products there) beside the short ones."""
+        g1, g2 = quant_search_space(256, 128, 8, 0, False, False, False)  # 16 rows per expert
+        assert [t.BLOCK_SIZE_M for t, _ in g1[:3]] == [16, 32, 64] and set(g2) == {16, 32, 64}
+        assert not any(kn.get("swap1") for t, kn in g1 if t.BLOCK_SIZE_M == 64)
+        assert any(kn.get("swap1") for t, kn in g1 if t.BLOCK_SIZE_M == 32)
+        for T, bms in ((16, {16}), (1024, {32, 64})):  # 1 and 64 rows per expert
+            g1, g2 = quant_search_space(T, 128, 8, 0, False, False, False)
+            assert {t.BLOCK_SIZE_M for t, _ in g1} == bms == set(g2)
+        g1, _ = quant_search_space(256, 128, 8, 128, True, True, True)  # weight-only: no 64-row tiles
+        assert {t.BLOCK_SIZE_M for t, _ in g1} == {16, 32}
+
     @pytest.mark.parametrize("scheme, tiles, knobs, match", [
         ("int4_w4a16", (16, 64, 128), QuantKnobs(swap1=True), "multiplies fp8 activations with scales constant"),
         ("fp8_w8a8_block128", (16, 64, 128), QuantKnobs(swap2=True), "multiplies fp8 activations"),

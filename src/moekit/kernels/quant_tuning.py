@@ -230,12 +230,12 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
             if r > 6:  # a few rows per expert: whole 64-row warpgroup products too (fp8 without conversion)
                 plans.append((64, _FP8_LARGE_TILES, knobs1, knobs2))
     per_bm, g2 = {}, {}
-    for bm, tiles, knobs1, knobs2 in plans:
+    for bm, tiles, knobs_g1, knobs_g2 in plans:
         for bn, bk, warps, stages in tiles:
             if kgroup and (bk > kgroup or kgroup % bk):
                 continue
             t = TileConfig(bm, bn, bk, 8, warps, stages)
-            for kn in knobs1:
+            for kn in knobs_g1:
                 if kn.get("gate_up") and not gated:
                     continue
                 if kn.get("swap1") and not swap_fits(t):
@@ -243,7 +243,7 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
                 if _fits(t, 2 if gated else 1, elem, k_scaled, weight_only, 2 if kn.get("gate_up") else 1):
                     per_bm.setdefault(bm, []).append((t, kn))
             if _fits(t, 1, elem, k_scaled, weight_only, 1):
-                g2.setdefault(bm, []).extend((t, kn) for kn in knobs2 if swap_fits(t) or not kn.get("swap2"))
+                g2.setdefault(bm, []).extend((t, kn) for kn in knobs_g2 if swap_fits(t) or not kn.get("swap2"))
     # Row blocks take turns, so a search that times only the first candidates sees every row block.
     g1 = [c for group in itertools.zip_longest(*per_bm.values()) for c in group if c is not None]
     return g1, g2
