@@ -1,7 +1,7 @@
 """One QuantKnobs knob flipped on the shipped quantized entries, A/B in one process, on one H200.
 
 For every point of moekit.benchmarks.gpu.QUANT_CASES up to --max-m whose shipped entry runs the
-sorted quantized kernels (entries on the prefill kernels are skipped), the entry as shipped (A)
+sorted quantized kernels (entries on the prefill kernels are skipped, but for fuse_x_quant), the entry as shipped (A)
 and with --knob set (B): outputs compared bit for bit on every routing set (recorded: a knob that
 only reschedules work must keep them), then both timed in CUDA graphs of 8 calls with distinct
 routing, interleaved. `--apply FILE` writes the knob into the shipped tables where B was at least
@@ -31,6 +31,10 @@ from moekit.kernels.tuning import SHIPPED_DIR
 from moekit.quant import get_scheme
 
 
+# Knobs that also reach entries on the prefill kernels (the alignment's launches are shared).
+_PREFILL_KNOBS = {"fuse_x_quant"}
+
+
 def _value(name, text):
     """A QuantKnobs field's value from its text, typed as the field's default."""
     default = getattr(QuantKnobs(), name)
@@ -58,7 +62,7 @@ def run(args, knob):
         for M in ms:
             cfg, knobs = quant_tiles(M, E, k, H, I, dtype, "NVIDIA_H200" if cuda else None, scheme, modes_of(scheme))
             label = f"{shape} {scheme_name}{' static' if static else ''} M={M}"
-            if knobs.static_prefill is not None or cfg.prefill is not None:
+            if (knobs.static_prefill is not None or cfg.prefill is not None) and set(knob) - _PREFILL_KNOBS:
                 print(f"{label}: skipped (prefill entry)", flush=True)
                 continue
             flipped = dataclasses.replace(knobs, **knob)

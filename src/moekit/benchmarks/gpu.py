@@ -454,13 +454,15 @@ def quant_floor_terms(scheme: str) -> Tuple[float, float]:
 
 def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
                     command: str = "", progress: Optional[Callable[[str], None]] = None,
-                    dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> Dict:
+                    dtype: torch.dtype = torch.bfloat16, device: str = "cuda", rounds: int = 3) -> Dict:
     """Time the quantized Triton experts (and the unquantized Triton kernel where a target compares them).
 
     Floors: weight bytes at 1 byte (fp8), 1 + 4/128 (int8 weight-only) or 0.5 + 4/128 (int4,
     group 128 scales) per weight, 8-bit compute at twice PERF.md's bf16 ceiling. The JSON is rewritten after every point.
     Points left when deadline_s has passed are recorded as skipped. dtype: of the activations
-    and the unquantized weights; device: "cuda" ("cpu" only as a dry run under the interpreter).
+    and the unquantized weights; device: "cuda" ("cpu" only as a dry run under the interpreter);
+    rounds: each point times the quantized and the unquantized kernel this many times, alternately
+    (medians recorded, and each round's times when rounds > 1).
     """
     import time  # noqa: PLC0415
 
@@ -481,11 +483,11 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
         "floors": "max(FLOPs / (790e12 bf16, 1580e12 fp8), weight bytes / 4.3e12) as PERF.md's table",
         "weights": "random, silu, no bias; tiles and knobs: the tuned quantized tables (kernels/quant_tuning.py), "
                    "else the bf16 tuned table with BLOCK_SIZE_K fitted to the scale groups",
-        "timing": "CUDA graph of several calls with distinct softmax top-k routing, replayed; median us per call",
+        "timing": (f"CUDA graph of several calls with distinct softmax top-k routing, replayed; median us per call; "
+                   f"{rounds} round(s) per point, the quantized and the bf16 kernel alternately, medians"),
         "records": [],
     }
     dev = torch.device(device)
-    bf16_us: Dict[Tuple[str, int], float] = {}
     for name, scheme, static, Ms in cases:
         _, E, k, H, I = shape_by_name(name)
         sch = get_scheme(scheme)
@@ -509,17 +511,23 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
                         ref = emulated_experts(x, wts, w, ids)
                         out = _quant_call(wts, x, w, ids).float()
                         row["rel_err_vs_reference"] = rel = float((out - ref).norm() / ref.norm())
-                    row["us"] = graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays)
+                    if bf16 is None:
+                        bf16 = (torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5,
+                                torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5)
+                    # Rounds alternate the two kernels, so a change of clocks (power) between
+                    # rounds reaches both sides of the ratio.
+                    q_us, b_us = [], []
+                    for _ in range(rounds):
+                        q_us.append(graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays))
+                        b_us.append(graph_time_us(
+                            lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton"), sets, replays))
+                    row["us"] = statistics.median(q_us)
                     row["pct_of_floor"] = 100.0 * row["floor_us"] / row["us"]
-                    if (name, M) not in bf16_us:
-                        if bf16 is None:
-                            bf16 = (torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5,
-                                    torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5)
-                        bf16_us[(name, M)] = graph_time_us(
-                            lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton"), sets, replays)
-                    if (name, M) in bf16_us:
-                        row["bf16_triton_us"] = bf16_us[(name, M)]
-                        row["speedup_vs_bf16_triton"] = bf16_us[(name, M)] / row["us"]
+                    row["bf16_triton_us"] = statistics.median(b_us)
+                    row["speedup_vs_bf16_triton"] = row["bf16_triton_us"] / row["us"]
+                    if rounds > 1:
+                        row["rounds_us"] = q_us
+                        row["rounds_bf16_triton_us"] = b_us
             except Exception as err:  # noqa: BLE001 - a point that fails is recorded, not fatal
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
                 say(f"{name} {scheme} M={M}: failed: {row['error']}")

@@ -73,7 +73,9 @@ def _chunks(gran: int, K: int, group: int) -> Tuple[int, int]:
     """(columns per program, programs per row) of the row quantization (gran 2: whole rows)."""
     if gran == 2:
         return min(4096, _pow2(K)), 1
-    block = group * max(1, 1024 // group) if gran == 3 else min(1024, _pow2(K))
+    # gran 4 (a program per token): whole rows up to 4096 columns, so each token's slot ids and
+    # scales are read once.
+    block = group * max(1, 1024 // group) if gran == 3 else min(4096 if gran == 4 else 1024, _pow2(K))
     return block, triton.cdiv(K, block)
 
 

@@ -113,6 +113,11 @@ def _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_pt
                        HAS_MAP: tl.constexpr):
     """GRAN 4 for columns [c * BC, (c + 1) * BC) of token t (see the module docstring). ON_INPUT
     (k = 1): the slot's routed weight multiplies the row first."""
+    # The row is loaded first: its load need not wait for the slots' ids and scales (two
+    # dependent loads), which would otherwise make each program three load latencies long.
+    ks = c * BC + tl.arange(0, BC)
+    ok = ks < K
+    v = tl.load(x_ptr + t.to(tl.int64) * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
     slots = tl.arange(0, MAX_SLOTS)
     assign = t * top_k + slots
     e = align.local_expert(ids_ptr, map_ptr, assign, slots < top_k, HAS_MAP)
@@ -125,9 +130,6 @@ def _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_pt
         if c == 0:
             src = tl.where(shared, t * top_k + first, assign)
             tl.store(src_ptr + assign, src.to(tl.int32), mask=local)
-        ks = c * BC + tl.arange(0, BC)
-        ok = ks < K
-        v = tl.load(x_ptr + t.to(tl.int64) * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
         if ON_INPUT:
             v = v * tl.load(topk_w_ptr + t * top_k + first)
         if shared:
