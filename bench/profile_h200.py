@@ -7,6 +7,8 @@ A point is shape:scheme:M[:static] ("bf16" for unquantized weights; static: per-
 activation scales). Each point is timed in a CUDA graph (as the benchmark does) and profiled
 over eager calls with fresh routing (torch.profiler): the JSON and the printout give each
 kernel's device time per call next to the graph time, so launch gaps show as the difference.
+--graph profiles the replays of the graph too (kernels in the graph can run at other clocks than
+eager ones) and samples the SM clock and power while it replays.
 """
 
 import argparse
@@ -30,7 +32,7 @@ def _device_us(event) -> float:
     return 0.0
 
 
-def profile_point(spec: str, calls: int = 8) -> dict:
+def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     parts = spec.split(":")
@@ -56,12 +58,7 @@ def profile_point(spec: str, calls: int = 8) -> dict:
             for args in sets:
                 fn(*args)
             torch.cuda.synchronize()
-    kernels = []
-    for ev in prof.key_averages():
-        us = _device_us(ev)
-        if us > 0:
-            kernels.append({"kernel": ev.key[:120], "us_per_call": us / calls, "launches_per_call": ev.count / calls})
-    kernels.sort(key=lambda r: -r["us_per_call"])
+    kernels = _kernel_rows(prof, calls)
     floor = floor_seconds(M, E, k, H, I, bpw, PERF_TABLE_CEILINGS, fscale) * 1e6
     row = {"point": spec, "graph_us": graph_us, "floor_us": floor, "pct_of_floor": 100 * floor / graph_us,
            "kernel_us_sum": sum(r["us_per_call"] for r in kernels), "kernels": kernels}
@@ -69,18 +66,77 @@ def profile_point(spec: str, calls: int = 8) -> dict:
           f"kernels {row['kernel_us_sum']:.1f} us per call", flush=True)
     for r in kernels:
         print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
+    if replayed:
+        with torch.inference_mode():
+            row["in_graph"] = _in_graph(fn, sets)
+        g = row["in_graph"]
+        print(f"   in the graph: {g['us_per_call']:.1f} us per call, kernels {g['kernel_us_sum']:.1f}; "
+              f"SM clock {g['sm_mhz']} MHz, {g['power_w']} W while replaying", flush=True)
+        for r in g["kernels"]:
+            print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
     return row
+
+
+def _kernel_rows(prof, calls: int) -> list:
+    rows = []
+    for ev in prof.key_averages():
+        us = _device_us(ev)
+        if us > 0:
+            rows.append({"kernel": ev.key[:120], "us_per_call": us / calls, "launches_per_call": ev.count / calls})
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def _in_graph(fn, sets, replays: int = 3, busy_replays: int = 40) -> dict:
+    """The kernels of one CUDA graph of the calls, profiled over replays (as the benchmark runs
+    them), and the SM clock and power sampled while the graph replays back to back."""
+    import time  # noqa: PLC0415
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    for args in sets:  # compiled and allocated before the capture
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in sets:
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    calls = replays * len(sets)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(busy_replays):
+        graph.replay()
+    end.record()
+    time.sleep(0.5 * busy_replays * 1e-3)  # replays take at least a millisecond or so each: sample mid-way
+    clocks, power = [], []
+    for _ in range(5):
+        if end.query():
+            break
+        clocks.append(torch.cuda.clock_rate())
+        power.append(round(torch.cuda.power_draw() / 1000.0))
+        time.sleep(0.002)
+    end.synchronize()
+    kernels = _kernel_rows(prof, calls)
+    return {"us_per_call": start.elapsed_time(end) * 1e3 / (busy_replays * len(sets)), "kernels": kernels,
+            "kernel_us_sum": sum(r["us_per_call"] for r in kernels), "sm_mhz": clocks, "power_w": power}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--points", required=True)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    p.add_argument("--graph", action="store_true",
+                   help="also profile the kernels inside CUDA-graph replays, with the SM clock and power meanwhile")
     args = p.parse_args()
     rows = []
     for spec in args.points.split(","):
         try:
-            rows.append(profile_point(spec))
+            rows.append(profile_point(spec, replayed=args.graph))
         except Exception as err:  # noqa: BLE001 - a point that fails is reported, not fatal
             print(f"== {spec}: failed: {type(err).__name__}: {err}", flush=True)
             rows.append({"point": spec, "error": f"{type(err).__name__}: {err}"})
