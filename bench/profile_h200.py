@@ -74,6 +74,9 @@ def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
               f"SM clock {g['sm_mhz']} MHz, {g['power_w']} W while replaying", flush=True)
         for r in g["kernels"]:
             print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
+        print(f"   idle between kernels: {sum(r['us_per_call'] for r in g['gaps']):.1f} us per call", flush=True)
+        for r in g["gaps"][:6]:
+            print(f"   {r['us_per_call']:8.2f} us  {r['between']}", flush=True)
     return row
 
 
@@ -83,6 +86,23 @@ def _kernel_rows(prof, calls: int) -> list:
         us = _device_us(ev)
         if us > 0:
             rows.append({"kernel": ev.key[:120], "us_per_call": us / calls, "launches_per_call": ev.count / calls})
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def _gaps(prof, calls: int) -> list:
+    """Idle device time between consecutive kernels of the trace, per call, by (kernel before,
+    kernel after), largest first."""
+    spans = []
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and ev.time_range.end > ev.time_range.start:
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name[:40]))
+    spans.sort()
+    pairs = {}
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        gap = max(0.0, s1 - e0)
+        key = f"{n0} -> {n1}"
+        pairs[key] = pairs.get(key, 0.0) + gap
+    rows = [{"between": k, "us_per_call": v / calls} for k, v in pairs.items()]
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
@@ -122,7 +142,8 @@ def _in_graph(fn, sets, replays: int = 3, busy_replays: int = 40) -> dict:
         time.sleep(0.002)
     end.synchronize()
     kernels = _kernel_rows(prof, calls)
-    return {"us_per_call": start.elapsed_time(end) * 1e3 / (busy_replays * len(sets)), "kernels": kernels,
+    gaps = _gaps(prof, calls)
+    return {"gaps": gaps, "us_per_call": start.elapsed_time(end) * 1e3 / (busy_replays * len(sets)), "kernels": kernels,
             "kernel_us_sum": sum(r["us_per_call"] for r in kernels), "sm_mhz": clocks, "power_w": power}
 
 

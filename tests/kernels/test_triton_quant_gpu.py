@@ -176,3 +176,36 @@ def test_fp8_static_scales_on_the_prefill_kernels(name, T, bias, static, cuda_ge
     if cfg.prefill.ws:
         plain = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, ws=0))
         assert torch.equal(out, run(config=plain))
+
+
+def test_fp8_cast_rounds_as_the_grid_rounding(cuda_gen):
+    # to_quant casts with the GPU's conversion; the interpreter's path puts values on the e4m3 grid
+    # first. Same values on ties (midpoints of neighbouring fp8 values, both parities), subnormals,
+    # values past +-448 and random ones over the whole exponent range.
+    import triton
+    import triton.language as tl
+
+    from moekit.kernels.triton_quant_rows import fp8_grid_rne, to_quant
+
+    @triton.jit
+    def both(v_ptr, hw_ptr, grid_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        v = tl.load(v_ptr + offs, mask=ok, other=0.0)
+        tl.store(hw_ptr + offs, to_quant(v, 448.0, False), mask=ok)
+        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(grid_ptr + offs, fp8_grid_rne(clamped).to(tl.float8e4nv), mask=ok)
+
+    grid_values = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    grid_values = grid_values[torch.isfinite(grid_values)].unique()  # sorted, each zero once
+    mids = (grid_values[1:] + grid_values[:-1]) / 2  # exact in fp32: ties
+    exps = torch.randint(-14, 10, (1 << 16,), device="cuda", generator=cuda_gen).float()
+    rand = torch.randn(1 << 16, device="cuda", generator=cuda_gen) * torch.exp2(exps)
+    v = torch.cat([grid_values, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1), rand,
+                   torch.tensor([448.0, 464.0, 480.0, 1e6, -1e6, 2.0**-10, -(2.0**-10), 0.0, -0.0], device="cuda")])
+    hw = torch.empty(v.numel(), dtype=torch.float8_e4m3fn, device="cuda")
+    grid = torch.empty_like(hw)
+    both[(triton.cdiv(v.numel(), 1024),)](v, hw, grid, v.numel(), BLOCK=1024)
+    # Equal values (the sign of a zero may differ: the grid path rounds -tiny to +0).
+    assert torch.equal(hw.float(), grid.float())
+    assert torch.equal(hw.float(), v.clamp(-448, 448).to(torch.float8_e4m3fn).float())

@@ -22,14 +22,28 @@ S splits of GEMM2's K range.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from . import triton_align as align
 from .triton_moe import MAX_TOP_K
 
-__all__ = ["FP8_MAX", "INT8_MAX", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
+__all__ = ["FP8_MAX", "INT8_MAX", "INTERPRETED", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
+
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# Kernels run in Triton's CPU interpreter (read when the kernels are defined, as triton.jit does).
+INTERPRETED: tl.constexpr = tl.constexpr(_interpreted())
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -45,22 +59,33 @@ def _rne(v):
 
 
 @triton.jit
+def fp8_grid_rne(v):
+    """v (fp32, |v| <= 448) rounded to nearest even onto the e4m3 grid, still fp32 (3 mantissa
+    bits: the step is 2^(exponent - 3), and 2^-9 below 2^-6), so a cast to fp8 of the result is
+    exact whatever rounding the cast does."""
+    exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 255, 121)  # biased; 121 = 2^-6
+    step = ((exp - 3) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((257 - exp) << 23).to(tl.float32, bitcast=True)
+    return _rne(v * inv_step) * step
+
+
+@triton.jit
 def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
     """Saturate v (fp32) to +-QMAX and round to int8 or fp8 e4m3, both to nearest even.
 
-    fp8: v is rounded onto the e4m3 grid in fp32 first (3 mantissa bits: the step is
-    2^(exponent - 3), and 2^-9 below 2^-6), so the cast itself is exact; Triton's CPU
-    interpreter rounds casts to fp8 wrongly (ties away from even, and carries into the
-    exponent lost), and this keeps GPU and interpreter bit-identical.
+    fp8: compiled for a GPU, the cast itself rounds to nearest even (one conversion instruction
+    for two values on SM89+); Triton's CPU interpreter rounds casts to fp8 wrongly (ties away
+    from even, and carries into the exponent lost), so there v is put on the e4m3 grid first
+    (fp8_grid_rne, a dozen instructions a value). Both give the same bits (a GPU test checks
+    them against each other on ties, subnormals and saturated values).
     """
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if INT8:
         q = _rne(v).to(tl.int8)
+    elif INTERPRETED:
+        q = fp8_grid_rne(v).to(tl.float8e4nv)
     else:
-        exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 255, 121)  # biased; 121 = 2^-6
-        step = ((exp - 3) << 23).to(tl.float32, bitcast=True)
-        inv_step = ((257 - exp) << 23).to(tl.float32, bitcast=True)
-        q = (_rne(v * inv_step) * step).to(tl.float8e4nv)
+        q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q
 
 
