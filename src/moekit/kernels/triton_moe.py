@@ -28,6 +28,8 @@ TK = T * k assignments, R rows of the activation buffer.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,26 +43,54 @@ __all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_
 MAX_EXPERTS = 1024
 # Slots per token the direct path supports (their ids and weights are held in registers).
 MAX_TOP_K = 32
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# Kernels run in Triton's CPU interpreter (read when the kernels are defined, as triton.jit does):
+# inline PTX cannot run there, and its casts to fp8 round otherwise.
+INTERPRETED: tl.constexpr = tl.constexpr(_interpreted())
 _MAX_EXPERTS: tl.constexpr = tl.constexpr(MAX_EXPERTS)
 _MAX_TOP_K: tl.constexpr = tl.constexpr(MAX_TOP_K)
+
+
+@triton.jit
+def _rcp(x):
+    """1 / x in fp32: on a GPU one approximate-reciprocal instruction (within 1 ulp; 0 for an
+    infinite x), where a division would take a correctly rounded sequence; exact in the interpreter."""
+    if INTERPRETED:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _sigmoid(x):
+    return _rcp(1.0 + tl.exp(-x))
 
 
 @triton.jit
 def _apply_act(g, u, ACT: tl.constexpr, alpha, limit):
     """Activation in fp32: gated ones combine gate g and up u; "_no_mul" ones use g only."""
     if ACT == "silu":
-        return g * tl.sigmoid(g) * u
+        return g * _sigmoid(g) * u
     elif ACT == "gelu":
         return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
     elif ACT == "gelu_tanh":
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * u
+        return 0.5 * g * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0)) * u
     elif ACT == "swigluoai":
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
-        return gc * tl.sigmoid(alpha * gc) * (uc + 1.0)
+        return gc * _sigmoid(alpha * gc) * (uc + 1.0)
     elif ACT == "silu_no_mul":
-        return g * tl.sigmoid(g)
+        return g * _sigmoid(g)
     elif ACT == "gelu_no_mul":
         return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
     else:  # relu2_no_mul

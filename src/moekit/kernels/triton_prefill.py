@@ -217,7 +217,7 @@ def _gemm1_tile(
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if SCALED:
-        h = to_quant(h / tl.load(s_ptr + 4 * e + 2), 448.0, False)
+        h = to_quant(h * (1.0 / tl.load(s_ptr + 4 * e + 2)), 448.0, False)  # one division a tile
     if FOLD:
         if n0 == 0:
             w_fold = tl.load(topk_w_ptr + assign, mask=live, other=0.0) * tl.load(s_ptr + 4 * e + 2) \

@@ -22,28 +22,16 @@ S splits of GEMM2's K range.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from . import triton_align as align
-from .triton_moe import MAX_TOP_K
+from .triton_moe import INTERPRETED, MAX_TOP_K
 
-__all__ = ["FP8_MAX", "INT8_MAX", "INTERPRETED", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
+__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
 
 
-
-def _interpreted() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-# Kernels run in Triton's CPU interpreter (read when the kernels are defined, as triton.jit does).
-INTERPRETED: tl.constexpr = tl.constexpr(_interpreted())
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
