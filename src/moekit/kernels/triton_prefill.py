@@ -197,10 +197,9 @@ def _gemm1_tile(
                                              stride_wn, TMA), acc_u, IEEE)
             a_ptrs += BK
     if SCALED:
-        a_s = tl.load(s_ptr + 4 * e)
-        w_s = tl.load(s_ptr + 4 * e + 1)
-        acc_g = acc_g * a_s * w_s
-        acc_u = acc_u * a_s * w_s
+        xw_s = tl.load(s_ptr + 4 * e) * tl.load(s_ptr + 4 * e + 1)  # one multiply a value
+        acc_g = acc_g * xw_s
+        acc_u = acc_u * xw_s
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
