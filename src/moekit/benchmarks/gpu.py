@@ -144,11 +144,16 @@ def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, war
     return statistics.median(times)
 
 
-def eager_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5) -> float:
-    """Median microseconds per call of fn over arg_sets launched eagerly (host syncs included)."""
-    for args in arg_sets:
-        fn(*args)
-    torch.cuda.synchronize()
+def eager_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, warm_ms: float = 0.0) -> float:
+    """Median microseconds per call of fn over arg_sets launched eagerly (host syncs included);
+    warm_ms as graph_time_us's."""
+    t_warm = time.monotonic() + warm_ms * 1e-3
+    while True:
+        for args in arg_sets:
+            fn(*args)
+        torch.cuda.synchronize()
+        if time.monotonic() >= t_warm:
+            break
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -242,6 +247,7 @@ def run_gpu_bench(
     replays: int = 5,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
+    warm_ms: float = 0.0,
 ) -> Dict:
     """Time moekit triton and the peers at every (shape, M) on the current CUDA GPU.
 
@@ -252,6 +258,7 @@ def run_gpu_bench(
         impls: a subset of the implementation names to run (None: all).
         check_Ms: token counts at which triton is also checked against `reference`.
         dtype: of weights and activations.  device: "cuda" ("cpu" only as a dry run).
+        warm_ms: each timing replays its calls this long first (graph_time_us); 0: short bursts.
     Returns:
         a JSON-ready dict (date, device, versions, records with us, TFLOP/s, % of floor).
     """
@@ -291,11 +298,11 @@ def run_gpu_bench(
                         sync = host_sync_reason(fn, sets[0]) if not impl.startswith("moekit_") else None
                         if sync is None:
                             try:
-                                us = graph_time_us(fn, sets, replays)
+                                us = graph_time_us(fn, sets, replays, warm_ms=warm_ms)
                             except RuntimeError as err:
                                 sync = f"CUDA-graph capture failed: {str(err).splitlines()[0][:200]}"
                         if sync is not None:
-                            us = eager_time_us(fn, sets, replays)
+                            us = eager_time_us(fn, sets, replays, warm_ms=warm_ms)
                 except Exception as err:  # noqa: BLE001 - a peer that fails is recorded, not fatal
                     row["impls"][impl] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
                     say(f"{name} M={M} {impl}: failed: {row['impls'][impl]['error']}")
@@ -331,12 +338,11 @@ def run_gpu_bench(
         "ceilings": {"flops": PERF_TABLE_CEILINGS.flops, "bandwidth": PERF_TABLE_CEILINGS.bandwidth,
                      "note": "floors as in PERF.md's table: max(FLOPs / 790e12, weight bytes / 4.3e12)"},
         "weights": f"{str(dtype).replace('torch.', '')}, silu, no bias; softmax top-k routing drawn fresh for every call in a graph",
-        "timing": "CUDA graph of several calls with distinct routing, replayed; median us per call",
+        "timing": "CUDA graph of several calls with distinct routing, replayed; median us per call"
+                  + (f"; each timing after {warm_ms:g} ms of back-to-back replays" if warm_ms else ""),
         "records": records,
     }
-    if out_json:
-        with open(out_json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
+    _write_json(out_json, result)
     return result
 
 
@@ -460,14 +466,15 @@ def quant_floor_terms(scheme: str) -> Tuple[float, float]:
     return (1.0 if scheme.startswith("int8") else 0.5) + 4 / 128, 1.0
 
 
-def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
+def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
                     command: str = "", progress: Optional[Callable[[str], None]] = None,
                     dtype: torch.dtype = torch.bfloat16, device: str = "cuda", rounds: int = 3,
                     sustain_ms: float = 0.0, sustain_from_m: int = 4096) -> Dict:
     """Time the quantized Triton experts (and the unquantized Triton kernel where a target compares them).
 
     Floors: weight bytes at 1 byte (fp8), 1 + 4/128 (int8 weight-only) or 0.5 + 4/128 (int4,
-    group 128 scales) per weight, 8-bit compute at twice PERF.md's bf16 ceiling. The JSON is rewritten after every point.
+    group 128 scales) per weight, 8-bit compute at twice PERF.md's bf16 ceiling. The JSON (at
+    out_json, unless None) is rewritten after every point.
     Points left when deadline_s has passed are recorded as skipped. dtype: of the activations
     and the unquantized weights; device: "cuda" ("cpu" only as a dry run under the interpreter);
     rounds: each point times the quantized and the unquantized kernel this many times, alternately
@@ -559,16 +566,22 @@ def run_quant_bench(out_json: str, cases=QUANT_CASES, deadline_s: float = 1e9, r
                 continue
             say(f"{name:14s} {scheme:18s}{' static' if static else '       '} M={M:6d} {row['us']:9.1f} us "
                 f"{row['pct_of_floor']:5.1f}% of floor  x{row.get('speedup_vs_bf16_triton', float('nan')):.2f} vs bf16"
-                + (f"  rel_err {rel:.1e}" if M == 16 else ""))
+                + (f"  rel_err {rel:.1e}" if M == 16 else "")
+                + (f"  sustained: {row['sustained']['us']:.1f} us x{row['sustained']['speedup_vs_bf16_triton']:.2f}"
+                   if "sustained" in row else ""))
             result["records"].append(row)
-            with open(out_json, "w", encoding="utf-8") as fh:
-                json.dump(result, fh, indent=1)
+            _write_json(out_json, result)
             del sets
         del wts, bf16
         torch.cuda.empty_cache()
-    with open(out_json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
+    _write_json(out_json, result)
     return result
+
+
+def _write_json(path: Optional[str], result: Dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
 
 
 def quant_main(argv: Optional[Sequence[str]] = None) -> None:

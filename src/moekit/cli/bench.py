@@ -15,8 +15,59 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--budget", type=float, default=20.0, help="seconds per (shape, M, implementation) at most")
     p.add_argument("--impls", nargs="+", default=None, help="only these implementations")
+    p.add_argument("--quant", default=None, metavar="SCHEME",
+                   help="cuda: time the quantized Triton experts of SCHEME (fp8_w8a8, int4_w4a16, ...) against "
+                        "the bf16 Triton kernel instead of the peers")
+    p.add_argument("--static-scales", action="store_true",
+                   help="with --quant fp8_w8a8: static per-tensor activation scales (as fp8 checkpoints carry)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="with --quant: rounds per point, the quantized and the bf16 kernel alternately")
+    p.add_argument("--warm-ms", type=float, default=0.0,
+                   help="cuda: replay each call this long before timing it, so the clocks settle where "
+                        "sustained work holds them (the power limit, at large M); default 0: short bursts. "
+                        "With --quant both are recorded (the warmed times under \"sustained\")")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.set_defaults(func=run)
+
+
+def _check_args(args) -> None:
+    if args.device != "cuda":
+        for flag, value in (("--quant", args.quant), ("--static-scales", args.static_scales),
+                            ("--warm-ms", args.warm_ms)):
+            if value:
+                raise SystemExit(f"moekit bench: {flag} times the Triton kernels, so it needs --device cuda")
+    if args.static_scales and args.quant != "fp8_w8a8":
+        raise SystemExit(f"moekit bench: --static-scales goes with --quant fp8_w8a8, got --quant {args.quant}")
+    if args.quant is not None:
+        from moekit.quant import get_scheme  # noqa: PLC0415
+
+        try:
+            get_scheme(args.quant)
+        except ValueError as err:
+            raise SystemExit(f"moekit bench: --quant: {err}") from None
+        if args.impls:
+            raise SystemExit("moekit bench: --quant times the quantized and the bf16 Triton kernels; "
+                             "--impls chooses among the peers of the unquantized benchmark")
+    if args.shapes:
+        if args.device == "cuda":
+            from moekit.benchmarks.gpu import GPU_SHAPES as known  # noqa: PLC0415
+        else:
+            from moekit.benchmarks.cpu import CPU_SHAPES as known  # noqa: PLC0415
+        names = [s[0] for s in known]
+        unknown = [n for n in args.shapes if n not in names]
+        if unknown:
+            raise SystemExit(f"moekit bench: --shapes on {args.device} must be among {names}, got {unknown}")
+    if args.rounds < 1 or args.warm_ms < 0:
+        raise SystemExit(f"moekit bench: --rounds must be >= 1 and --warm-ms >= 0, got {args.rounds} and "
+                         f"{args.warm_ms}")
+
+
+def _quant_cases(args):
+    """(shape, scheme, static scales, Ms) of each shape named (default: the five of PERF.md)."""
+    from moekit.benchmarks.gpu import GPU_MS, GPU_SHAPES  # noqa: PLC0415
+
+    names = args.shapes or [s[0] for s in GPU_SHAPES]
+    return tuple((name, args.quant, args.static_scales, tuple(args.M or GPU_MS)) for name in names)
 
 
 def _table(result) -> None:
@@ -30,10 +81,18 @@ def _table(result) -> None:
 
 def run(args) -> int:
     command = "moekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if args.device == "cuda":
+    _check_args(args)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.quant is not None:
+        from moekit.benchmarks.gpu import run_quant_bench  # noqa: PLC0415
+
+        result = run_quant_bench(None, cases=_quant_cases(args), rounds=args.rounds,
+                                 sustain_ms=args.warm_ms, sustain_from_m=0, command=command, progress=say)
+    elif args.device == "cuda":
         from moekit.benchmarks.gpu import run_gpu_bench  # noqa: PLC0415
 
-        result = run_gpu_bench(shapes=args.shapes, Ms=args.M, out_json=None)
+        result = run_gpu_bench(shapes=args.shapes, Ms=args.M, out_json=None, impls=args.impls, progress=say,
+                               warm_ms=args.warm_ms)
     else:
         from moekit.benchmarks.cpu import CPU_SHAPES, run_cpu_bench  # noqa: PLC0415
 

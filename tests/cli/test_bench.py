@@ -1,0 +1,58 @@
+"""`moekit bench`: argument checks, and what the GPU paths hand to the benchmark functions
+(the functions themselves run on a GPU; here they are replaced by recorders)."""
+
+import json
+
+import pytest
+
+import moekit.benchmarks.gpu as gpu
+from moekit.cli.main import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant", "fp8_w8a8"], "--quant times the Triton kernels, so it needs --device cuda"),
+    (["--warm-ms", "100"], "--warm-ms times the Triton kernels, so it needs --device cuda"),
+    (["--device", "cuda", "--quant", "fp8"], "--quant: quant must be one of"),
+    (["--device", "cuda", "--quant", "int4_w4a16", "--static-scales"], "--static-scales goes with --quant fp8_w8a8"),
+    (["--device", "cuda", "--quant", "fp8_w8a8", "--impls", "moekit_triton"], "--impls chooses among the peers"),
+    (["--shapes", "mixtral-8x7b"], "--shapes on cpu must be among"),
+    (["--device", "cuda", "--shapes", "E64-k8-H1024-I512"], "--shapes on cuda must be among"),
+    (["--device", "cuda", "--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_bad_arguments_are_refused_with_the_reason(argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(["bench", *argv])
+    assert message in str(err.value)
+
+
+def test_quant_cases_rounds_and_warm_up_reach_the_quantized_benchmark(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake(out_json, cases, rounds, sustain_ms, sustain_from_m, command, progress):
+        seen.update(out_json=out_json, cases=cases, rounds=rounds, sustain_ms=sustain_ms, sustain_from_m=sustain_from_m,
+                    command=command)
+        return {"records": [{"M": m} for _, _, _, ms in cases for m in ms]}
+
+    monkeypatch.setattr(gpu, "run_quant_bench", fake)
+    out = tmp_path / "q.json"
+    argv = ["bench", "--device", "cuda", "--quant", "fp8_w8a8", "--static-scales", "--shapes", "qwen3-30b-a3b",
+            "mixtral-8x7b", "--M", "16", "4096", "--rounds", "2", "--warm-ms", "250", "--out", str(out)]
+    assert main(argv) == 0
+    assert seen["cases"] == (("qwen3-30b-a3b", "fp8_w8a8", True, (16, 4096)), ("mixtral-8x7b", "fp8_w8a8", True, (16, 4096)))
+    assert (seen["rounds"], seen["sustain_ms"], seen["sustain_from_m"]) == (2, 250.0, 0)
+    written = json.loads(out.read_text())
+    assert [r["M"] for r in written["records"]] == [16, 4096, 16, 4096]
+    assert written["command"].startswith("moekit ")
+
+
+def test_gpu_bench_gets_the_implementations_and_the_warm_up(monkeypatch):
+    seen = {}
+
+    def fake(shapes, Ms, out_json, impls, progress, warm_ms):
+        seen.update(shapes=shapes, Ms=Ms, impls=impls, warm_ms=warm_ms)
+        return {"records": []}
+
+    monkeypatch.setattr(gpu, "run_gpu_bench", fake)
+    assert main(["bench", "--device", "cuda", "--shapes", "olmoe-1b-7b", "--M", "1", "--impls", "moekit_triton",
+                 "--warm-ms", "50"]) == 0
+    assert seen == {"shapes": ["olmoe-1b-7b"], "Ms": [1], "impls": ["moekit_triton"], "warm_ms": 50.0}
