@@ -18,7 +18,7 @@ import os
 import torch
 
 from moekit.benchmarks.gpu import (
-    PERF_TABLE_CEILINGS, _quant_call, graph_time_us, quant_floor_terms, quantized_weights, routing_sets,
+    PERF_TABLE_CEILINGS, _quant_call, capture_graph, graph_time_us, quant_floor_terms, quantized_weights, routing_sets,
     shape_by_name,
 )
 from moekit.benchmarks.floors import floor_seconds
@@ -113,15 +113,7 @@ def _in_graph(fn, sets, replays: int = 3, busy_replays: int = 40) -> dict:
 
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    for args in sets:  # compiled and allocated before the capture
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in sets:
-            fn(*args)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(fn, sets)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

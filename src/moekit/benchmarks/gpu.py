@@ -29,7 +29,7 @@ __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
-    "quant_floor_terms", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
+    "quant_floor_terms", "capture_graph", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -110,12 +110,9 @@ def write_ab_result(path: str, benchmark: str, cuda: bool, timing: str, **fields
     print(f"wrote {path}", flush=True)
 
 
-def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, warm_ms: float = 0.0) -> float:
-    """Median microseconds per call of fn over arg_sets, captured in one CUDA graph.
-
-    warm_ms: replay the graph back to back for this long before timing, so the clocks settle
-    where sustained work puts them (compute-bound calls draw the GPU to its power limit within
-    tens of milliseconds, and the SM clock drops; a short burst runs at the boost clock)."""
+def capture_graph(fn: Callable, arg_sets: Sequence[tuple]) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph of fn over arg_sets (compiled and allocated by a run on a side stream first),
+    replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (compiles, allocates) off the capture stream
@@ -128,6 +125,16 @@ def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, war
             fn(*args)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, warm_ms: float = 0.0) -> float:
+    """Median microseconds per call of fn over arg_sets, captured in one CUDA graph.
+
+    warm_ms: replay the graph back to back for this long before timing, so the clocks settle
+    where sustained work puts them (compute-bound calls draw the GPU to its power limit within
+    tens of milliseconds, and the SM clock drops; a short burst runs at the boost clock)."""
+    graph = capture_graph(fn, arg_sets)
     t_warm = time.monotonic() + warm_ms * 1e-3
     while time.monotonic() < t_warm:
         graph.replay()
