@@ -490,8 +490,6 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
     (record "sustained": the clocks of sustained work, which the power limit sets for
     compute-bound calls), next to the standard short-burst timing.
     """
-    import time  # noqa: PLC0415
-
     import triton  # noqa: PLC0415
 
     from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415

@@ -31,8 +31,6 @@ from .triton_moe import INTERPRETED, MAX_TOP_K
 __all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
 
-
-
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 # Slots per token GRAN 4 holds in registers (kernels/launch_quant.py checks top_k against it).
@@ -64,8 +62,9 @@ def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
     fp8: compiled for a GPU, the cast itself rounds to nearest even (one conversion instruction
     for two values on SM89+); Triton's CPU interpreter rounds casts to fp8 wrongly (ties away
     from even, and carries into the exponent lost), so there v is put on the e4m3 grid first
-    (fp8_grid_rne, a dozen instructions a value). Both give the same bits (a GPU test checks
-    them against each other on ties, subnormals and saturated values).
+    (fp8_grid_rne, a dozen instructions a value). Both give the same values, a zero's sign aside
+    (the grid rounds a tiny negative value to +0; a GPU test checks them against each other on
+    ties, subnormals and saturated values).
     """
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if INT8:
