@@ -244,3 +244,13 @@ def test_quantized_tune_cli_checks_its_flags():
         main(["tune", "--shape", "olmoe-1b-7b", "--quant", "int8_w8a16", "--static-scales"])
     with pytest.raises(SystemExit):
         main(["tune", "--shape", "olmoe-1b-7b", "--quant", "fp9"])  # not a scheme: argparse refuses
+
+
+def test_backend_refuses_rocm_builds_with_the_reason(monkeypatch):
+    # A ROCm torch calls its GPUs "cuda"; the kernels are NVIDIA's, so the oracle must not pick them there.
+    import moekit.experts.triton_experts as te
+
+    monkeypatch.setattr(te, "settings", dataclasses.replace(settings, triton_interpret=False))
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    reason = TritonBackend().available()
+    assert reason is not None and "ROCm build (6.2.41133)" in reason

@@ -116,6 +116,10 @@ class TritonBackend(ExpertsBackend):
     native_out_dtype = True
 
     def available(self) -> Optional[str]:
+        if getattr(torch.version, "hip", None) and not settings.triton_interpret:
+            # torch's ROCm builds call their GPUs "cuda" too; the kernels are NVIDIA's (inline PTX,
+            # float8 e4m3fn, TMA descriptors, Hopper warp specialization).
+            return f"the kernels are written for NVIDIA GPUs; this torch is a ROCm build ({torch.version.hip})"
         if not torch.cuda.is_available() and not settings.triton_interpret:
             return "no CUDA GPU here (on CPU tensors it runs only under TRITON_INTERPRET=1, for tests)"
         return None
