@@ -540,11 +540,9 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
                                 torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5)
                     # Rounds alternate the two kernels, so a change of clocks (power) between
                     # rounds reaches both sides of the ratio.
-                    q_us, b_us = [], []
-                    for _ in range(rounds):
-                        q_us.append(graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays))
-                        b_us.append(graph_time_us(
-                            lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton"), sets, replays))
+                    quant_fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
+                    bf16_fn = lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton")  # noqa: E731
+                    q_us, b_us = _alternate(quant_fn, bf16_fn, sets, rounds, replays)
                     row["us"] = statistics.median(q_us)
                     row["pct_of_floor"] = 100.0 * row["floor_us"] / row["us"]
                     row["bf16_triton_us"] = statistics.median(b_us)
@@ -553,13 +551,7 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
                         row["rounds_us"] = q_us
                         row["rounds_bf16_triton_us"] = b_us
                     if sustain_ms > 0 and M >= sustain_from_m:
-                        q_us, b_us = [], []
-                        for _ in range(rounds):
-                            q_us.append(graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i), sets, replays,
-                                                      warm_ms=sustain_ms))
-                            b_us.append(graph_time_us(
-                                lambda x, w, i: fused_experts(x, bf16[0], bf16[1], w, i, backend="triton"), sets,
-                                replays, warm_ms=sustain_ms))
+                        q_us, b_us = _alternate(quant_fn, bf16_fn, sets, rounds, replays, sustain_ms)
                         row["sustained"] = {"warm_ms": sustain_ms, "us": statistics.median(q_us),
                                             "bf16_triton_us": statistics.median(b_us),
                                             "speedup_vs_bf16_triton": statistics.median(b_us) / statistics.median(q_us),
@@ -581,6 +573,16 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
         torch.cuda.empty_cache()
     _write_json(out_json, result)
     return result
+
+
+def _alternate(fn_a: Callable, fn_b: Callable, sets, rounds: int, replays: int,
+               warm_ms: float = 0.0) -> Tuple[List[float], List[float]]:
+    """(fn_a's, fn_b's) graph times over `rounds` rounds that time them alternately."""
+    a_us, b_us = [], []
+    for _ in range(rounds):
+        a_us.append(graph_time_us(fn_a, sets, replays, warm_ms=warm_ms))
+        b_us.append(graph_time_us(fn_b, sets, replays, warm_ms=warm_ms))
+    return a_us, b_us
 
 
 def _write_json(path: Optional[str], result: Dict) -> None:
