@@ -1,8 +1,8 @@
 """The quantized Triton experts on CPU under Triton's interpreter, against the emulated reference.
 
-Every scheme runs here with fp16 activations (fp8 included: the kernels round onto the e4m3
-grid themselves, so the interpreter's own fp8 casts, which round wrongly, only see exact
-values). TRITON_INTERPRET is read at import, so the cases run in a child process.
+Every scheme runs here with fp16 activations (fp8 included: under the interpreter the kernels
+round onto the e4m3 grid themselves, so the interpreter's own fp8 casts, which round wrongly,
+only see exact values). TRITON_INTERPRET is read at import, so the cases run in a child process.
 """
 
 import pytest
@@ -18,12 +18,16 @@ if not IN_INTERPRETER:
         run_in_interpreter(__file__)
 
 else:
+    import triton
+    import triton.language as tl
+
     from moekit import fused_experts
     from moekit.activations import is_gated
     from moekit.experts.base import ExpertsProblem
     from moekit.experts.triton_experts import TritonBackend, triton_quant_experts
     from moekit.kernels.launch_quant import quant_config, quant_unsupported
     from moekit.kernels.quant_rows import align_and_quantize, modes_of, quant_rows, quantize_rows
+    from moekit.kernels.triton_quant_rows import to_quant
     from moekit.kernels.tuning import MoEConfig, TileConfig
     from moekit.quant import TOLERANCE, emulated_experts, get_scheme, quantize_activation, quantize_experts
 
@@ -291,3 +295,23 @@ else:
         library.opcheck(triton_quant_experts, (
             x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s["w13_zero"], s["w2_zero"], None, None,
             w, ids, None, "int4_w4a16", 32, "silu", 1.702, 7.0, False, torch.float16))
+
+    def test_fp8_rounding_in_the_interpreter_matches_torch(gen):
+        # to_quant's interpreter path puts values on the e4m3 grid before the cast (the interpreter's
+        # own cast rounds ties away from even): it must give torch's round-to-nearest-even values on
+        # ties (midpoints of neighbouring fp8 values), just off them, subnormals and saturated values.
+        @triton.jit
+        def cast(v_ptr, q_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            tl.store(q_ptr + offs, to_quant(tl.load(v_ptr + offs, mask=ok, other=0.0), 448.0, False), mask=ok)
+
+        grid_values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid_values = grid_values[torch.isfinite(grid_values)].unique()
+        mids = (grid_values[1:] + grid_values[:-1]) / 2
+        rand = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-14, 10, (4096,), generator=gen).float())
+        v = torch.cat([grid_values, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1), rand,
+                       torch.tensor([464.0, 1e6, -1e6, 2.0**-10, 3 * 2.0**-11])])
+        q = torch.empty(v.numel(), dtype=torch.float8_e4m3fn)
+        cast[(triton.cdiv(v.numel(), 1024),)](v, q, v.numel(), BLOCK=1024)
+        assert torch.equal(q.float(), v.clamp(-448, 448).to(torch.float8_e4m3fn).float())
