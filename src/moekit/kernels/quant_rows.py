@@ -128,9 +128,16 @@ def quant_rows(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights=N
     (xx, qq, ss, w, sr, ids, emap), sizes, meta, n_chunks = _quant_args(x, q, s, modes, gran, group, topk_weights,
                                                                         topk_ids, expert_map, src)
     end = expert_end if expert_end is not None else s
-    qr.quant_rows_kernel[(x.shape[0], n_chunks)](
-        xx, qq, ss, w, sr, end, ids, emap, sizes[0], end.shape[0] if expert_end is not None else 1, *sizes[1:],
-        SORTED=expert_end is not None, **meta, PDL=pdl, launch_pdl=pdl, num_warps=4)
+    rows = _rows_per_program(gran, meta["BC"])
+    qr.quant_rows_kernel[(triton.cdiv(x.shape[0], rows), n_chunks)](
+        xx, qq, ss, w, sr, end, ids, emap, x.shape[0], sizes[0], end.shape[0] if expert_end is not None else 1,
+        *sizes[1:], SORTED=expert_end is not None, **meta, PDL=pdl, ROWS=rows, launch_pdl=pdl, num_warps=4)
+
+
+def _rows_per_program(gran: int, block: int) -> int:
+    """Rows one row-quantization program takes: about 4096 values (a program per short row left
+    the GPU waiting on thousands of tiny programs); gran 4 (a token's slots) one."""
+    return 1 if gran == 4 else max(1, 4096 // block)
 
 
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
@@ -162,10 +169,12 @@ def tensor_scale(x: torch.Tensor, modes: QuantModes, topk_weights, topk_ids, exp
     amax = torch.empty(n, dtype=torch.float32, device=x.device)
     sorted_rows = sorted_ids is not None
     ids = topk_ids
-    qr.row_amax_kernel[(n,)](
+    bk = min(1024, _pow2(K))
+    rows = _rows_per_program(1, bk)
+    qr.row_amax_kernel[(triton.cdiv(n, rows),)](
         x, amax, topk_weights, ids, expert_map if expert_map is not None else ids,
-        sorted_ids if sorted_rows else ids, expert_end, K, topk_ids.numel(), topk_ids.shape[1], expert_end.shape[0],
-        x.stride(0), BK=min(1024, _pow2(K)), ON_INPUT=on_input and not sorted_rows, HAS_MAP=expert_map is not None,
-        SORTED=sorted_rows, num_warps=4)
+        sorted_ids if sorted_rows else ids, expert_end, n, K, topk_ids.numel(), topk_ids.shape[1], expert_end.shape[0],
+        x.stride(0), BK=bk, ON_INPUT=on_input and not sorted_rows, HAS_MAP=expert_map is not None,
+        SORTED=sorted_rows, ROWS=rows, num_warps=4)
     s = amax.max().reshape(1) / modes.qmax
     return torch.where(s > 0, s, torch.ones_like(s))

@@ -1,9 +1,10 @@
 """Triton kernels around the quantized GEMMs: activation quantization (alone or in the
 alignment's launch) and the fixed-order sum of GEMM2's rows over the k slots and K splits.
 
-Activation quantization runs on a 2-D grid, one program per row and chunk of BC columns,
-so a row's groups are quantized side by side rather than one after another (a decode step
-has few rows: a loop per row would leave the GPU waiting on one load at a time).
+Activation quantization runs on a 2-D grid, one program per block of rows (about 4096 values;
+one token for GRAN 4) and chunk of BC columns, so a row's groups are quantized side by side
+rather than one after another (a decode step has few rows: a loop per row would leave the GPU
+waiting on one load at a time), and short rows do not make thousands of tiny programs.
 
 Modes of the quantized rows (GRAN):
     1  one scale for all rows, read from s[0] (per tensor, dynamic: computed beforehand);
@@ -88,35 +89,38 @@ def _expert_of(ids_ptr, map_ptr, assign, HAS_MAP: tl.constexpr):
 @triton.jit(do_not_specialize=["TK", "top_k", "E"])
 def row_amax_kernel(
     x_ptr, amax_ptr, topk_w_ptr, ids_ptr, map_ptr, sorted_ptr, expert_end_ptr,
-    K, TK, top_k, E, stride_x,
-    BK: tl.constexpr, ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr, SORTED: tl.constexpr,
+    n_rows, K, TK, top_k, E, stride_x,
+    BK: tl.constexpr, ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr, SORTED: tl.constexpr, ROWS: tl.constexpr,
 ):
     """amax[r] = max |x[r, :]| over the rows that reach a local expert, 0 for the others.
 
     SORTED: rows of the activation buffer (valid: inside the experts' rows and not padding);
     else token rows (valid: some slot is local; the routed weight multiplies the row when
-    ON_INPUT, k = 1). One program per row.
+    ON_INPUT, k = 1). ROWS rows a program (of the n_rows).
     """
-    r = tl.program_id(0)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = r < n_rows
     if SORTED:
-        valid = (r < tl.load(expert_end_ptr + E - 1)) & (tl.load(sorted_ptr + r) < TK)
+        valid = in_range & (r < tl.load(expert_end_ptr + E - 1))
+        valid = valid & (tl.load(sorted_ptr + r, mask=valid, other=TK) < TK)
     elif HAS_MAP:
         valid = r < 0
         for j in range(0, top_k):
-            valid = valid | (tl.load(map_ptr + tl.load(ids_ptr + r * top_k + j)) >= 0)
+            gid = tl.load(ids_ptr + r * top_k + j, mask=in_range, other=0)
+            valid = valid | (tl.load(map_ptr + gid, mask=in_range, other=-1) >= 0)
     else:
-        valid = r >= 0
-    ks = tl.arange(0, BK)
-    row = x_ptr + r.to(tl.int64) * stride_x
-    amax = tl.zeros([BK], dtype=tl.float32)
-    k_end = tl.where(valid, K, 0)  # an invalid row reads nothing and gives 0
+        valid = in_range
+    ks = tl.arange(0, BK)[None, :]
+    row = x_ptr + r.to(tl.int64)[:, None] * stride_x
+    amax = tl.zeros([ROWS, BK], dtype=tl.float32)
+    k_end = tl.where(valid, K, 0)[:, None]  # an invalid row reads nothing and gives 0
     for k0 in range(0, K, BK):
         v = tl.load(row + k0 + ks, mask=ks + k0 < k_end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    out = tl.max(amax, axis=0)
+    out = tl.max(amax, axis=1)
     if ON_INPUT:
-        out = out * tl.abs(tl.load(topk_w_ptr + r))
-    tl.store(amax_ptr + r, out)
+        out = out * tl.abs(tl.load(topk_w_ptr + r, mask=in_range, other=0.0))
+    tl.store(amax_ptr + r, out, mask=in_range)
 
 
 @triton.jit
@@ -155,48 +159,54 @@ def _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_pt
 
 
 @triton.jit
-def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x, stride_q,
-                 stride_s,
+def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0, n_rows, c, K, top_k, stride_x,
+                 stride_q, stride_s,
                  BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
-                 ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr):
-    """Quantize columns [c * BC, (c + 1) * BC) of row r (GRAN 3: BC / G groups of G columns;
-    GRAN 2: the whole row, c = 0, in chunks of BC; GRAN 4: r is a token). See the module docstring."""
+                 ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr, ROWS: tl.constexpr):
+    """Quantize columns [c * BC, (c + 1) * BC) of rows r0 .. r0 + ROWS - 1 below n_rows (GRAN 3:
+    BC / G groups of G columns; GRAN 2: whole rows, c = 0, in chunks of BC; GRAN 4: r0 is a token,
+    ROWS = 1). See the module docstring."""
     if GRAN == 4:
-        _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, c, K, top_k, stride_x,
+        tl.static_assert(ROWS == 1, "GRAN 4 quantizes one token per program")
+        _quant_token_slots(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0, c, K, top_k, stride_x,
                            stride_q, BC, QMAX, INT8, ON_INPUT, HAS_MAP)
     else:
-        row = x_ptr + r.to(tl.int64) * stride_x
-        q_row = q_ptr + r.to(tl.int64) * stride_q
-        w_r = 1.0
+        rr = r0 + tl.arange(0, ROWS)
+        row_ok = rr < n_rows
+        row = x_ptr + rr.to(tl.int64)[:, None] * stride_x  # [ROWS, 1]
+        q_row = q_ptr + rr.to(tl.int64)[:, None] * stride_q
+        w_r = tl.full([ROWS, 1], 1.0, tl.float32)
         if ON_INPUT:
-            w_r = tl.load(topk_w_ptr + r)
+            w_r = tl.load(topk_w_ptr + rr, mask=row_ok, other=0.0)[:, None]
         if GRAN == 3:
             cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
-            ok = cols < K
-            v = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32) * w_r
-            m = tl.max(tl.abs(v), axis=1)
+            ok = row_ok[:, None, None] & (cols < K)[None, :, :]
+            v = tl.load(row[:, :, None] + cols[None, :, :], mask=ok, other=0.0).to(tl.float32) * w_r[:, :, None]
+            m = tl.max(tl.abs(v), axis=2)  # [ROWS, BC/G]
             s = tl.where(m > 0.0, m / QMAX, 1.0)
             groups = c * (BC // G) + tl.arange(0, BC // G)
-            tl.store(s_ptr + r.to(tl.int64) * stride_s + groups, s, mask=groups * G < K)
-            tl.store(q_row + cols, to_quant(v / s[:, None], QMAX, INT8), mask=ok)
+            tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], s,
+                     mask=row_ok[:, None] & (groups * G < K)[None, :])
+            tl.store(q_row[:, :, None] + cols[None, :, :], to_quant(v / s[:, :, None], QMAX, INT8), mask=ok)
         else:
-            ks = tl.arange(0, BC)
+            ks = tl.arange(0, BC)[None, :]
             if GRAN == 1:
-                s = tl.load(s_ptr)
+                s = tl.load(s_ptr) + tl.zeros([ROWS, 1], tl.float32)
             else:
-                amax = tl.zeros([BC], dtype=tl.float32)
+                amax = tl.zeros([ROWS, BC], dtype=tl.float32)
                 for k0 in range(0, K, BC):
-                    v = tl.load(row + k0 + ks, mask=ks + k0 < K, other=0.0).to(tl.float32) * w_r
+                    v = tl.load(row + k0 + ks, mask=row_ok[:, None] & (ks + k0 < K), other=0.0).to(tl.float32) * w_r
                     amax = tl.maximum(amax, tl.abs(v))
-                m = tl.max(amax, axis=0)
+                m = tl.max(amax, axis=1)
                 s = tl.where(m > 0.0, m / QMAX, 1.0)
-                tl.store(s_ptr + r.to(tl.int64) * stride_s, s)
+                tl.store(s_ptr + rr.to(tl.int64) * stride_s, s, mask=row_ok)
+                s = s[:, None]
             k_lo = c * BC
             k_hi = tl.minimum(K, k_lo + BC)
             if GRAN == 2:
                 k_hi = K
             for k0 in range(k_lo, k_hi, BC):
-                ok = ks + k0 < K
+                ok = row_ok[:, None] & (ks + k0 < K)
                 v = tl.load(row + k0 + ks, mask=ok, other=0.0).to(tl.float32) * w_r
                 tl.store(q_row + k0 + ks, to_quant(v / s, QMAX, INT8), mask=ok)
 
@@ -204,11 +214,13 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, 
 @triton.jit(do_not_specialize=["E", "top_k"])
 def quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, expert_end_ptr, ids_ptr, map_ptr,
-    K, E, top_k, stride_x, stride_q, stride_s,
+    n_rows, K, E, top_k, stride_x, stride_q, stride_s,
     BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
-    ON_INPUT: tl.constexpr, SORTED: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    ON_INPUT: tl.constexpr, SORTED: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """q[r] = quantize(x[r]); grid (rows, column chunks) (see _quant_chunk).
+    """q[r] = quantize(x[r]) for the n_rows rows; grid (row blocks of ROWS, column chunks) (see
+    _quant_chunk). Several rows a program keep each program's loads large when rows are short
+    (GEMM1's output of 768 columns: a program per row left the GPU waiting on tiny programs).
 
     SORTED: rows at or past the experts' last row (expert_end[E - 1]) are never read, so
     they are left alone. ON_INPUT: the routed weight of row r (k = 1) multiplies the row first.
@@ -218,12 +230,12 @@ def quant_rows_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    r = tl.program_id(0)
+    r0 = tl.program_id(0) * ROWS
     if SORTED:
-        if r >= tl.load(expert_end_ptr + E - 1):
-            return
-    _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r, tl.program_id(1), K, top_k,
-                 stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
+        n_rows = tl.minimum(n_rows, tl.load(expert_end_ptr + E - 1))
+    if r0 < n_rows:
+        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0, n_rows, tl.program_id(1), K,
+                     top_k, stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP, ROWS)
 
 
 @triton.jit(do_not_specialize=["TK", "top_k"])
@@ -256,8 +268,8 @@ def align_quant_kernel(
             align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
         j = pid if SMALL else pid - NA
-        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
-                     stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
+        _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j // NCH + 1, j % NCH, K,
+                     top_k, stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP, 1)
 
 
 @triton.jit(do_not_specialize=["top_k"])
