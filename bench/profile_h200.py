@@ -14,6 +14,7 @@ eager ones) and samples the SM clock and power while it replays.
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -64,20 +65,23 @@ def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
            "kernel_us_sum": sum(r["us_per_call"] for r in kernels), "kernels": kernels}
     print(f"== {spec}: graph {graph_us:.1f} us ({row['pct_of_floor']:.1f}% of floor {floor:.1f}); "
           f"kernels {row['kernel_us_sum']:.1f} us per call", flush=True)
-    for r in kernels:
-        print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
+    _print_kernels(kernels)
     if replayed:
         with torch.inference_mode():
             row["in_graph"] = _in_graph(fn, sets)
         g = row["in_graph"]
         print(f"   in the graph: {g['us_per_call']:.1f} us per call, kernels {g['kernel_us_sum']:.1f}; "
               f"SM clock {g['sm_mhz']} MHz, {g['power_w']} W while replaying", flush=True)
-        for r in g["kernels"]:
-            print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
+        _print_kernels(g["kernels"])
         print(f"   idle between kernels: {sum(r['us_per_call'] for r in g['gaps']):.1f} us per call", flush=True)
         for r in g["gaps"][:6]:
             print(f"   {r['us_per_call']:8.2f} us  {r['between']}", flush=True)
     return row
+
+
+def _print_kernels(rows: list) -> None:
+    for r in rows:
+        print(f"   {r['us_per_call']:8.2f} us  x{r['launches_per_call']:.0f}  {r['kernel']}", flush=True)
 
 
 def _kernel_rows(prof, calls: int) -> list:
@@ -109,8 +113,6 @@ def _gaps(prof, calls: int) -> list:
 def _in_graph(fn, sets, replays: int = 3, busy_replays: int = 40) -> dict:
     """The kernels of one CUDA graph of the calls, profiled over replays (as the benchmark runs
     them), and the SM clock and power sampled while the graph replays back to back."""
-    import time  # noqa: PLC0415
-
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     graph = capture_graph(fn, sets)

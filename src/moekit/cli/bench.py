@@ -98,7 +98,7 @@ def run(args) -> int:
 
         shapes = [s for s in CPU_SHAPES if args.shapes is None or s[0] in args.shapes]
         result = run_cpu_bench(shapes, Ms=args.M or (1, 32, 512), reps=args.reps, budget_s=args.budget,
-                               impls=args.impls, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                               impls=args.impls, progress=say)
         _table(result)
     result["command"] = command
     if args.out:
