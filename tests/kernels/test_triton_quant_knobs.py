@@ -238,11 +238,6 @@ else:
         ("fp8_w8a8", {}, 48, 40, (16, 16, 32, 16, 32), dict(split_k=3)),       # dynamic per tensor, not fused
         ("fp8_w8a8_channel", {}, 40, 24, (16, 16, 32, 16, 32), dict(gate_up=True)),
         ("int8_w8a8", {}, 40, 24, (16, 16, 32, 16, 32), dict(split_k=2)),
-        # weight tiles by TMA: gate and up halves of one product, K masks (H = 48), splits, prefetch
-        ("fp8_w8a8", {"static": True}, 48, 32, (16, 16, 32, 16, 32), dict(tma1=True, tma2=True, gate_up=True)),
-        ("fp8_w8a8", {}, 64, 48, (16, 64, 32, 64, 32), dict(tma1=True, tma2=True, swap1=True, swap2=True)),
-        ("fp8_w8a8_channel", {}, 64, 48, (16, 16, 32, 32, 32), dict(tma1=True, tma2=True, split_k=2)),
-        ("int8_w8a8", {}, 64, 32, (16, 32, 32, 16, 32), dict(tma1=True, tma2=True, prefetch1=True, gate_up=True)),
     ]
 
     @pytest.mark.parametrize("T,n_remote", [(1, 0), (7, 3)], ids=["T1", "T7-expert-map"])
@@ -256,25 +251,6 @@ else:
     def test_x_quantized_in_the_chunked_alignment(scheme, opts, gen, monkeypatch):
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # two-launch alignment, x in its first
         _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
-
-    @pytest.mark.parametrize("scheme,opts,tiles,knobs", [
-        ("fp8_w8a8", {"static": True}, (16, 32, 32, 32, 32), dict(gate_up=True)),
-        ("fp8_w8a8_channel", {}, (16, 64, 32, 64, 32), dict(swap1=True, swap2=True, split_k=2)),
-        ("int8_w8a8", {}, (16, 16, 32, 32, 32), dict(prefetch1=True)),
-    ])
-    def test_weight_tiles_by_tma_give_the_pointer_loads_results(scheme, opts, tiles, knobs, gen):
-        # The same products in the same K order: the same bits, but for gate_up, whose one product
-        # holds the columns in another order (gate, then up), which numpy may sum differently.
-        wts = _weights(scheme, opts, 5, 64, 48, gen)
-        emap = random_expert_map(5, 2, gen)
-        ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(9)]).to(torch.int32)
-        w, x = torch.rand(9, 3, generator=gen) + 0.05, torch.randn(9, 64, generator=gen).half()
-        plain = _run(wts, x, w, ids, emap, _tiles(*tiles), QuantKnobs(**knobs))
-        tma = _run(wts, x, w, ids, emap, _tiles(*tiles), QuantKnobs(tma1=True, tma2=True, **knobs))
-        if knobs.get("gate_up"):
-            assert rel_err(tma, plain) <= 1e-3  # fp16 outputs: a rounding apart at most
-        else:
-            assert torch.equal(tma, plain)
 
     def test_knob_misuse_is_refused(gen):
         wts = _weights("fp8_w8a8_block128", {}, 2, 128, 128, gen)
@@ -293,7 +269,3 @@ else:
             _run(wts, torch.randn(2, 48).half(), w, ids, None, None, QuantKnobs(pdl=True))
         with pytest.raises(TypeError, match="knobs"):
             _run(wts, torch.randn(2, 48).half(), w, ids, None, None, {"split_k": 2})
-        with pytest.raises(ValueError, match="tma2 .* rows of a multiple of 16 bytes, got K = 40"):
-            _run(wts, torch.randn(2, 48).half(), w, ids, None, _tiles(16, 16, 32, 16, 32), QuantKnobs(tma2=True))
-        with pytest.raises(ValueError, match="tma1 .* 8-bit weights with scales constant along K"):
-            _run(int4, x, w, ids, None, None, QuantKnobs(tma1=True))

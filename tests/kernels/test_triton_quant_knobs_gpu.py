@@ -68,12 +68,6 @@ VARIANTS = [
     ("fp8_w8a8", {"static": True}, (16, 64, 128, 128, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=2)),
     ("fp8_w8a8", {}, (32, 128, 128, 128, 128, 8), dict(swap1=True, swap2=True, prefetch1=True, prefetch2=True)),
     ("fp8_w8a8_channel", {}, (16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=4)),
-    # weight tiles by TMA
-    ("fp8_w8a8", {"static": True}, (16, 64, 128, 64, 128), dict(tma1=True, tma2=True, swap2=True, pdl=True)),
-    ("fp8_w8a8", {"static": True}, (32, 32, 128, 64, 128), dict(tma1=True, tma2=True, gate_up=True, swap2=True)),
-    ("fp8_w8a8", {}, (16, 64, 256, 64, 256), dict(tma1=True, tma2=True, swap1=True, gate_up=True, split_k=2)),
-    ("fp8_w8a8_channel", {}, (64, 64, 128, 128, 128), dict(tma1=True, tma2=True, gate_up=True, prefetch2=True)),
-    ("int8_w8a8", {}, (16, 64, 128, 64, 128), dict(tma1=True, tma2=True, split_k=2)),
 ]
 IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
        for v in VARIANTS]
@@ -117,34 +111,3 @@ def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, c
         ids.copy_(new_ids)
         graph.replay()
         assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
-
-
-@pytest.mark.parametrize("tiles,knobs", [
-    ((16, 64, 128, 64, 128), dict(swap2=True, pdl=True)),
-    ((32, 32, 128, 64, 128), dict(gate_up=True, swap2=True)),
-    ((16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, split_k=2)),
-    ((64, 64, 128, 128, 128), dict(gate_up=True)),
-])
-def test_weight_tiles_by_tma_give_the_pointer_loads_bits_in_graphs(tiles, knobs, cuda_gen):
-    # Each output element is the same products summed in the same order whatever column of the
-    # tile holds it, so TMA tiles (gate_up: gate columns, then up columns) keep the bits.
-    wts = _weights("fp8_w8a8", {"static": True}, 16, 1024, 768, cuda_gen)
-    w, ids = _routing(200, 16, 4, cuda_gen)
-    x = torch.randn(200, 1024, device="cuda", generator=cuda_gen).bfloat16()
-    cfg = _tiles(*tiles)
-    plain = _run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(**knobs))
-    tma = QuantKnobs(tma1=True, tma2=True, **knobs)
-    assert torch.equal(plain, _run(wts, x, w, ids, config=cfg, knobs=tma))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _run(wts, x, w, ids, config=cfg, knobs=tma)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run(wts, x, w, ids, config=cfg, knobs=tma)
-    new_w, new_ids = _routing(200, 16, 4, cuda_gen)
-    w.copy_(new_w)
-    ids.copy_(new_ids)
-    graph.replay()
-    assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(**knobs)))

@@ -161,19 +161,6 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
     return quant_config(get_config(T, E, k, H, I, dtype, device), modes), QuantKnobs()
 
 
-def _tma_refusal(modes: QuantModes, w: torch.Tensor, t: TileConfig, dev: torch.device) -> Optional[str]:
-    """Why a GEMM cannot read weights w [E, rows, K] by TMA with tiles t, as a clause, or None."""
-    if modes.w_int4 or modes.w_kscale:
-        return "it takes 8-bit weights with scales constant along K"
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
-        return f"it needs compute capability 9.0 or newer, got {torch.cuda.get_device_capability(dev)}"
-    if not w.is_contiguous() or w.shape[2] % 16 or w.data_ptr() % 16:
-        return f"it needs contiguous weights with rows of a multiple of 16 bytes, got K = {w.shape[2]}"
-    if t.BLOCK_SIZE_N > 256 or t.BLOCK_SIZE_K > 256:
-        return f"TMA blocks are at most 256 wide, got BLOCK_SIZE_N={t.BLOCK_SIZE_N}, BLOCK_SIZE_K={t.BLOCK_SIZE_K}"
-    return None
-
-
 def _tile_kwargs(t: TileConfig):
     return dict(BM=t.BLOCK_SIZE_M, BN=t.BLOCK_SIZE_N, BK=t.BLOCK_SIZE_K, GROUP_M=t.GROUP_SIZE_M,
                 num_warps=t.num_warps, num_stages=t.num_stages)
@@ -321,13 +308,6 @@ def fused_moe_quant(
         if not swap_fits(t):
             raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}.BLOCK_SIZE_N a multiple of 64 and >= 16 * "
                              f"num_warps, got {t.BLOCK_SIZE_N} with {t.num_warps} warps")
-    for flag, w, t, gemm in ((knobs.tma1, w13, g1, "gemm1"), (knobs.tma2, w2, g2, "gemm2")):
-        if flag:
-            why = _tma_refusal(modes, w, t, dev)
-            if why:
-                raise ValueError(f"knobs.tma{gemm[-1]} reads config.{gemm}'s weight tiles by TMA: {why}")
-    if knobs.tma1 or knobs.tma2:
-        prefill.use_descriptor_scratch(dev)
     for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
         if flag and K % t.BLOCK_SIZE_K:
             raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
@@ -384,7 +364,7 @@ def fused_moe_quant(
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, W_TMA=knobs.tma1, **chain, **flags,
+        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1, **chain, **flags,
         **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
@@ -410,7 +390,7 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, W_TMA=knobs.tma2, **chain, **flags, **_tile_kwargs(g2))
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, **chain, **flags, **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)
     has_map = expert_map is not None

@@ -52,10 +52,6 @@ class QuantKnobs:
         accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
-    tma1, tma2: GEMM1 / GEMM2 read their weight tiles by TMA through descriptors the kernel
-        builds (8-bit weights with scales constant along K, SM90+ or the interpreter), instead of
-        pointer loads; with gate_up, GEMM1's product holds the tile's gate columns, then its up
-        columns.
     static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
         with static per-tensor scales, one weight scale per expert) run triton_prefill's
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
@@ -72,8 +68,6 @@ class QuantKnobs:
     pdl: bool = False
     swap1: bool = False
     swap2: bool = False
-    tma1: bool = False
-    tma2: bool = False
     static_prefill: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:

@@ -40,11 +40,6 @@ Modes (constexpr):
               next one launch once the products are done.
     GATE_UP   GEMM1 reads gate and up rows interleaved (column 2j gate j, 2j+1 up j) as one
               [BK, 2 BN] tile and one product, then splits the accumulator.
-    W_TMA     8-bit weights with scales constant along K read by TMA: the kernel builds a
-              descriptor of the weights as [E * G, N, K] matrices (G = 2 for GEMM1's gate and
-              up halves) and loads NB [BN / NB, BK] blocks a K step (NB = 2: gate and up rows of
-              one product, gate columns first), rows past a matrix zero-filled; else pointer
-              loads of whole 16-byte vectors.
     SWAP      fp8 products with scales constant along K: the accumulator is [BN, BM] and each
               K step multiplies W tile^T by a^T, so the weight rows (BN >= 64) are the side of
               Hopper's 64-row warpgroup fp8 product and a few tokens (BM = 16, 32) its other
@@ -204,26 +199,13 @@ def _dequant(acc, a_s_ptrs, a_ok, ws_ptrs,
 
 
 @triton.jit
-def _w_tile(w_ptrs, w_ok, w_desc, w_e, n0, k0, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
-            W_TMA: tl.constexpr, MASKED: tl.constexpr):
-    """The [BK, BN] weight tile of a K step: by TMA (NB blocks of BN / NB rows from n0 of
-    matrices w_e, w_e + 1, ..., columns k0..), else through the pointers (masked along K)."""
-    if W_TMA:
-        return tl.reshape(w_desc.load([w_e, n0, k0]), [BN, BK]).T
-    if MASKED:
-        return tl.load(w_ptrs, mask=w_ok, other=0.0)
-    return tl.load(w_ptrs)
-
-
-@triton.jit
 def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up_off, k_lo, k_hi, K,
-              stride_wn, stride_sn, w_desc, w_e,
+              stride_wn, stride_sn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
               A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
               W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
               EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr,
-              W_TMA: tl.constexpr, NB: tl.constexpr):
+              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr):
     """Dequantized products over K columns [k_lo, k_hi) of rows a with one expert's weight rows
     `wrows` (and, GATED, rows wrows + up_off): returns (gate, up), fp32 [BM, BN] each (up = gate
     when not GATED).
@@ -234,8 +216,6 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     tile's first gate row. INTERLEAVED: wrows alternate gate and up rows (GATED is False).
     Weight scales of W_SROWS-row blocks are one per tile and K group when a tile's gate (and up)
     rows lie in one block: scalars (two, gate and up, when INTERLEAVED), not a load per column.
-    W_TMA: weight tiles from w_desc at matrix w_e (the up rows at w_e + 1 when GATED), rows
-    row0.. (NB: blocks a tile; wrows then only locate the scales).
     """
     kk = tl.arange(0, BK)
     a_ptrs = a_row_ptrs[:, None] + (k_lo + kk)[None, :]
@@ -264,10 +244,10 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     acc_u = acc_g
     if PREFETCH:  # EVEN_K: every tile is whole
         a_next = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
-        qg_next = _w_tile(w_ptrs, None, w_desc, w_e, row0, k_lo, BN, BK, NB, W_TMA, False)
+        qg_next = tl.load(w_ptrs)
         qu_next = qg_next
         if GATED:
-            qu_next = _w_tile(wu_ptrs, None, w_desc, w_e + 1, row0, k_lo, BN, BK, NB, W_TMA, False)
+            qu_next = tl.load(wu_ptrs)
     for k0 in range(k_lo, k_hi, BK):
         if PREFETCH:
             a = a_next
@@ -275,24 +255,28 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
             q_u = qu_next
             more = (k0 + BK < k_hi).to(tl.int32)  # the last step reloads its own tile
             a_next = tl.load(a_ptrs + more * BK, mask=a_ok[:, None], other=0.0)
-            step = more * (BK // 2) if W_INT4 else more * BK
-            qg_next = _w_tile(w_ptrs + step, None, w_desc, w_e, row0, k0 + more * BK, BN, BK, NB, W_TMA, False)
+            if W_INT4:
+                qg_next = tl.load(w_ptrs + more * (BK // 2))
+            else:
+                qg_next = tl.load(w_ptrs + more * BK)
             if GATED:
-                qu_next = _w_tile(wu_ptrs + step, None, w_desc, w_e + 1, row0, k0 + more * BK, BN, BK, NB, W_TMA,
-                                  False)
+                if W_INT4:
+                    qu_next = tl.load(wu_ptrs + more * (BK // 2))
+                else:
+                    qu_next = tl.load(wu_ptrs + more * BK)
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
-            q_g = _w_tile(w_ptrs, None, w_desc, w_e, row0, k0, BN, BK, NB, W_TMA, False)
+            q_g = tl.load(w_ptrs)
             q_u = q_g
             if GATED:
-                q_u = _w_tile(wu_ptrs, None, w_desc, w_e + 1, row0, k0, BN, BK, NB, W_TMA, False)
+                q_u = tl.load(wu_ptrs)
         else:
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (kk + k0 < K)[None, :], other=0.0)
             w_ok = (k_of_w + k0 < K)[:, None]
-            q_g = _w_tile(w_ptrs, w_ok, w_desc, w_e, row0, k0, BN, BK, NB, W_TMA, True)
+            q_g = tl.load(w_ptrs, mask=w_ok, other=0.0)
             q_u = q_g
             if GATED:
-                q_u = _w_tile(wu_ptrs, w_ok, w_desc, w_e + 1, row0, k0, BN, BK, NB, W_TMA, True)
+                q_u = tl.load(wu_ptrs, mask=w_ok, other=0.0)
         a_odd = a
         if A_QUANT == 0 and W_INT4:
             a, a_odd = tl.split(tl.reshape(a, [BM, BK // 2, 2]))
@@ -354,7 +338,7 @@ def gemm1_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, W_TMA: tl.constexpr,
+    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
 
@@ -364,11 +348,6 @@ def gemm1_quant_kernel(
     PDL: launched as a programmatic dependent: waits for the previous kernels before reading
     anything they wrote, and lets the next kernel launch once its products are done.
     """
-    G: tl.constexpr = 2 if GATED else 1  # weight matrices an expert's w13 holds: gate (and up)
-    NB: tl.constexpr = 2 if GATED and GATE_UP else 1
-    w_desc = w_ptr
-    if W_TMA:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * G, N, K], strides=[N * K, K, 1], block_shape=[NB, BN, BK])
     if PDL:
         tl.extra.cuda.gdc_wait()
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
@@ -390,28 +369,19 @@ def gemm1_quant_kernel(
     a_row_ptrs = a_ptr + a_rows * stride_am
     a_s_ptrs = a_s_ptr + e64 * stride_ase + a_rows * stride_asm
     w_e, ws_e, wz_e = w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se
-    w_m = e * G  # the expert's first matrix in the descriptor's [E * G, N, K] view
     if GATED and GATE_UP:
         c2 = tl.arange(0, 2 * BN)
-        if W_TMA:  # gate columns, then up columns (the descriptor's two blocks)
-            n2 = pid_n * BN + c2 % BN
-            wrows = tl.where(n2 < N, n2, 0) + (c2 // BN) * N
-        else:  # interleaved: column 2j gate j, 2j + 1 up j
-            n2 = pid_n * BN + c2 // 2
-            wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
+        n2 = pid_n * BN + c2 // 2
+        wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
         acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
-                           stride_sn, w_desc, w_m, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
-                           W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, not W_TMA,
-                           SWAP, W_TMA, NB)
-        if W_TMA:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
-        else:
-            gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
+                           stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
+                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP)
+        gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
     else:
         gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0), pid_n * BN, N,
-                             0, K, K, stride_wn, stride_sn, w_desc, w_m, BM, BN, BK, GATED, A_QUANT, A_KSCALE,
-                             W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V,
-                             PREFETCH, False, SWAP, W_TMA, NB)
+                             0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
+                             W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False,
+                             SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ON_INPUT and A_QUANT == 0:
@@ -443,7 +413,7 @@ def gemm2_quant_kernel(
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, W_TMA: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
@@ -451,9 +421,6 @@ def gemm2_quant_kernel(
     act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
     y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's.
     """
-    w_desc = w_ptr
-    if W_TMA:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, N, K], strides=[N * K, K, 1], block_shape=[1, BN, BK])
     if PDL:
         tl.extra.cuda.gdc_wait()
     pid_m, pid_n = _tile_ids(NUM_M, N, BN, GROUP_M)
@@ -472,9 +439,9 @@ def gemm2_quant_kernel(
     acc, _ = _mainloop(
         a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
-        pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, w_desc, e, BM, BN, BK, False,
-        A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V,
-        PREFETCH, False, SWAP, W_TMA, 1)
+        pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
+        A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
+        False, SWAP)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:

@@ -48,7 +48,7 @@ from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
 __all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
-           "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS", "use_descriptor_scratch"]
+           "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS"]
 
 # Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
 # E up to it shares one compiled kernel.
@@ -404,17 +404,11 @@ def _weight_desc(w: torch.Tensor, cfg: TileConfig, tma: int, name: str):
         raise ValueError(f"TMA blocks are at most 256 wide, got BLOCK_SIZE_N={cfg.BLOCK_SIZE_N}, "
                          f"BLOCK_SIZE_K={cfg.BLOCK_SIZE_K}")
     if tma == 2:
-        use_descriptor_scratch(w.device)
+        triton.set_allocator(functools.partial(_scratch, w.device))
         return w
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (triton >= 3.4)
 
     return TensorDescriptor(w.view(E * rows, K), [E * rows, K], [K, 1], [cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K])
-
-
-def use_descriptor_scratch(device: torch.device) -> None:
-    """Let kernels that build TMA descriptors themselves take their scratch memory from torch's
-    allocator on `device` (Triton asks for it at launch)."""
-    triton.set_allocator(functools.partial(_scratch, device))
 
 
 def _scratch(device: torch.device, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
