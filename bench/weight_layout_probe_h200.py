@@ -26,7 +26,7 @@ import triton.language as tl
 def stream_kernel(a_ptr, w_ptr, experts_ptr, out_ptr, y_ptr, N, K, USED,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
                   SWAP: tl.constexpr, TWO: tl.constexpr, GROUP: tl.constexpr, MASK_A: tl.constexpr,
-                  STORE: tl.constexpr, LIVE=0, SCAN: tl.constexpr = False):
+                  STORE: tl.constexpr, LIVE=0, SCAN: tl.constexpr = False, EVICT: tl.constexpr = 0):
     """The products of a decode GEMM over expert slots x column tiles, with the real kernels'
     features one by one: SWAP (weight rows on the MMA's 64-row side; else a [BM, BN] product,
     which converts fp8 weights for 16-row MMAs), TWO (gate rows n and up rows N / 2 + n: two
@@ -74,10 +74,12 @@ def stream_kernel(a_ptr, w_ptr, experts_ptr, out_ptr, y_ptr, N, K, USED,
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     acc_t = tl.zeros([BM, BN], dtype=tl.float32)
     acc_tu = tl.zeros([BM, BN], dtype=tl.float32)
+    W_POLICY: tl.constexpr = "evict_first" if EVICT % 2 == 1 else ""
+    Y_POLICY: tl.constexpr = "evict_last" if EVICT >= 2 else ""
     for k0 in range(0, K, BK):
-        w = tl.load(w_ptrs)
+        w = tl.load(w_ptrs, eviction_policy=W_POLICY)
         if TWO:
-            wu = tl.load(up_ptrs)
+            wu = tl.load(up_ptrs, eviction_policy=W_POLICY)
         if MASK_A:
             a = tl.load(a_ptrs + k0, mask=a_ok[None, :], other=0.0)
         else:
@@ -99,7 +101,7 @@ def stream_kernel(a_ptr, w_ptr, experts_ptr, out_ptr, y_ptr, N, K, USED,
     cols = tl.arange(0, BN)
     if STORE == 1:  # [BM, BN] rows, masked, in y's dtype
         y_ptrs = y_ptr + (pid * BM + m)[:, None].to(tl.int64) * BN + cols[None, :]
-        tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=a_ok[:, None])
+        tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=a_ok[:, None], eviction_policy=Y_POLICY)
     elif STORE == 2:  # the swapped accumulator through transposed pointers (no transpose of the value)
         y_ptrs = y_ptr + (pid * BM + m)[None, :].to(tl.int64) * BN + cols[:, None]
         tl.store(y_ptrs, (acc + acc_u).to(y_ptr.dtype.element_ty), mask=a_ok[None, :])
@@ -157,8 +159,9 @@ def main() -> None:
     tiles = [(64, 128, 4, 4)] if cuda else [(64, 128, 4, 2)]
     # the real kernels' features added one at a time, then together (GEMM1 at M = 16 runs
     # two unswapped products with grouped programs and masked rows; GEMM2 swapped, stored rows)
-    variants = [("row-major", "w", {}), ("row-major", "w", {"SCAN": True}), ("row-major", "w", {"DEAD": 46}),
-                ("row-major", "w", {"DEAD": 46, "SCAN": True, "STORE": 1}), ("row-major", "w", {"STORE": 1})]
+    variants = [("row-major", "w", {}), ("row-major", "w", {"STORE": 1}), ("row-major", "w", {"EVICT": 1}),
+                ("row-major", "w", {"STORE": 1, "EVICT": 1}), ("row-major", "w", {"STORE": 1, "EVICT": 2}),
+                ("row-major", "w", {"STORE": 1, "EVICT": 3})]
     rows = []
     for name, E, N, K, used in cases:
         # Several copies of the experts, used in turn, so no replay finds its weights in L2.

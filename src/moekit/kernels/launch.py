@@ -243,7 +243,8 @@ def fused_moe(
             I, H, TK, k, rows1, E, n_cnt,
             x.stride(0), w13.stride(0), w13.stride(1), stride_b13, act.stride(0),
             float(alpha), float(limit),
-            DIRECT=direct, GATED=gated, ACT=activation, **flags, **chain, **_launch_kwargs(g1))
+            DIRECT=direct, GATED=gated, ACT=activation, OUT_POLICY=moe.scratch_policy(act), **flags, **chain,
+            **_launch_kwargs(g1))
     flags.pop("HAS_BIAS")
     stride_b2 = bias2.stride(0) if b2 is not None else 0
     stride_ps = partials.stride(0) if split > 1 else 0
@@ -260,8 +261,8 @@ def fused_moe(
             act, w2, bias2, out2, partials, counters, topk_weights, topk_ids, emap, sorted_ids, expert_end,
             H, I, TK, k, rows2, E, split,
             act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
-            DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0, **flags, **chain,
-            **_launch_kwargs(g2), **pdl)
+            DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0,
+            OUT_POLICY="" if direct else moe.scratch_policy(out2), **flags, **chain, **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
     return moe.sum_over_k(out2, topk_ids, emap, has_map, out_dtype)

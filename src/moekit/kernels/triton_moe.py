@@ -37,6 +37,7 @@ import triton.language as tl
 from .triton_align import local_expert
 
 __all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "pow2", "zero_counters", "split_sum",
+           "KEEP_IN_L2_BYTES", "scratch_policy",
            "split_iters", "direct_slots", "direct_w2_tile", "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
@@ -175,11 +176,13 @@ def gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I).
 
     x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
     Clears GEMM2's n_cnt split counters at cnt_ptr (none: n_cnt = 0).  PDL: let GEMM2 launch early.
+    OUT_POLICY: L2 eviction policy of the stores (out_policy).
     """
     zero_counters(cnt_ptr, n_cnt)
     if PDL:
@@ -246,7 +249,7 @@ def gemm1_kernel(
     o_mask = col_ok[None, :]
     if DIRECT:
         o_mask = o_mask & live[:, None]
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask, eviction_policy=OUT_POLICY)
 
 
 @triton.jit
@@ -340,6 +343,7 @@ def gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
     ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr = 0,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """Down projection with the routed weight (unless it went on the input).
 
@@ -390,7 +394,7 @@ def gemm2_kernel(
                                mask=col_ok & (cols * 0 + e >= 0), other=0.0).to(tl.float32)
                 acc += (bias * tl.sum(tl.where(slots == j, slot_w, 0.0), axis=0))[None, :]
         o_ptrs = out_ptr + pid_m.to(tl.int64) * stride_om + rows[:, None] * 0 + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask, eviction_policy=OUT_POLICY)
     else:
         e = _block_expert(expert_end_ptr, pid_m, E, BM)
         if e >= E:  # past the last expert's rows
@@ -428,7 +432,7 @@ def gemm2_kernel(
         if not ON_INPUT:
             acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
         o_ptrs = out_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask, eviction_policy=OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["T", "top_k"])
@@ -458,6 +462,19 @@ def sum_k_kernel(
 
 # Up to this many tokens the sum over k runs one token row per program.
 SUM_K_ROW_MAX = 256
+
+
+# Scratch rows one kernel of a call writes and the next reads (activation rows, GEMM2's rows)
+# up to this size are stored with L2's evict-last policy: during a decode GEMM's weight stream,
+# dirty lines evicted to memory cost about 0.6-0.9 us per MB written (read-write turnarounds),
+# and kept in L2 they are also where the next kernel reads them (bench/NOTES-triton.md, "What a
+# decode GEMM could stream"). Larger buffers (prefill) keep the default policy: they cannot stay.
+KEEP_IN_L2_BYTES = 16 * 2**20
+
+
+def scratch_policy(t: torch.Tensor) -> str:
+    """The L2 eviction policy for a kernel's stores into scratch buffer t (see KEEP_IN_L2_BYTES)."""
+    return "evict_last" if t.numel() * t.element_size() <= KEEP_IN_L2_BYTES else ""
 
 
 def pow2(n: int, lo: int = 16) -> int:

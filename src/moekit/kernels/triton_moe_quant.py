@@ -339,6 +339,7 @@ def gemm1_quant_kernel(
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
 
@@ -397,9 +398,10 @@ def gemm1_quant_kernel(
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if OUT_STATIC:
         # One division a tile, a multiply per value.
-        tl.store(o_ptrs, to_quant(h * (1.0 / tl.load(out_s_ptr + e64)), 448.0, False), mask=col_ok[None, :])
+        tl.store(o_ptrs, to_quant(h * (1.0 / tl.load(out_s_ptr + e64)), 448.0, False), mask=col_ok[None, :],
+                 eviction_policy=OUT_POLICY)
     else:
-        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["TK", "NUM_M", "E"])
@@ -414,6 +416,7 @@ def gemm2_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
@@ -451,4 +454,5 @@ def gemm2_quant_kernel(
         acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_os + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om
               + cols[None, :])
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
+             eviction_policy=OUT_POLICY)

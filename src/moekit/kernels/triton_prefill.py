@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, _grouped, sum_over_k
+from .triton_moe import _apply_act, _grouped, scratch_policy, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -153,7 +153,7 @@ def _gemm1_tile(
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
-    GU1: tl.constexpr, SCALED: tl.constexpr, FOLD: tl.constexpr,
+    GU1: tl.constexpr, SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr,
 ):
     """act rows [row0, row0 + rows) (rows <= BMT), columns [n0, n0 + BN) of expert e.
 
@@ -222,7 +222,8 @@ def _gemm1_tile(
             w_fold = tl.load(topk_w_ptr + assign, mask=live, other=0.0) * tl.load(s_ptr + 4 * e + 2) \
                 * tl.load(s_ptr + 4 * e + 3)
             tl.store(wy_ptr + assign, w_fold, mask=live)
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :])
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :],
+             eviction_policy=OUT_POLICY)
 
 
 @triton.jit
@@ -232,6 +233,7 @@ def _gemm2_tile(
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+    OUT_POLICY: tl.constexpr,
 ):
     """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows).
 
@@ -264,7 +266,8 @@ def _gemm2_tile(
     if not ON_INPUT:
         acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
     y_ptrs = y_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
+             eviction_policy=OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
@@ -275,7 +278,7 @@ def prefill_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
-    SCALED: tl.constexpr, FOLD: tl.constexpr,
+    SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -299,25 +302,25 @@ def prefill_gemm1_kernel(
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
                         wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                         stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
-                        HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
+                        HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
                 _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
-                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
+                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if v == 1:
                 _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT,
-                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
+                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if TAIL == 4:
                 if v == 2:
                     _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
                                 wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                                 stride_wn, stride_be, stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT,
-                                HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD)
+                                HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
@@ -328,6 +331,7 @@ def prefill_gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr, SCALED: tl.constexpr,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
@@ -352,22 +356,22 @@ def prefill_gemm2_kernel(
         if TAIL == 1:
             _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                         nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
                 _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
             if v == 1:
                 _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
             if TAIL == 4:
                 if v == 2:
                     _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED)
+                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
@@ -499,7 +503,7 @@ def fused_moe_prefill(
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
-        GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold,
+        GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=scratch_policy(act),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
@@ -507,7 +511,7 @@ def fused_moe_prefill(
         H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
-        WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold,
+        WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold, OUT_POLICY=scratch_policy(y),
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **dict(common, FLATTEN=bool(pre.flatten and not pre.ws)))
     has_map = expert_map is not None
