@@ -288,7 +288,8 @@ def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, ac
         float(alpha), float(limit),
         BC=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, BH=g2.BLOCK_SIZE_N, STAGES1=g1.num_stages, STAGES2=g2.num_stages,
         GATED=is_gated(activation), ACT=activation, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
-        HAS_MAP=has_map, ON_INPUT=on_input, PDL=pdl, num_warps=g1.num_warps, num_stages=g1.num_stages)
+        HAS_MAP=has_map, ON_INPUT=on_input, PDL=pdl, OUT_POLICY=moe.scratch_policy(part), num_warps=g1.num_warps,
+        num_stages=g1.num_stages)
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(_FUSED_SUM_BN, _pow2(H))
     dec.partial_sum_kernel[(T, triton.cdiv(H, bn))](

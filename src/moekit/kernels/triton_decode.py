@@ -169,7 +169,7 @@ def fused_gemv_kernel(
     alpha, limit,
     BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, STAGES1: tl.constexpr, STAGES2: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr,
-    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, PDL: tl.constexpr,
+    HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, PDL: tl.constexpr, OUT_POLICY: tl.constexpr = "",
 ):
     """part[a * cdiv(I, BC) + c, :H] = w_a * act(x[a // k] W13[e_a, block c]^T + b13)_c W2[e_a][:, block c]^T
     (+ w_a b2[e_a] in block 0), for program pid = (assignment a, I block c).
@@ -177,6 +177,7 @@ def fused_gemv_kernel(
     The activation is rounded to x's dtype before GEMM2, as the two-launch path stores it.
     Non-local assignments (expert -1) write zero rows.  part [T*k*cdiv(I, BC), H] fp32.
     PDL: let the partial sum launch early (it waits for this grid to finish).
+    OUT_POLICY: L2 eviction policy of the partial rows' stores (triton_moe.scratch_policy).
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -189,7 +190,8 @@ def fused_gemv_kernel(
     hs = tl.arange(0, BH)
     if e < 0:  # not a local expert: its share of the sum is zero
         for n0 in range(0, H, BH):
-            tl.store(part_row + n0 + hs, tl.zeros([BH], dtype=tl.float32), mask=n0 + hs < H)
+            tl.store(part_row + n0 + hs, tl.zeros([BH], dtype=tl.float32), mask=n0 + hs < H,
+                     eviction_policy=OUT_POLICY)
         return
     cols = c * BC + tl.arange(0, BC)
     col_ok = cols < I
@@ -212,7 +214,7 @@ def fused_gemv_kernel(
         if HAS_B2:
             bias = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + rows, mask=row_ok & (rows * 0 + c == 0), other=0.0)
             y += bias.to(tl.float32) * b_scale
-        tl.store(part_row + rows, y, mask=row_ok)
+        tl.store(part_row + rows, y, mask=row_ok, eviction_policy=OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
