@@ -243,7 +243,7 @@ def fused_moe(
             I, H, TK, k, rows1, E, n_cnt,
             x.stride(0), w13.stride(0), w13.stride(1), stride_b13, act.stride(0),
             float(alpha), float(limit),
-            DIRECT=direct, GATED=gated, ACT=activation, OUT_POLICY=moe.scratch_policy(act), **flags, **chain,
+            DIRECT=direct, GATED=gated, ACT=activation, OUT_POLICY=moe.store_policy(act), **flags, **chain,
             **_launch_kwargs(g1))
     flags.pop("HAS_BIAS")
     stride_b2 = bias2.stride(0) if b2 is not None else 0
@@ -262,7 +262,7 @@ def fused_moe(
             H, I, TK, k, rows2, E, split,
             act.stride(0), w2.stride(0), w2.stride(1), stride_b2, out2.stride(0), stride_ps,
             DIRECT=direct, HAS_BIAS=b2 is not None, PRE=g2.PRE if direct else 0,
-            OUT_POLICY="" if direct else moe.scratch_policy(out2), **flags, **chain, **_launch_kwargs(g2), **pdl)
+            OUT_POLICY="" if direct else moe.store_policy(out2), **flags, **chain, **_launch_kwargs(g2), **pdl)
     if direct:
         return out2
     return moe.sum_over_k(out2, topk_ids, emap, has_map, out_dtype)
@@ -288,7 +288,7 @@ def _fused_direct(x, w13, w2, b13, b2, topk_weights, topk_ids, emap, has_map, ac
         float(alpha), float(limit),
         BC=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, BH=g2.BLOCK_SIZE_N, STAGES1=g1.num_stages, STAGES2=g2.num_stages,
         GATED=is_gated(activation), ACT=activation, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
-        HAS_MAP=has_map, ON_INPUT=on_input, PDL=pdl, OUT_POLICY=moe.scratch_policy(part), num_warps=g1.num_warps,
+        HAS_MAP=has_map, ON_INPUT=on_input, PDL=pdl, OUT_POLICY=moe.store_policy(part), num_warps=g1.num_warps,
         num_stages=g1.num_stages)
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = min(_FUSED_SUM_BN, _pow2(H))

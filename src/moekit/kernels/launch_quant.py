@@ -365,7 +365,7 @@ def fused_moe_quant(
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
         PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1,
-        OUT_POLICY=moe.scratch_policy(act), **chain, **flags,
+        OUT_POLICY=moe.store_policy(act), **chain, **flags,
         **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
     if modes.act_dtype is None:
@@ -391,7 +391,7 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.scratch_policy(y), **chain, **flags,
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), **chain, **flags,
         **_tile_kwargs(g2))
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     bn = _sum_block(T, H)

@@ -177,7 +177,7 @@ def fused_gemv_kernel(
     The activation is rounded to x's dtype before GEMM2, as the two-launch path stores it.
     Non-local assignments (expert -1) write zero rows.  part [T*k*cdiv(I, BC), H] fp32.
     PDL: let the partial sum launch early (it waits for this grid to finish).
-    OUT_POLICY: L2 eviction policy of the partial rows' stores (triton_moe.scratch_policy).
+    OUT_POLICY: L2 eviction policy of the partial rows' stores (triton_moe.store_policy).
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -37,7 +37,7 @@ import triton.language as tl
 from .triton_align import local_expert
 
 __all__ = ["gemm1_kernel", "gemm2_kernel", "sum_k_kernel", "sum_over_k", "SUM_K_ROW_MAX", "pow2", "zero_counters", "split_sum",
-           "KEEP_IN_L2_BYTES", "scratch_policy",
+           "KEEP_IN_L2_BYTES", "store_policy",
            "split_iters", "direct_slots", "direct_w2_tile", "direct_w2_ahead", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # Local experts the sorted path supports (one vector of expert ends per program).
@@ -182,7 +182,7 @@ def gemm1_kernel(
 
     x [T, K=H]; w13 [E, 2N or N, K]; b13 [E, 2N or N]; out [R, N] in x's dtype.
     Clears GEMM2's n_cnt split counters at cnt_ptr (none: n_cnt = 0).  PDL: let GEMM2 launch early.
-    OUT_POLICY: L2 eviction policy of the stores (out_policy).
+    OUT_POLICY: L2 eviction policy of the stores (store_policy).
     """
     zero_counters(cnt_ptr, n_cnt)
     if PDL:
@@ -464,16 +464,18 @@ def sum_k_kernel(
 SUM_K_ROW_MAX = 256
 
 
-# Scratch rows one kernel of a call writes and the next reads (activation rows, GEMM2's rows)
-# up to this size are stored with L2's evict-last policy: during a decode GEMM's weight stream,
-# dirty lines evicted to memory cost about 0.6-0.9 us per MB written (read-write turnarounds),
-# and kept in L2 they are also where the next kernel reads them (bench/NOTES-triton.md, "What a
-# decode GEMM could stream"). Larger buffers (prefill) keep the default policy: they cannot stay.
+# Rows a kernel writes for the next kernel of the call to read (activation rows, GEMM2's rows,
+# partial rows) up to this size are stored with L2's evict-last policy: during a
+# decode GEMM's weight stream, dirty lines evicted to memory cost about 0.6-0.9 us per MB written
+# (read-write turnarounds), and kept in L2 they are also where the reader finds them
+# (bench/NOTES-triton.md, "What a decode GEMM could stream"). Larger buffers (prefill) keep the
+# default policy: they cannot stay, and the prefill GEMMs need L2 for their weight tiles.
 KEEP_IN_L2_BYTES = 16 * 2**20
 
 
-def scratch_policy(t: torch.Tensor) -> str:
-    """The L2 eviction policy for a kernel's stores into scratch buffer t (see KEEP_IN_L2_BYTES)."""
+def store_policy(t: torch.Tensor) -> str:
+    """The L2 eviction policy of a kernel's stores into t, which the call's next kernel reads
+    (see KEEP_IN_L2_BYTES; the layer's output keeps the default: kept in L2 it measured slower)."""
     return "evict_last" if t.numel() * t.element_size() <= KEEP_IN_L2_BYTES else ""
 
 

@@ -46,6 +46,9 @@ Modes (constexpr):
               side; with the tokens on the 64-row side, BM < 64 tiles fall back to 16-row
               products that convert every fp8 weight to fp16 first.
 
+    OUT_POLICY  L2 eviction policy of the stores (triton_moe.store_policy: evict-last for the
+              small buffers of decode calls, which the next kernel reads).
+
 Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
 TK = T * k assignments, R rows of the activation buffer, S splits of GEMM2's K.
 """

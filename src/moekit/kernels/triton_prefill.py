@@ -27,7 +27,8 @@ Activation rows (ACT_TMA: GEMM2's act, contiguous per expert; X_TMA: x gathered 
 sorted row order by one copy first) come through descriptors built in the kernel, one per
 row-tile height; a tile's BMT rows may run past its expert's, and those rows are not stored.
 GEMM2 writes each assignment's weighted row y[a] in x's dtype and triton_moe.sum_k_kernel
-adds a token's k rows in slot order (deterministic, as on the other sorted path).
+adds a token's k rows in slot order (deterministic, as on the other sorted path). Both GEMMs
+store with OUT_POLICY (triton_moe.store_policy: L2's evict-last for buffers up to 16 MB).
 
 Letters: T tokens, H hidden, I intermediate, E local experts, k slots per token,
 TK = T * k assignments, R rows of the activation buffer.
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, _grouped, scratch_policy, sum_over_k
+from .triton_moe import _apply_act, _grouped, store_policy, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -503,7 +504,7 @@ def fused_moe_prefill(
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
-        GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=scratch_policy(act),
+        GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=store_policy(act),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
@@ -511,7 +512,7 @@ def fused_moe_prefill(
         H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
-        WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold, OUT_POLICY=scratch_policy(y),
+        WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold, OUT_POLICY=store_policy(y),
         HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **dict(common, FLATTEN=bool(pre.flatten and not pre.ws)))
     has_map = expert_map is not None
