@@ -166,6 +166,13 @@ if not IN_INTERPRETER:
     def test_k_splits_give_every_split_a_tile(K, bk, split, expected):
         assert _k_splits(K, bk, split) == expected
 
+    def test_small_buffers_are_stored_to_stay_in_l2():
+        from moekit.kernels.triton_moe import KEEP_IN_L2_BYTES, store_policy  # noqa: PLC0415
+
+        assert store_policy(torch.empty(KEEP_IN_L2_BYTES // 2, dtype=torch.bfloat16, device="meta")) == "evict_last"
+        assert store_policy(torch.empty(KEEP_IN_L2_BYTES // 2 + 1, dtype=torch.bfloat16, device="meta")) == ""
+        assert store_policy(torch.empty(16384 * 8, 2048, dtype=torch.bfloat16, device="meta")) == ""  # prefill rows
+
     def test_sum_blocks_fill_the_gpu():
         assert _sum_block(16384, 2048) == 1024
         assert _sum_block(16, 2048) == 128  # 16 rows: narrow blocks, more programs
