@@ -75,7 +75,8 @@ def run(args, knob):
                 same = all(torch.equal(call(knobs, *s), call(flipped, *s)) for s in sets)
             except Exception as exc:  # noqa: BLE001 (a variant Triton cannot build: recorded, next point)
                 print(f"{label}: B failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                rows.append({"point": label, "M": M, "quant": flipped.to_json(), "failed": f"{type(exc).__name__}: {exc}"[:2000]})
+                rows.append({"point": label, "M": M, "quant": flipped.to_json(),
+                             "failed": f"{type(exc).__name__}: {exc}"[:2000]})
                 continue
             times = {"A": [], "B": []}
             for _ in range(args.rounds):

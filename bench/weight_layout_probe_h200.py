@@ -8,8 +8,12 @@ program's tiles follow each other ([E, N / BN, K / BK, BN, BK]). Shapes: Qwen3-3
 (N = 1536, K = 2048) and w2 (N = 2048, K = 768) over the experts a decode step touches, and
 Mixtral's w2. A copy of the same bytes gives the device's rate beside them.
 
-    PYTHONPATH=src python bench/weight_layout_probe_h200.py [--out FILE]
+    PYTHONPATH=src python bench/weight_layout_probe_h200.py [--set layout|features|stores|dead|evict] [--out FILE]
     TRITON_INTERPRET=1 ... --device cpu   (a dry run on tiny fp16 tensors)
+
+Beyond the layout, --set times the sorted kernels' other features one at a time (VARIANT_SETS):
+that is how the epilogue stores and their L2 policy came out as the cost (bench/NOTES-triton.md,
+"What a decode GEMM could stream").
 """
 
 import argparse
@@ -118,6 +122,30 @@ def stream_kernel(a_ptr, w_ptr, experts_ptr, out_ptr, y_ptr, N, K, USED,
         tl.store(out_ptr + pid, tl.sum(tl.sum(res, axis=1), axis=0))
 
 
+# Variant sets, each timed in one run (bench/results/h200-weight-layout-probe.json holds one run
+# of each): (layout, weights, stream_kernel features).
+_ROW = ("row-major", "w")
+VARIANT_SETS = {
+    # the layouts
+    "layout": [_ROW + ({},), ("tiled", "t", {})],
+    # the real kernels' features one at a time, then together (GEMM1 at M = 16 runs two unswapped
+    # products with grouped programs and masked rows; GEMM2 swapped, storing rows)
+    "features": [_ROW + ({},), ("tiled", "t", {}), _ROW + ({"GROUP": 8},), _ROW + ({"SWAP": False},),
+                 _ROW + ({"TWO": True},), _ROW + ({"MASK_A": True},), _ROW + ({"STORE": 1},),
+                 _ROW + ({"SWAP": False, "TWO": True, "GROUP": 8, "MASK_A": True, "STORE": 1},),
+                 _ROW + ({"TWO": True, "GROUP": 8, "MASK_A": True, "STORE": 1},)],
+    # the result tiles' stores: layouts, masks, dtypes, a reduced store
+    "stores": [_ROW + ({},)] + [_ROW + ({"STORE": s},) for s in (1, 2, 3, 4, 5)]
+              + [_ROW + ({"SWAP": False, "STORE": 1},), _ROW + ({"SWAP": False, "STORE": 4},)],
+    # programs past the live ones (DEAD row blocks), the 256-lane expert scan
+    "dead": [_ROW + ({},), _ROW + ({"SCAN": True},), _ROW + ({"DEAD": 46},),
+             _ROW + ({"DEAD": 46, "SCAN": True, "STORE": 1},), _ROW + ({"STORE": 1},)],
+    # L2 eviction policies: evict-first weights (EVICT 1), evict-last result rows (2), both (3)
+    "evict": [_ROW + ({},), _ROW + ({"STORE": 1},), _ROW + ({"EVICT": 1},), _ROW + ({"STORE": 1, "EVICT": 1},),
+              _ROW + ({"STORE": 1, "EVICT": 2},), _ROW + ({"STORE": 1, "EVICT": 3},)],
+}
+
+
 def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
     E, N, K = w.shape
     return w.view(E, N // BN, BN, K // BK, BK).permute(0, 1, 3, 2, 4).contiguous()
@@ -148,6 +176,7 @@ def time_us(fn, reps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--set", choices=sorted(VARIANT_SETS), default="evict", help="which variants to time")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "weight-layout-probe.json"))
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -157,11 +186,7 @@ def main() -> None:
               ("qwen3 w2", 128, 2048, 768, 128)]
              if cuda else [("tiny", 4, 256, 256, 3)])
     tiles = [(64, 128, 4, 4)] if cuda else [(64, 128, 4, 2)]
-    # the real kernels' features added one at a time, then together (GEMM1 at M = 16 runs
-    # two unswapped products with grouped programs and masked rows; GEMM2 swapped, stored rows)
-    variants = [("row-major", "w", {}), ("row-major", "w", {"STORE": 1}), ("row-major", "w", {"EVICT": 1}),
-                ("row-major", "w", {"STORE": 1, "EVICT": 1}), ("row-major", "w", {"STORE": 1, "EVICT": 2}),
-                ("row-major", "w", {"STORE": 1, "EVICT": 3})]
+    variants = VARIANT_SETS[args.set]
     rows = []
     for name, E, N, K, used in cases:
         # Several copies of the experts, used in turn, so no replay finds its weights in L2.
@@ -212,6 +237,7 @@ def main() -> None:
         json.dump({"benchmark": "weight-layout-probe", "device": torch.cuda.get_device_name() if cuda else "cpu",
                    "torch": torch.__version__, "triton": triton.__version__,
                    "timing": "CUDA graph of 8 passes over 4 copies of the weights, best of 5 replays, us per pass",
+                   "set": args.set,
                    "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
