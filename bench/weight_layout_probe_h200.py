@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.benchmarks.gpu import capture_graph
+
 
 @triton.jit
 def stream_kernel(a_ptr, w_ptr, experts_ptr, out_ptr, y_ptr, N, K, USED,
@@ -152,16 +154,12 @@ def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
 
 
 def time_us(fn, reps: int) -> float:
+    """Best of 5 replays of a CUDA graph of reps calls of fn, us per call (CPU: one call's wall time)."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    g = capture_graph(fn, [()] * reps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(5):
@@ -205,7 +203,8 @@ def main() -> None:
         for BN, BK, warps, stages in tiles:
             if N % BN or K % BK:
                 continue
-            tiled_ws = [tiled(w, BN, BK) for w in ws]
+            # the pre-tiled copies only for the sets that time them
+            tiled_ws = [tiled(w, BN, BK) for w in ws] if any(v[1] == "t" for v in variants) else None
             res = {}
             for layout, src, feats in variants:
                 feats = dict(feats)
