@@ -145,7 +145,17 @@ VARIANT_SETS = {
     # L2 eviction policies: evict-first weights (EVICT 1), evict-last result rows (2), both (3)
     "evict": [_ROW + ({},), _ROW + ({"STORE": 1},), _ROW + ({"EVICT": 1},), _ROW + ({"STORE": 1, "EVICT": 1},),
               _ROW + ({"STORE": 1, "EVICT": 2},), _ROW + ({"STORE": 1, "EVICT": 3},)],
+    # slots with repeated experts (DUP_CASES: one slot per assignment, as a path without the
+    # sort would run): do programs reading one expert at about the same time share its lines in
+    # L2? GROUP slots per column tile run side by side.
+    "dups": [_ROW + ({"GROUP": g},) for g in (1, 8, 32, 128)],
 }
+
+# (name, E, N, K, tokens, top_k, order): the slots of `tokens` tokens' top_k experts, by token
+# ("token") or sorted by expert ("expert"), or the distinct experts only ("distinct").
+DUP_CASES = [(f"qwen3 {w} m{t} {order}", 128, n, kk, t, 8, order)
+             for w, n, kk in (("w13", 1536, 2048), ("w2", 2048, 768))
+             for t in (8, 16) for order in ("distinct", "token", "expert")]
 
 
 def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
@@ -183,21 +193,34 @@ def main() -> None:
     cases = ([("qwen3 w13", 128, 1536, 2048, 82), ("qwen3 w2", 128, 2048, 768, 82),
               ("qwen3 w2", 128, 2048, 768, 128)]
              if cuda else [("tiny", 4, 256, 256, 3)])
+    if args.set == "dups":
+        cases = DUP_CASES if cuda else [("tiny m3 token", 4, 256, 256, 3, 2, "token")]
     tiles = [(64, 128, 4, 4)] if cuda else [(64, 128, 4, 2)]
     variants = VARIANT_SETS[args.set]
     rows = []
-    for name, E, N, K, used in cases:
+    for name, E, N, K, *pick in cases:
         # Several copies of the experts, used in turn, so no replay finds its weights in L2.
         copies = 4 if cuda else 1
         ws = [(torch.randn(E, N, K, device=dev) * 0.1).to(wdtype) for _ in range(copies)]
         gen = torch.Generator(device=dev).manual_seed(0)
-        experts = torch.randperm(E, device=dev, generator=gen)[:used].to(torch.int32)
-        nbytes = used * N * K * ws[0].element_size()
+        if len(pick) == 1:
+            used = pick[0]
+            experts = torch.randperm(E, device=dev, generator=gen)[:used].to(torch.int32)
+            distinct = used
+        else:
+            tokens, top_k, order = pick
+            ids = torch.stack([torch.randperm(E, device=dev, generator=gen)[:top_k] for _ in range(tokens)]).view(-1)
+            uniq = torch.unique(ids)
+            experts = (uniq if order == "distinct" else ids.sort().values if order == "expert" else ids)
+            experts = experts.to(torch.int32).contiguous()
+            used, distinct = experts.numel(), uniq.numel()
+        nbytes = distinct * N * K * ws[0].element_size()
         a = (torch.randn(16, K, device=dev) * 0.1).to(wdtype)
         flat = [w.view(-1) for w in ws]
-        dst = torch.empty_like(flat[0][: used * N * K])
-        copy_us = time_us(lambda: [dst.copy_(f[: used * N * K]) for f in flat], 8) / copies
-        rows.append({"case": name, "E": E, "N": N, "K": K, "experts": used, "MB": nbytes / 1e6, "layout": "copy",
+        dst = torch.empty_like(flat[0][: distinct * N * K])
+        copy_us = time_us(lambda: [dst.copy_(f[: distinct * N * K]) for f in flat], 8) / copies
+        rows.append({"case": name, "E": E, "N": N, "K": K, "experts": used, "distinct": distinct,
+                     "MB": nbytes / 1e6, "layout": "copy",
                      "us": copy_us, "TBps": nbytes / copy_us / 1e6})
         print(f"{name:11s} {used:3d} experts copy {copy_us:8.1f} us {nbytes / copy_us / 1e6:5.2f} TB/s", flush=True)
         for BN, BK, warps, stages in tiles:
@@ -224,8 +247,8 @@ def main() -> None:
                 us = time_us(call, 8) / copies
                 label = f"{layout}" + "".join(f" {k.lower()}={v}" for k, v in feats.items())
                 res[label] = out.clone()
-                rows.append({"case": name, "E": E, "N": N, "K": K, "experts": used, "MB": nbytes / 1e6,
-                             "layout": layout, "features": flags, "BN": BN, "BK": BK, "num_warps": warps,
+                rows.append({"case": name, "E": E, "N": N, "K": K, "experts": used, "distinct": distinct,
+                             "MB": nbytes / 1e6, "layout": layout, "features": flags, "BN": BN, "BK": BK, "num_warps": warps,
                              "num_stages": stages, "us": us, "TBps": nbytes / us / 1e6})
                 print(f"{name:11s} {used:3d} experts {label:40s} {BN}x{BK} w{warps} s{stages} {us:8.1f} us "
                       f"{nbytes / us / 1e6:5.2f} TB/s", flush=True)
