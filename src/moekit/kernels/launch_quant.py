@@ -30,7 +30,6 @@ from ..activations import check_activation, is_gated
 from ..quant.schemes import QuantScheme
 from . import launch
 from . import triton_moe as moe
-from . import triton_decode_quant as dq
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
@@ -39,8 +38,7 @@ from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_ro
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
 
-__all__ = ["quant_config", "check_tiles", "quant_tiles", "gemv_config", "gemv_refusal", "fused_moe_quant",
-           "quant_unsupported", "MAX_INT8_K"]
+__all__ = ["quant_config", "check_tiles", "quant_tiles", "fused_moe_quant", "quant_unsupported", "MAX_INT8_K"]
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
@@ -120,45 +118,6 @@ def prefill_refusal(modes: QuantModes, static: bool, on_input: bool, w13_scale: 
     if on_input:
         return "they apply the routed weight on the output (on_input=False)"
     return None
-
-
-def _weight_group(scheme: QuantScheme) -> int:
-    """K columns per weight scale group (0: scales constant along K)."""
-    if scheme.weight_granularity == "block":
-        return scheme.weight_block[1]
-    return scheme.group_size if scheme.weight_granularity == "group" else 0
-
-
-def gemv_refusal(config: MoEConfig, scheme: QuantScheme, modes: QuantModes) -> Optional[str]:
-    """Why tiles cannot run triton_decode_quant's one-token GEMVs for a scheme, or None: a K tile
-    lies within one weight scale group and is exactly one activation group (1x128 groups: its
-    scale is the tile's amax)."""
-    wgroup = _weight_group(scheme)
-    for name, t in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
-        bk = t.BLOCK_SIZE_K
-        if wgroup and wgroup % bk:
-            return f"{name}.BLOCK_SIZE_K must divide the weight scale group of {wgroup} columns, got {bk}"
-        if modes.a_kscale and bk != scheme.activation_group:
-            return f"{name}.BLOCK_SIZE_K must be the activation group of {scheme.activation_group} columns, got {bk}"
-    if config.gemm1.SPLIT_K != 1:
-        return f"gemm1.SPLIT_K must be 1 (GEMM2 splits), got {config.gemm1.SPLIT_K}"
-    return None
-
-
-def gemv_config(H: int, I: int, k: int, scheme: QuantScheme, modes: QuantModes) -> MoEConfig:
-    """Heuristic tiles of the one-token GEMVs: 16 weight rows by 256 columns a load (a scale
-    group's or an activation group's columns when smaller), and GEMM2's (slot, K block)
-    iterations split so its programs fill the GPU twice over."""
-    bk = 256
-    wgroup = _weight_group(scheme)
-    if wgroup:
-        bk = min(bk, wgroup)
-    if modes.a_kscale:
-        bk = scheme.activation_group
-    bn = 16
-    iters = k * triton.cdiv(I, bk)
-    split = max(1, min(8, iters, triton.cdiv(_FILL_PROGRAMS, triton.cdiv(H, bn))))
-    return MoEConfig(TileConfig(16, bn, bk, 1, 4, 3), TileConfig(16, bn, bk, 1, 4, 3, SPLIT_K=split))
 
 
 def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
@@ -339,15 +298,6 @@ def fused_moe_quant(
     if knobs.w_convert == "ptx" and dev.type != "cuda":
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
                          "(the Triton interpreter cannot run it)")
-    if T == 1 and k <= moe.MAX_TOP_K and (knobs.gemv is not None or not explicit):
-        gemv = knobs.gemv if knobs.gemv is not None else gemv_config(H, I, k, scheme, modes)
-        why = gemv_refusal(gemv, scheme, modes)
-        if why is None:
-            return _direct_quant(x, w13, w2, b13, b2, w13_scale, w2_scale, w13_zero, w2_zero, a13_scale, a2_scale,
-                                 topk_weights, topk_ids, expert_map, scheme, modes, activation, alpha, limit, on_input,
-                                 gemv, out_dtype)
-        if knobs.gemv is not None:
-            raise ValueError(f"knobs.gemv cannot run quant={scheme.name!r}: {why}")
     g1, g2 = config.gemm1, config.gemm2
     for flag, t, gemm in ((knobs.swap1, g1, "gemm1"), (knobs.swap2, g2, "gemm2")):
         if not flag:
@@ -449,53 +399,4 @@ def fused_moe_quant(
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
         y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
         S=splits, BN=bn, HAS_MAP=has_map, STAGES=_sum_stages(T), **chain, num_warps=4)
-    return out
-
-
-def _direct_quant(x, w13, w2, b13, b2, w13_scale, w2_scale, w13_zero, w2_zero, a13_scale, a2_scale, topk_weights,
-                  topk_ids, expert_map, scheme: QuantScheme, modes: QuantModes, activation: str, alpha: float,
-                  limit: float, on_input: bool, config: MoEConfig, out_dtype: torch.dtype) -> torch.Tensor:
-    """One token on triton_decode_quant's GEMVs: GEMM1 (x quantized as it streams) into the
-    activation rows, GEMM2 with the sum over k (and its K splits) in the same launch."""
-    dev = x.device
-    T, H = x.shape
-    I = w2.shape[2] * scheme.pack
-    k = topk_ids.shape[1]
-    TK = T * k
-    static = a13_scale is not None
-    g1, g2 = config.gemm1, config.gemm2
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids
-    aq = 0 if modes.act_dtype is None else 1 if static else 3 if modes.a_kscale else 2
-    quant = dict(AQ=aq, QMAX=modes.qmax, A_INT8=modes.act_dtype == torch.int8, W_KSCALE=modes.w_kscale,
-                 W_SROWS=modes.w_srows, KGROUP=max(_weight_group(scheme), 1), W_INT4=modes.w_int4,
-                 HAS_ZERO=modes.has_zero)
-    split = min(g2.SPLIT_K, k * triton.cdiv(I, g2.BLOCK_SIZE_K))
-    tiles2 = T * triton.cdiv(H, g2.BLOCK_SIZE_N)
-    if split > 1:
-        counters = torch.empty(tiles2, dtype=torch.int32, device=dev)
-        partials = torch.empty(split, T, H, dtype=torch.float32, device=dev)
-    else:
-        counters, partials = topk_ids, x  # unused
-    act = torch.empty(TK, I, dtype=_FP8 if static else x.dtype, device=dev)
-    q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
-    bias13 = b13 if b13 is not None else x
-    dq.gemv1_quant_kernel[(TK * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
-        x, a13_scale if static else s13, q13, s13, z13, bias13, act, a2_scale if static else s13,
-        topk_weights, topk_ids, emap, counters, I, H, k, tiles2 if split > 1 else 0,
-        x.stride(0), q13.stride(0), q13.stride(1), s13_e, s13_n, bias13.stride(0) if b13 is not None else 0,
-        act.stride(0), float(alpha), float(limit),
-        BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, STAGES=g1.num_stages, GATED=is_gated(activation), ACT=activation,
-        HAS_BIAS=b13 is not None, HAS_MAP=has_map, ON_INPUT=on_input, OUT_STATIC=static, **quant,
-        num_warps=g1.num_warps)
-    out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    q2, s2, z2, s2_e, s2_n = _weight_args(w2, w2_scale, w2_zero)
-    bias2 = b2 if b2 is not None else x
-    dq.gemv2_quant_kernel[(tiles2, split)](
-        act, a2_scale if static else s2, q2, s2, z2, bias2, out, partials, counters, topk_weights, topk_ids, emap,
-        H, I, k, split, act.stride(0), q2.stride(0), q2.stride(1), s2_e, s2_n,
-        bias2.stride(0) if b2 is not None else 0, out.stride(0), partials.stride(0) if split > 1 else 0,
-        BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, STAGES=g2.num_stages, HAS_BIAS=b2 is not None, HAS_MAP=has_map,
-        ON_INPUT=on_input, SPLIT=split > 1, A_TENSOR=modes.act_gran == "tensor" and not static, **quant,
-        num_warps=g2.num_warps)
     return out

@@ -57,10 +57,6 @@ class QuantKnobs:
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
         per-channel weights) keep the tiles. Its tiles hold at least 64 rows
         (BLOCK_SIZE_M / prefill tail; tuning.FP8_MIN_TILE_ROWS).
-    gemv: a MoEConfig for calls of one token: the tiles of kernels/triton_decode_quant's GEMVs
-        (gemm1 and gemm2: BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages; gemm2.SPLIT_K).
-        Calls of one token run those kernels with it (None: with launch_quant.gemv_config's
-        heuristic tiles) unless the call gives its own config; other calls keep the tiles.
     """
 
     gate_up: bool = False
@@ -73,7 +69,6 @@ class QuantKnobs:
     swap1: bool = False
     swap2: bool = False
     static_prefill: Optional[MoEConfig] = None
-    gemv: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,9 +85,6 @@ class QuantKnobs:
                 if value is not None and value.row_granule < FP8_MIN_TILE_ROWS:
                     raise ValueError(f"static_prefill needs BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS} "
                                      f"(fp8 tiles), got {value.block_m} / {value.prefill.tail}")
-            elif f.name == "gemv":
-                if value is not None and not (isinstance(value, MoEConfig) and value.prefill is None):
-                    raise ValueError(f"gemv must be a MoEConfig without prefill knobs or None, got {value!r}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
 
@@ -100,9 +92,8 @@ class QuantKnobs:
         """The fields that differ from the defaults (static_prefill as its table entry)."""
         default = QuantKnobs()
         out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
-        for name in ("static_prefill", "gemv"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name).to_json()
+        if self.static_prefill is not None:
+            out["static_prefill"] = self.static_prefill.to_json()
         return out
 
     @classmethod
@@ -111,9 +102,8 @@ class QuantKnobs:
         if not isinstance(entry, dict) or set(entry) - set(names):
             raise ValueError(f"{where} must be an object with some of {names}, got {entry!r}")
         entry = dict(entry)
-        for name in ("static_prefill", "gemv"):
-            if name in entry:
-                entry[name] = MoEConfig.from_json(entry[name], f"{where}.{name}")
+        if "static_prefill" in entry:
+            entry["static_prefill"] = MoEConfig.from_json(entry["static_prefill"], f"{where}.static_prefill")
         return cls(**entry)
 
 
