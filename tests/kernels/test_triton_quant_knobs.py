@@ -120,10 +120,17 @@ if not IN_INTERPRETER:
 
     def test_swapped_products_are_offered_and_checked():
         g1, g2 = quant_search_space(16, 128, 8, 0, False, False, False)
-        swapped1 = [t for t, kn in g1 if kn.get("swap1")]
+        swapped1 = [(t, kn) for t, kn in g1 if kn.get("swap1")]
         swapped2 = [t for bm in g2 for t, kn in g2[bm] if kn.get("swap2")]
         assert swapped1 and swapped2
-        assert all(t.BLOCK_SIZE_N % 64 == 0 and t.BLOCK_SIZE_N >= 16 * t.num_warps for t in swapped1 + swapped2)
+        rows = [(t.BLOCK_SIZE_N * (2 if kn.get("gate_up") else 1), t.num_warps) for t, kn in swapped1]
+        rows += [(t.BLOCK_SIZE_N, t.num_warps) for t in swapped2]
+        assert all(n % 64 == 0 and n >= 16 * w for n, w in rows)
+        # 32 gate and 32 up columns fill one 64-row product; 32 columns alone do not
+        assert any(t.BLOCK_SIZE_N == 32 and kn.get("gate_up") for t, kn in swapped1)
+        assert not any(t.BLOCK_SIZE_N == 32 and not kn.get("gate_up") for t, kn in swapped1)
+        assert quant_tuning.swap_fits(TileConfig(32, 32, 128), gate_up=True)
+        assert not quant_tuning.swap_fits(TileConfig(32, 32, 128))
         g1, g2 = quant_search_space(16, 128, 8, 128, False, False, True)  # 128x128 blocks: K-group scales
         assert not any(kn.get("swap1") for _, kn in g1)
         assert QuantKnobs.from_json({"swap1": True, "swap2": True}) == QuantKnobs(swap1=True, swap2=True)
@@ -145,6 +152,7 @@ if not IN_INTERPRETER:
         ("int4_w4a16", (16, 64, 128), QuantKnobs(swap1=True), "multiplies fp8 activations with scales constant"),
         ("fp8_w8a8_block128", (16, 64, 128), QuantKnobs(swap2=True), "multiplies fp8 activations"),
         ("fp8_w8a8", (16, 32, 128), QuantKnobs(swap1=True), "BLOCK_SIZE_N a multiple of 64"),
+        ("fp8_w8a8", (16, 16, 128), QuantKnobs(swap1=True, gate_up=True), r"2 \* BLOCK_SIZE_N \(gate and up"),
     ])
     def test_swap_knobs_refuse_what_they_cannot_run(scheme, tiles, knobs, match):
         from moekit.kernels.launch_quant import fused_moe_quant  # noqa: PLC0415
@@ -245,6 +253,8 @@ else:
         ("fp8_w8a8", {}, 48, 40, (16, 16, 32, 16, 32), dict(split_k=3)),       # dynamic per tensor, not fused
         ("fp8_w8a8_channel", {}, 40, 24, (16, 16, 32, 16, 32), dict(gate_up=True)),
         ("int8_w8a8", {}, 40, 24, (16, 16, 32, 16, 32), dict(split_k=2)),
+        # swapped products; 32 gate and 32 up columns in one 64-row product
+        ("fp8_w8a8", {"static": True}, 64, 64, (32, 32, 32, 64, 32), dict(swap1=True, gate_up=True, swap2=True)),
     ]
 
     @pytest.mark.parametrize("T,n_remote", [(1, 0), (7, 3)], ids=["T1", "T7-expert-map"])

@@ -68,6 +68,8 @@ VARIANTS = [
     ("fp8_w8a8", {"static": True}, (16, 64, 128, 128, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=2)),
     ("fp8_w8a8", {}, (32, 128, 128, 128, 128, 8), dict(swap1=True, swap2=True, prefetch1=True, prefetch2=True)),
     ("fp8_w8a8_channel", {}, (16, 64, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True, split_k=4)),
+    # 32 columns of gate and 32 of up: one 64-row product
+    ("fp8_w8a8", {"static": True}, (32, 32, 128, 64, 128), dict(swap1=True, gate_up=True, swap2=True)),
 ]
 IDS = [f"{v[0]}-{'-'.join(f'{k}={x}' for k, x in v[1].items())}-{'-'.join(f'{k}={x}' for k, x in v[3].items())}"
        for v in VARIANTS]

@@ -299,15 +299,17 @@ def fused_moe_quant(
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
                          "(the Triton interpreter cannot run it)")
     g1, g2 = config.gemm1, config.gemm2
-    for flag, t, gemm in ((knobs.swap1, g1, "gemm1"), (knobs.swap2, g2, "gemm2")):
+    gate_up = knobs.gate_up and is_gated(activation)
+    for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
         if not flag:
             continue
         if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
             raise ValueError(f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant along K, "
                              f"got quant={scheme.name!r}")
-        if not swap_fits(t):
-            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}.BLOCK_SIZE_N a multiple of 64 and >= 16 * "
-                             f"num_warps, got {t.BLOCK_SIZE_N} with {t.num_warps} warps")
+        if not swap_fits(t, pair):
+            rows = "2 * BLOCK_SIZE_N (gate and up in one product)" if pair else "BLOCK_SIZE_N"
+            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}'s {rows} a multiple of 64 and >= 16 * "
+                             f"num_warps, got BLOCK_SIZE_N={t.BLOCK_SIZE_N} with {t.num_warps} warps")
     for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
         if flag and K % t.BLOCK_SIZE_K:
             raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
@@ -364,7 +366,7 @@ def fused_moe_quant(
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch1, GATE_UP=knobs.gate_up and gated, SWAP=knobs.swap1,
+        PREFETCH=knobs.prefetch1, GATE_UP=gate_up, SWAP=knobs.swap1,
         OUT_POLICY=moe.store_policy(act), **chain, **flags,
         **_tile_kwargs(g1))
     # Step 3: GEMM2 input.

@@ -49,7 +49,8 @@ class QuantKnobs:
     pdl: GEMM1, the quantization of its output, GEMM2 and the sum are launched as programmatic
         dependents of the kernel before (SM90+): each starts while the one before finishes.
     swap1, swap2: GEMM1 / GEMM2 multiply W^T a^T into a [BLOCK_SIZE_N, BLOCK_SIZE_M]
-        accumulator (fp8 activations, scales constant along K, BLOCK_SIZE_N >= 16 * num_warps):
+        accumulator (fp8 activations, scales constant along K; the product's weight rows,
+        BLOCK_SIZE_N or with gate_up 2 * BLOCK_SIZE_N, a multiple of 64 and >= 16 * num_warps):
         weight rows on the 64-row side of Hopper's fp8 warpgroup products, so few-token tiles
         need no fp8-to-fp16 conversion of the weights.
     static_prefill: a MoEConfig with prefill knobs: calls that can (fp8 weights and activations
@@ -194,9 +195,11 @@ def _fits(t: TileConfig, n_acc: int, elem_bytes: float, k_scaled: bool, weight_o
             and not (k_scaled and not weight_only and t.BLOCK_SIZE_N > 128))
 
 
-def swap_fits(t: TileConfig) -> bool:
-    """Whether a swapped tile's weight rows fill the 64-row side of every warpgroup's product."""
-    return t.BLOCK_SIZE_N >= 16 * t.num_warps and t.BLOCK_SIZE_N % 64 == 0
+def swap_fits(t: TileConfig, gate_up: bool = False) -> bool:
+    """Whether a swapped tile's weight rows fill the 64-row side of every warpgroup's product
+    (gate_up: GEMM1's product takes 2 * BLOCK_SIZE_N rows, gate and up interleaved)."""
+    rows = t.BLOCK_SIZE_N * (2 if gate_up else 1)
+    return rows >= 16 * t.num_warps and rows % 64 == 0
 
 
 def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, int4: bool, k_scaled: bool,
@@ -238,7 +241,7 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
             for kn in knobs_g1:
                 if kn.get("gate_up") and not gated:
                     continue
-                if kn.get("swap1") and not swap_fits(t):
+                if kn.get("swap1") and not swap_fits(t, bool(kn.get("gate_up"))):
                     continue
                 if _fits(t, 2 if gated else 1, elem, k_scaled, weight_only, 2 if kn.get("gate_up") else 1):
                     per_bm.setdefault(bm, []).append((t, kn))

@@ -1,0 +1,74 @@
+"""Whole quantized calls through the shipped entry (A) and through given entries (B, C, ...), in
+one process on one H200: outputs against A's (relative error, recorded), then CUDA-graph times
+interleaved over --rounds.
+
+    PYTHONPATH=src python bench/quant_entry_ab_h200.py --point qwen3-30b-a3b:fp8_w8a8:s:256 \\
+        --entry '{"BLOCK_SIZE_M": 32, ..., "quant": {"swap1": true}}' [--entry ...] [--out FILE]
+
+An entry is a tuned table's M entry (tiles, "gemm2", "quant" knobs). `--device cpu` is a dry run
+under TRITON_INTERPRET=1 on a tiny shape.
+"""
+
+import json
+import statistics
+
+import torch
+
+from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us, parse_quant_entry,
+                                  quant_entry, quantized_weights, routing_sets, write_ab_result)
+from moekit.kernels.launch_quant import quant_tiles
+from moekit.kernels.quant_rows import modes_of
+from moekit.quant import get_scheme
+
+
+def main() -> None:
+    p = ab_arg_parser(__doc__, "quant_entry_ab.json")
+    p.add_argument("--point", action="append", required=True, help="SHAPE:SCHEME:s|d:M (repeatable)")
+    p.add_argument("--entry", action="append", required=True, help="a table entry as JSON (repeatable)")
+    args = p.parse_args()
+    cuda, dev = ab_device(args)
+    dtype = torch.bfloat16 if cuda else torch.float16
+    shapes = {s[0]: s for s in GPU_SHAPES}
+    entries = [parse_quant_entry(json.loads(e)) for e in args.entry]
+    rows = []
+    for point in args.point:
+        shape, scheme_name, sd, m = point.split(":")
+        M, static = int(m), sd == "s"
+        _, E, k, H, I = shapes[shape] if cuda else ("tiny", 8, 2, 256, 128)
+        scheme = get_scheme(scheme_name)
+        wts = quantized_weights(scheme_name, E, H, I, static, dev)
+        shipped = quant_tiles(M, E, k, H, I, dtype, "NVIDIA_H200" if cuda else None, scheme, modes_of(scheme))
+        sets = routing_sets(M, E, k, H, 8 if cuda else 2, dtype, dev)
+        variants = [("A", shipped)] + [(chr(ord("B") + i), e) for i, e in enumerate(entries)]
+        ref = [_quant_call(wts, *s, config=shipped[0], knobs=shipped[1]).float() for s in sets]
+        row = {"point": point, "variants": {}}
+        for name, (cfg, kn) in variants:
+            try:
+                err = max(((_quant_call(wts, *s, config=cfg, knobs=kn).float() - r).norm() / r.norm()).item()
+                          for s, r in zip(sets, ref))
+            except Exception as exc:  # noqa: BLE001 (a variant Triton cannot build: recorded)
+                print(f"{point} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                row["variants"][name] = {"entry": quant_entry(cfg, kn), "failed": f"{type(exc).__name__}: {exc}"[:2000]}
+                continue
+            row["variants"][name] = {"entry": quant_entry(cfg, kn), "rel_err_vs_A": err, "rounds_us": []}
+        for _ in range(args.rounds):
+            for name, (cfg, kn) in variants:
+                v = row["variants"][name]
+                if "failed" not in v:
+                    v["rounds_us"].append(ab_time_us(lambda *s, c=cfg, n=kn: _quant_call(wts, *s, config=c, knobs=n),
+                                                     sets, cuda, replays=10))
+        for name, v in row["variants"].items():
+            if "failed" in v:
+                continue
+            v["us"] = statistics.median(v["rounds_us"])
+            print(f"{point:34s} {name} {v['us']:8.1f} us  x{row['variants']['A']['us'] / v['us']:.3f} vs A  "
+                  f"rel err vs A {v['rel_err_vs_A']:.1e}  {json.dumps(v['entry'])}", flush=True)
+        rows.append(row)
+        del wts
+    write_ab_result(args.out, "quant-entry-ab", cuda,
+                    "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
+                    "variants interleaved, median of the rounds", rows=rows)
+
+
+if __name__ == "__main__":
+    main()
