@@ -13,9 +13,9 @@ bench/results/h200-triton-quant.json). The table at the end gives, per shape, sc
 the untuned time, the tuned time, its % of the floor, x vs the bf16 Triton kernel, and the
 winning tiles and knobs.
 
-Search per point (kernels/quant_tuning.quant_search_space): GEMM1 candidates with the first
-GEMM2 candidate of their BLOCK_SIZE_M, then GEMM2 candidates (split_k among them) with the
-winning GEMM1, then the winner with one knob flipped: pdl, fuse_x_quant (fp8), w_convert
+Search per point (kernels/quant_tuning.quant_search_space): GEMM1 candidates beside the current
+entry's GEMM2 (or the first GEMM2 candidate of their BLOCK_SIZE_M: cli.tune_quant.gemm1_candidate),
+then GEMM2 candidates (split_k among them) with the winning GEMM1 and its GEMM1 knobs, then the winner with one knob flipped: pdl, fuse_x_quant (fp8), w_convert
 (int4). Candidates compile beforehand in parallel processes, the flips while the sweep runs.
 """
 
@@ -97,6 +97,7 @@ import torch  # noqa: E402
 
 from moekit.benchmarks import gpu  # noqa: E402
 from moekit.kernels import quant_tuning  # noqa: E402
+from moekit.cli.tune_quant import GEMM1_KNOBS, gemm1_candidate  # noqa: E402
 from moekit.kernels.launch_quant import quant_config, quant_tiles  # noqa: E402
 from moekit.kernels.quant_rows import modes_of  # noqa: E402
 from moekit.kernels.quant_tuning import QuantKnobs, quant_file_name, quant_search_space  # noqa: E402
@@ -139,7 +140,7 @@ def plan():
 
 
 def stage1(pt, t, kn):
-    return MoEConfig(t, pt["g2"][t.BLOCK_SIZE_M][0][0]), QuantKnobs(**kn)
+    return gemm1_candidate(t, kn, pt["g2"], pt["default"])
 
 
 def stage2(g1, kn1, t2, kn2):
@@ -245,8 +246,7 @@ def sweep_point(pt, wts, compiled, budget, device="cuda", dtype=torch.bfloat16):
     for t, kn in pt["g1"]:
         cfg = stage1(pt, t, kn)
         best = min(best, (run(*cfg), cfg), key=lambda b: b[0])
-    g1, kn1 = best[1][0].gemm1, {k: v for k, v in best[1][1].to_json().items() if k in ("gate_up", "prefetch1",
-                                                                                      "w_convert")}
+    g1, kn1 = best[1][0].gemm1, {k: v for k, v in best[1][1].to_json().items() if k in GEMM1_KNOBS}
     stage_end[0] = start + budget
     for t2, kn2 in pt["g2"].get(g1.BLOCK_SIZE_M, []):
         cfg = stage2(g1, kn1, t2, kn2)

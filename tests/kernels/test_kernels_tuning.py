@@ -216,6 +216,17 @@ def test_quantized_tune_plans_searches_and_writes_a_readable_table(tmp_path):
     assert all(cfg.block_m in plans[1024]["g2"] for cfg, _ in plans[1024]["g1"])
     assert len({json.dumps(j, sort_keys=True) for j in jobs}) == len(jobs)  # each kernel set compiled once per M
     assert {tuple(j[:4]) for j in jobs} == {("fp8_w8a8", True, 256, 128)} and {j[4] for j in jobs} == {16, 64}
+    # GEMM1 candidates of the current choice's rows per tile run beside its GEMM2 and GEMM2 knobs
+    from moekit.cli.tune_quant import gemm1_candidate
+    from moekit.kernels.tuning import MoEConfig, TileConfig
+    g2s = plans[16]["g2"]
+    cur = (MoEConfig(TileConfig(16, 64, 128), TileConfig(16, 64, 128, 8, 4, 4)), QuantKnobs(swap2=True, pdl=True))
+    cfg, kn = gemm1_candidate(TileConfig(16, 32, 128), {"gate_up": True, "swap1": True}, g2s, cur)
+    assert cfg.gemm2 == cur[0].gemm2 and kn == QuantKnobs(gate_up=True, swap1=True, swap2=True)
+    g2s = plans[1024]["g2"]  # rows per tile 64 and 128; a current choice of 64: 128-row candidates
+    cur = (MoEConfig(TileConfig(64, 64, 128), TileConfig(64, 128, 128)), QuantKnobs(split_k=2))
+    cfg, kn = gemm1_candidate(TileConfig(128, 64, 128), {"gate_up": True}, g2s, cur)
+    assert cfg.gemm2 == g2s[128][0][0] and kn == QuantKnobs(gate_up=True)  # ... take the first of theirs
     dyn, _ = plan_quant(8, 2, 256, 128, (1024,), "fp8_w8a8_block128", False)
     assert dyn[1024]["prefill"] == []
     with pytest.raises(ValueError, match="static activation scales take a per-tensor fp8 scheme"):

@@ -4,8 +4,8 @@ MoE shape on this GPU and write them as the quantized table kernels/quant_tuning
 
 Search, per batch size M, in the unquantized search's order (cli/tune.py): the call's current
 choice (tuned entry, else fitted unquantized tiles) and the GEMM1 candidates of
-kernels.quant_tuning.quant_search_space, each with the first GEMM2 candidate of its row block;
-then the GEMM2 candidates with the winning GEMM1; then the winner with one knob flipped (PDL;
+kernels.quant_tuning.quant_search_space, each beside the current choice's GEMM2 (or the first
+GEMM2 candidate of its row block: gemm1_candidate); then the GEMM2 candidates with the winning GEMM1; then the winner with one knob flipped (PDL;
 x quantized in its own launch for fp8 activations; the other int4 conversions). With static fp8
 scales (--static-scales, fp8_w8a8) the prefill kernels' candidates (fp8_prefill_space) are
 timed too; the fastest is kept as the entry's `static_prefill` when it beats the sorted kernels.
@@ -23,14 +23,33 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["plan_quant", "search_quant", "write_quant_configs", "run_quant"]
+__all__ = ["plan_quant", "gemm1_candidate", "search_quant", "write_quant_configs", "run_quant", "GEMM1_KNOBS",
+           "GEMM2_KNOBS"]
 
-# GEMM1 knobs a GEMM2 candidate keeps from the GEMM1 winner.
-_GEMM1_KNOBS = ("gate_up", "prefetch1", "swap1", "w_convert")
+# GEMM1 knobs a GEMM2 candidate keeps from the GEMM1 winner; GEMM2 knobs a GEMM1 candidate takes
+# from the current choice's GEMM2.
+GEMM1_KNOBS = ("gate_up", "prefetch1", "swap1", "w_convert")
+GEMM2_KNOBS = ("prefetch2", "split_k", "swap2")
 
 
 def _key(entry: Dict) -> str:
     return json.dumps(entry, sort_keys=True)
+
+
+def gemm1_candidate(t, kn: Dict, g2s: Dict, default: Tuple) -> Tuple:
+    """(MoEConfig, QuantKnobs) that times GEMM1 tiles t with knob fields kn: beside the current
+    choice's GEMM2 (its tiles and GEMM2 knobs) when its rows per tile are t's, so GEMM1 candidates
+    and the current choice differ in GEMM1 alone; else beside the first GEMM2 candidate of t's rows.
+    (A GEMM1 knob can pay only beside a GEMM2 knob: 32-column swapped gate_up tiles at Qwen3 fp8
+    M = 256 gained 2.3 % beside a swapped GEMM2 and lost beside an unswapped one.)"""
+    from moekit.kernels.quant_tuning import QuantKnobs  # noqa: PLC0415
+    from moekit.kernels.tuning import MoEConfig  # noqa: PLC0415
+
+    cfg, knobs = default
+    if cfg.prefill is None and cfg.block_m == t.BLOCK_SIZE_M:
+        kn2 = {f: v for f, v in knobs.to_json().items() if f in GEMM2_KNOBS}
+        return MoEConfig(t, cfg.gemm2), QuantKnobs(**dict(kn, **kn2))
+    return MoEConfig(t, g2s[t.BLOCK_SIZE_M][0][0]), QuantKnobs(**kn)
 
 
 def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: str, static: bool,
@@ -61,7 +80,7 @@ def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: s
         g1s, g2s = quant_search_space(M, E, k, modes.kgroup, modes.act_dtype is None, modes.w_int4,
                                       modes.a_kscale or modes.w_kscale)
         default = quant_tiles(M, E, k, H, I, dtype, device, scheme, modes)
-        stage1 = [(MoEConfig(t, g2s[t.BLOCK_SIZE_M][0][0]), QuantKnobs(**kn)) for t, kn in g1s if g2s.get(t.BLOCK_SIZE_M)]
+        stage1 = [gemm1_candidate(t, kn, g2s, default) for t, kn in g1s if g2s.get(t.BLOCK_SIZE_M)]
         prefill = fp8_prefill_space(M, E, k) if static else []
         plans[M] = {"default": default, "g1": stage1, "g2": g2s, "prefill": prefill}
         firsts = {}
@@ -124,7 +143,7 @@ def search_quant(
 
         default_us = timed(plan["default"])
         win = min([plan["default"]] + plan["g1"], key=timed)
-        kn1 = {f: v for f, v in win[1].to_json().items() if f in _GEMM1_KNOBS}
+        kn1 = {f: v for f, v in win[1].to_json().items() if f in GEMM1_KNOBS}
         win = min([win] + [(MoEConfig(win[0].gemm1, t2), QuantKnobs(**dict(kn1, **kn2)))
                            for t2, kn2 in plan["g2"].get(win[0].block_m, [])], key=timed)
         win = min([win] + [(win[0], QuantKnobs.from_json(dict(win[1].to_json(), **f)))
