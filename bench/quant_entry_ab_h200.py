@@ -14,8 +14,8 @@ import statistics
 
 import torch
 
-from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us, parse_quant_entry,
-                                  quant_entry, quantized_weights, routing_sets, write_ab_result)
+from moekit.benchmarks.gpu import (AB_TIMING, GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us,
+                                  parse_quant_entry, quant_entry, quantized_weights, routing_sets, write_ab_result)
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
 from moekit.quant import get_scheme
@@ -65,9 +65,7 @@ def main() -> None:
                   f"rel err vs A {v['rel_err_vs_A']:.1e}  {json.dumps(v['entry'])}", flush=True)
         rows.append(row)
         del wts
-    write_ab_result(args.out, "quant-entry-ab", cuda,
-                    "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
-                    "variants interleaved, median of the rounds", rows=rows)
+    write_ab_result(args.out, "quant-entry-ab", cuda, AB_TIMING, rows=rows)
 
 
 if __name__ == "__main__":

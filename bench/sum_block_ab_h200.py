@@ -17,8 +17,8 @@ import statistics
 import torch
 import triton
 
-from moekit.benchmarks.gpu import (GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us, quantized_weights,
-                                  routing_sets, write_ab_result)
+from moekit.benchmarks.gpu import (AB_TIMING, GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us,
+                                  quantized_weights, routing_sets, write_ab_result)
 from moekit.kernels import launch_quant, triton_moe, triton_prefill
 from moekit.kernels.launch import fused_moe
 
@@ -100,9 +100,7 @@ def main() -> None:
             sets = routing_sets(M, E, k, H, 8 if cuda else 2, torch.bfloat16 if cuda else torch.float16, dev)
             rows.append(_point(f"{shape} fp8 static M={M}", fns, sets, args.rounds, cuda))
         del wts
-    write_ab_result(args.out, "sum-block-ab", cuda,
-                    "CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
-                    "variants interleaved, median of the rounds", rows=rows)
+    write_ab_result(args.out, "sum-block-ab", cuda, AB_TIMING, rows=rows)
 
 
 if __name__ == "__main__":

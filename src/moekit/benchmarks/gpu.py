@@ -30,6 +30,7 @@ __all__ = [
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
     "quant_floor_terms", "capture_graph", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
+    "AB_TIMING",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -95,6 +96,11 @@ def ab_device(args) -> Tuple[bool, torch.device]:
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     return cuda, torch.device(args.device)
+
+
+# How the A/B scripts time their variants (ab_time_us through graphs of 8 routing sets, replays=10).
+AB_TIMING = ("CUDA graph of 8 calls with distinct softmax top-k routing, 10 replays, median us per call; "
+             "variants interleaved, median of the rounds")
 
 
 def write_ab_result(path: str, benchmark: str, cuda: bool, timing: str, **fields) -> None:
