@@ -5,8 +5,9 @@ MoE shape on this GPU and write them as the quantized table kernels/quant_tuning
 Search, per batch size M, in the unquantized search's order (cli/tune.py): the call's current
 choice (tuned entry, else fitted unquantized tiles) and the GEMM1 candidates of
 kernels.quant_tuning.quant_search_space, each beside the current choice's GEMM2 (or the first
-GEMM2 candidate of its row block: gemm1_candidate); then the GEMM2 candidates with the winning GEMM1; then the winner with one knob flipped (PDL;
-x quantized in its own launch for fp8 activations; the other int4 conversions). With static fp8
+GEMM2 candidate of its row block: gemm1_candidate); then the GEMM2 candidates with the winning
+GEMM1; then the winner with one knob flipped (PDL; x quantized in its own launch for fp8
+activations; the other int4 conversions). With static fp8
 scales (--static-scales, fp8_w8a8) the prefill kernels' candidates (fp8_prefill_space) are
 timed too; the fastest is kept as the entry's `static_prefill` when it beats the sorted kernels.
 The fastest few are timed again in interleaved rounds (tune.confirm_fastest). Every timing is
