@@ -265,3 +265,37 @@ def test_backend_refuses_rocm_builds_with_the_reason(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
     reason = TritonBackend().available()
     assert reason is not None and "ROCm build (6.2.41133)" in reason
+
+
+def test_shipped_quantized_entries_pass_the_launchers_checks():
+    # Every M entry of the shipped quantized tables as a call on the H200 reads it (quant_tiles),
+    # for every scheme that reads its file, on its shape's sizes: tiles and knobs the launcher
+    # would refuse on the GPU are refused here. Weight-only tables serve every group size, so a
+    # group finer than the tuned K tiles gets them cut to its groups.
+    from moekit.benchmarks.gpu import GPU_SHAPES
+    from moekit.kernels.launch_quant import check_knobs, check_tiles, quant_tiles
+    from moekit.kernels.quant_rows import modes_of
+    from moekit.kernels.quant_tuning import parse_quant_configs, quant_file_name
+    from moekit.quant import get_scheme
+
+    schemes = [get_scheme(n) for n in ("fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a16")]
+    schemes += [get_scheme("int4_w4a16", group_size=g) for g in (32, 64, 128)]
+    checked = 0
+    for _, E, k, H, I in GPU_SHAPES:
+        for scheme in schemes:
+            path = os.path.join(SHIPPED_DIR, quant_file_name(E, I, "NVIDIA_H200", scheme))
+            if not os.path.exists(path):
+                continue
+            with open(path, encoding="utf-8") as fh:
+                table = parse_quant_configs(fh.read(), path)
+            modes = modes_of(scheme)
+            for M, (tuned_cfg, tuned_knobs) in table.items():
+                cfg, knobs = quant_tiles(M, E, k, H, I, torch.bfloat16, "NVIDIA_H200", scheme, modes)
+                assert knobs == tuned_knobs and cfg.gemm1.BLOCK_SIZE_N == tuned_cfg.gemm1.BLOCK_SIZE_N
+                if modes.kgroup:
+                    assert modes.kgroup % cfg.gemm1.BLOCK_SIZE_K == 0 and modes.kgroup % cfg.gemm2.BLOCK_SIZE_K == 0
+                check_knobs(cfg, knobs, scheme, modes, knobs.gate_up, H, I)
+                if knobs.static_prefill is not None:
+                    check_tiles(knobs.static_prefill, modes_of(get_scheme("fp8_w8a8")))
+                checked += 1
+    assert checked >= 60

@@ -21,6 +21,7 @@ prefill config that a call cannot take is refused with the reason.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
@@ -38,7 +39,8 @@ from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_ro
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
 
-__all__ = ["quant_config", "check_tiles", "quant_tiles", "fused_moe_quant", "quant_unsupported", "MAX_INT8_K"]
+__all__ = ["quant_config", "check_tiles", "check_knobs", "quant_tiles", "fused_moe_quant", "quant_unsupported",
+           "MAX_INT8_K"]
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
@@ -145,10 +147,41 @@ def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
             raise ValueError(f"config.{name}.BLOCK_SIZE_K must be >= 32 for 8-bit or int4 products, got {bk}")
 
 
+def check_knobs(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes: QuantModes, gate_up: bool,
+                H: int, I: int) -> None:
+    """Raise ValueError when knobs cannot run a scheme on these tiles: the int4 conversions need
+    int4 weights; swapped products fp8 activations with scales constant along K and a multiple of
+    64 weight rows (gate_up: GEMM1's product takes gate and up rows together); prefetching a
+    K that is a multiple of the K tile.
+
+    Args:
+        gate_up: GEMM1 multiplies gate and up rows in one product (knobs.gate_up, gated activation).
+        H, I: hidden and intermediate sizes (GEMM1's and GEMM2's K).
+    """
+    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
+        raise ValueError(f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, got quant={scheme.name!r}")
+    g1, g2 = config.gemm1, config.gemm2
+    for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
+        if not flag:
+            continue
+        if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
+            raise ValueError(f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant along K, "
+                             f"got quant={scheme.name!r}")
+        if not swap_fits(t, pair):
+            rows = "2 * BLOCK_SIZE_N (gate and up in one product)" if pair else "BLOCK_SIZE_N"
+            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}'s {rows} a multiple of 64 and >= 16 * "
+                             f"num_warps, got BLOCK_SIZE_N={t.BLOCK_SIZE_N} with {t.num_warps} warps")
+    for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
+        if flag and K % t.BLOCK_SIZE_K:
+            raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
+                             f"got {t.BLOCK_SIZE_K}")
+
+
 def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
                 scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs]:
-    """Tiles and knobs of a call: the tuned quantized entry of the nearest M, else the
-    unquantized config fitted by quant_config with default knobs.
+    """Tiles and knobs of a call: the tuned quantized entry of the nearest M (its K tiles cut to
+    the scheme's scale groups: a weight-only table is named by the dtype alone, whatever the
+    group size), else the unquantized config fitted by quant_config with default knobs.
 
     Args:
         T: tokens.  E: local experts.  k: slots per token.  H, I: hidden and intermediate sizes.
@@ -156,8 +189,12 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
     """
     tuned = lookup_quant_config(T, E, I, device, scheme)
     if tuned is not None:
-        check_tiles(tuned[0], modes)
-        return tuned
+        cfg, knobs = tuned
+        if modes.kgroup:  # one table serves every group size of its dtype: K tiles within this one's groups
+            cfg = replace(cfg, gemm1=replace(cfg.gemm1, BLOCK_SIZE_K=min(cfg.gemm1.BLOCK_SIZE_K, modes.kgroup)),
+                          gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
+        check_tiles(cfg, modes)
+        return cfg, knobs
     return quant_config(get_config(T, E, k, H, I, dtype, device), modes), QuantKnobs()
 
 
@@ -293,27 +330,12 @@ def fused_moe_quant(
     if knobs.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
         got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
         raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
-    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
-        raise ValueError(f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, got quant={scheme.name!r}")
+    gate_up = knobs.gate_up and is_gated(activation)
+    check_knobs(config, knobs, scheme, modes, gate_up, H, I)
     if knobs.w_convert == "ptx" and dev.type != "cuda":
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
                          "(the Triton interpreter cannot run it)")
     g1, g2 = config.gemm1, config.gemm2
-    gate_up = knobs.gate_up and is_gated(activation)
-    for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
-        if not flag:
-            continue
-        if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
-            raise ValueError(f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant along K, "
-                             f"got quant={scheme.name!r}")
-        if not swap_fits(t, pair):
-            rows = "2 * BLOCK_SIZE_N (gate and up in one product)" if pair else "BLOCK_SIZE_N"
-            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}'s {rows} a multiple of 64 and >= 16 * "
-                             f"num_warps, got BLOCK_SIZE_N={t.BLOCK_SIZE_N} with {t.num_warps} warps")
-    for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
-        if flag and K % t.BLOCK_SIZE_K:
-            raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
-                             f"got {t.BLOCK_SIZE_K}")
     TK = T * k
     small_max = launch.ALIGN_SMALL_MAX
     w_in = topk_weights if on_input else None
