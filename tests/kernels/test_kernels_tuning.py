@@ -280,6 +280,7 @@ def test_shipped_quantized_entries_pass_the_launchers_checks():
 
     schemes = [get_scheme(n) for n in ("fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a16")]
     schemes += [get_scheme("int4_w4a16", group_size=g) for g in (32, 64, 128)]
+    schemes += [get_scheme("int8_w8a16", group_size=64, symmetric=False)]
     checked = 0
     for _, E, k, H, I in GPU_SHAPES:
         for scheme in schemes:
