@@ -273,7 +273,7 @@ def test_shipped_quantized_entries_pass_the_launchers_checks():
     # would refuse on the GPU are refused here. Weight-only tables serve every group size, so a
     # group finer than the tuned K tiles gets them cut to its groups.
     from moekit.benchmarks.gpu import GPU_SHAPES
-    from moekit.kernels.launch_quant import check_knobs, check_tiles, quant_tiles
+    from moekit.kernels.launch_quant import check_knobs, check_tiles, fit_knobs, quant_tiles
     from moekit.kernels.quant_rows import modes_of
     from moekit.kernels.quant_tuning import parse_quant_configs, quant_file_name
     from moekit.quant import get_scheme
@@ -281,7 +281,7 @@ def test_shipped_quantized_entries_pass_the_launchers_checks():
     schemes = [get_scheme(n) for n in ("fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a16")]
     schemes += [get_scheme("int4_w4a16", group_size=g) for g in (32, 64, 128)]
     schemes += [get_scheme("int8_w8a16", group_size=64, symmetric=False)]
-    checked = 0
+    checked = refit = 0
     for _, E, k, H, I in GPU_SHAPES:
         for scheme in schemes:
             path = os.path.join(SHIPPED_DIR, quant_file_name(E, I, "NVIDIA_H200", scheme))
@@ -296,7 +296,30 @@ def test_shipped_quantized_entries_pass_the_launchers_checks():
                 if modes.kgroup:
                     assert modes.kgroup % cfg.gemm1.BLOCK_SIZE_K == 0 and modes.kgroup % cfg.gemm2.BLOCK_SIZE_K == 0
                 check_knobs(cfg, knobs, scheme, modes, knobs.gate_up, H, I)
+                # the same entry for an activation without gate and up rows: what it cannot take is off
+                plain = fit_knobs(cfg, knobs, scheme, modes, False, H, I)
+                check_knobs(cfg, plain, scheme, modes, False, H, I)
+                refit += plain != knobs
                 if knobs.static_prefill is not None:
                     check_tiles(knobs.static_prefill, modes_of(get_scheme("fp8_w8a8")))
                 checked += 1
-    assert checked >= 60
+    assert checked >= 60 and refit  # swapped 32-column gate_up tiles lose swap1 there
+
+
+def test_tuned_knobs_are_fitted_explicit_ones_refused():
+    from moekit.kernels.launch_quant import check_knobs, fit_knobs
+    from moekit.kernels.quant_rows import modes_of
+    from moekit.kernels.quant_tuning import QuantKnobs
+    from moekit.quant import get_scheme
+
+    cfg = MoEConfig(TileConfig(16, 32, 128), TileConfig(16, 64, 128))
+    fp8, int4 = get_scheme("fp8_w8a8"), get_scheme("int4_w4a16")
+    knobs = QuantKnobs(gate_up=True, swap1=True, swap2=True, prefetch1=True, pdl=True)
+    assert fit_knobs(cfg, knobs, fp8, modes_of(fp8), True, 256, 128) == knobs
+    assert fit_knobs(cfg, knobs, fp8, modes_of(fp8), False, 256, 128) == dataclasses.replace(knobs, swap1=False)
+    assert fit_knobs(cfg, knobs, fp8, modes_of(fp8), True, 200, 128) == dataclasses.replace(knobs, prefetch1=False)
+    assert fit_knobs(cfg, knobs, int4, modes_of(int4), True, 256, 128) == dataclasses.replace(knobs, swap1=False, swap2=False)
+    with pytest.raises(ValueError, match="knobs.swap1 needs config.gemm1's BLOCK_SIZE_N a multiple of 64"):
+        check_knobs(cfg, knobs, fp8, modes_of(fp8), False, 256, 128)
+    with pytest.raises(ValueError, match="knobs.w_convert='ptx' applies to int4 weights"):
+        check_knobs(cfg, QuantKnobs(w_convert="ptx"), fp8, modes_of(fp8), True, 256, 128)

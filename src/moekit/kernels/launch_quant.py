@@ -22,7 +22,7 @@ prefill config that a call cannot take is refused with the reason.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -39,8 +39,8 @@ from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_ro
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
 
-__all__ = ["quant_config", "check_tiles", "check_knobs", "quant_tiles", "fused_moe_quant", "quant_unsupported",
-           "MAX_INT8_K"]
+__all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "fused_moe_quant",
+           "quant_unsupported", "MAX_INT8_K"]
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
@@ -147,6 +147,33 @@ def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
             raise ValueError(f"config.{name}.BLOCK_SIZE_K must be >= 32 for 8-bit or int4 products, got {bk}")
 
 
+def _knob_problems(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes: QuantModes, gate_up: bool,
+                   H: int, I: int) -> List[Tuple[str, str]]:
+    """(QuantKnobs field, why the call cannot take it) for every knob set that these tiles and
+    this scheme cannot run (see check_knobs)."""
+    out = []
+    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
+        out.append(("w_convert", f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, "
+                                 f"got quant={scheme.name!r}"))
+    g1, g2 = config.gemm1, config.gemm2
+    for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
+        if not flag:
+            continue
+        if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
+            out.append((f"swap{gemm[-1]}", f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant "
+                                           f"along K, got quant={scheme.name!r}"))
+        elif not swap_fits(t, pair):
+            rows = "2 * BLOCK_SIZE_N (gate and up in one product)" if pair else "BLOCK_SIZE_N"
+            out.append((f"swap{gemm[-1]}", f"knobs.swap{gemm[-1]} needs config.{gemm}'s {rows} a multiple of 64 "
+                                           f"and >= 16 * num_warps, got BLOCK_SIZE_N={t.BLOCK_SIZE_N} with "
+                                           f"{t.num_warps} warps"))
+    for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
+        if flag and K % t.BLOCK_SIZE_K:
+            out.append((f"prefetch{gemm[-1]}", f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of "
+                                               f"config.{gemm}.BLOCK_SIZE_K, got {t.BLOCK_SIZE_K}"))
+    return out
+
+
 def check_knobs(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes: QuantModes, gate_up: bool,
                 H: int, I: int) -> None:
     """Raise ValueError when knobs cannot run a scheme on these tiles: the int4 conversions need
@@ -158,23 +185,20 @@ def check_knobs(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes
         gate_up: GEMM1 multiplies gate and up rows in one product (knobs.gate_up, gated activation).
         H, I: hidden and intermediate sizes (GEMM1's and GEMM2's K).
     """
-    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
-        raise ValueError(f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, got quant={scheme.name!r}")
-    g1, g2 = config.gemm1, config.gemm2
-    for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
-        if not flag:
-            continue
-        if modes.act_dtype != _FP8 or modes.a_kscale or modes.w_kscale:
-            raise ValueError(f"knobs.swap{gemm[-1]} multiplies fp8 activations with scales constant along K, "
-                             f"got quant={scheme.name!r}")
-        if not swap_fits(t, pair):
-            rows = "2 * BLOCK_SIZE_N (gate and up in one product)" if pair else "BLOCK_SIZE_N"
-            raise ValueError(f"knobs.swap{gemm[-1]} needs config.{gemm}'s {rows} a multiple of 64 and >= 16 * "
-                             f"num_warps, got BLOCK_SIZE_N={t.BLOCK_SIZE_N} with {t.num_warps} warps")
-    for flag, K, t, gemm in ((knobs.prefetch1, H, g1, "gemm1"), (knobs.prefetch2, I, g2, "gemm2")):
-        if flag and K % t.BLOCK_SIZE_K:
-            raise ValueError(f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of config.{gemm}.BLOCK_SIZE_K, "
-                             f"got {t.BLOCK_SIZE_K}")
+    problems = _knob_problems(config, knobs, scheme, modes, gate_up, H, I)
+    if problems:
+        raise ValueError(problems[0][1])
+
+
+def fit_knobs(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes: QuantModes, gate_up: bool,
+              H: int, I: int) -> QuantKnobs:
+    """A tuned entry's knobs with those this call cannot take back at their defaults: one table
+    serves calls it was not tuned on (every fp8 scheme of its block shape, every group size of a
+    weight-only dtype, any activation), e.g. swap1 on 32-column gate_up tiles for an activation
+    without gate and up rows. Explicit knobs are checked instead (check_knobs)."""
+    default = QuantKnobs()
+    off = {f: getattr(default, f) for f, _ in _knob_problems(config, knobs, scheme, modes, gate_up, H, I)}
+    return replace(knobs, **off) if off else knobs
 
 
 def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
@@ -312,6 +336,7 @@ def fused_moe_quant(
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
     explicit = config is not None
+    tuned_knobs = knobs is None and not explicit
     if config is None:
         config, tuned = quant_tiles(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None,
                                     scheme, modes)
@@ -331,6 +356,8 @@ def fused_moe_quant(
         got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
         raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
     gate_up = knobs.gate_up and is_gated(activation)
+    if tuned_knobs:
+        knobs = fit_knobs(config, knobs, scheme, modes, gate_up, H, I)
     check_knobs(config, knobs, scheme, modes, gate_up, H, I)
     if knobs.w_convert == "ptx" and dev.type != "cuda":
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
