@@ -92,6 +92,28 @@ def test_deepseek_v3_sized_experts_fp8_block(cuda_gen):
     _check(torch.randn(16, 7168, device="cuda", generator=cuda_gen).bfloat16(), wts, w, ids)
 
 
+@pytest.mark.parametrize("scheme,opts,activation", [
+    ("fp8_w8a8", {}, "relu2_no_mul"),                                # tuned swap1 on gate_up tiles: fitted off
+    ("int4_w4a16", {"group_size": 64}, "silu"),                      # tuned K tiles of 128: cut to the groups
+    ("int4_w4a16", {"group_size": 32, "symmetric": False}, "silu"),
+])
+@pytest.mark.parametrize("T", [1, 16, 256])
+def test_shipped_tables_serve_other_activations_and_group_sizes(scheme, opts, activation, T, cuda_gen):
+    # Qwen3-30B-A3B's sizes, so the shipped H200 tables are read: an entry tuned for gated fp8 or
+    # int4 in groups of 128 must serve these calls too (tables are named by dtype alone).
+    E, k, H, I = 128, 8, 2048, 768
+    rows = I if activation.endswith("_no_mul") else 2 * I
+    w13 = torch.randn(E, rows, H, device="cuda", generator=cuda_gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=cuda_gen) * I ** -0.5
+    wts = quantize_experts(w13, w2, scheme, **opts)
+    w, ids = _routing(T, E, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    _poison_allocator()
+    out = fused_experts(x, wts, None, w, ids, activation=activation, backend="triton")
+    ref = emulated_experts(x, wts, w, ids, activation=activation, act_dtype=triton_act_dtype(wts, x))
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOLERANCE[get_scheme(wts.quant).precision]
+
+
 def test_run_to_run_bit_identical(cuda_gen):
     wts = _weights("fp8_w8a8_block128", {}, 16, 256, 256, cuda_gen)
     w, ids = _routing(3000, 16, 4, cuda_gen)  # the chunked alignment path
