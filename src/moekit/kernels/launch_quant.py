@@ -355,7 +355,8 @@ def fused_moe_quant(
     if knobs.pdl and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
         got = dev.type if dev.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(dev)}"
         raise ValueError(f"knobs.pdl needs a CUDA GPU of compute capability 9.0 or newer, got {got}")
-    gate_up = knobs.gate_up and is_gated(activation)
+    gated = is_gated(activation)
+    gate_up = knobs.gate_up and gated
     if tuned_knobs:
         knobs = fit_knobs(config, knobs, scheme, modes, gate_up, H, I)
     check_knobs(config, knobs, scheme, modes, gate_up, H, I)
@@ -405,7 +406,6 @@ def fused_moe_quant(
     act = torch.empty(R, I, dtype=_FP8 if static else x.dtype, device=dev)
     q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
     bias13 = b13 if b13 is not None else x
-    gated = is_gated(activation)
     qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
         a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
         topk_weights, al.sorted_ids, al.expert_end, src if static else al.sorted_ids,
