@@ -14,8 +14,7 @@ import statistics
 
 import torch
 
-from moekit.benchmarks.gpu import (AB_TIMING, GPU_SHAPES, ab_arg_parser, ab_device, ab_time_us, routing_sets,
-                                  write_ab_result)
+from moekit.benchmarks.gpu import AB_TIMING, ab_time_us, entry_ab_args, routing_sets, write_ab_result
 from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
@@ -23,13 +22,8 @@ from moekit.kernels.tuning import MoEConfig, get_config
 
 
 def main() -> None:
-    p = ab_arg_parser(__doc__, "entry_ab.json")
-    p.add_argument("--point", action="append", required=True, help="SHAPE:M (repeatable)")
-    p.add_argument("--entry", action="append", required=True, help="a table entry as JSON (repeatable)")
-    args = p.parse_args()
-    cuda, dev = ab_device(args)
+    args, cuda, dev, shapes = entry_ab_args(__doc__, "entry_ab.json", "SHAPE:M")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = {s[0]: s for s in GPU_SHAPES}
     entries = [MoEConfig.from_json(json.loads(e), f"--entry {i}") for i, e in enumerate(args.entry)]
     rows = []
     for point in args.point:

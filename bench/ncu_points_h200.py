@@ -15,23 +15,7 @@ import argparse
 
 import torch
 
-from moekit.benchmarks.gpu import _quant_call, quantized_weights, routing_sets, shape_by_name
-from moekit.experts.api import fused_experts
-
-
-def build_point(spec: str):
-    parts = spec.split(":")
-    name, scheme, M = parts[0], parts[1], int(parts[2])
-    static = len(parts) > 3 and parts[3] == "static"
-    _, E, k, H, I = shape_by_name(name)
-    if scheme == "bf16":
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
-        fn = lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton")  # noqa: E731
-    else:
-        wts = quantized_weights(scheme, E, H, I, static, "cuda")
-        fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
-    return fn, routing_sets(M, E, k, H, 2, torch.bfloat16, "cuda")
+from moekit.benchmarks.gpu import point_call
 
 
 def main() -> None:
@@ -42,7 +26,7 @@ def main() -> None:
     cudart = torch.cuda.cudart()
     with torch.inference_mode():
         for spec in args.points.split(","):
-            fn, sets = build_point(spec)
+            fn, sets, _, _, _ = point_call(spec, 2)
             fn(*sets[0])  # compile and warm up outside the profiled range
             torch.cuda.synchronize()
             cudart.cudaProfilerStart()

@@ -18,12 +18,8 @@ import time
 
 import torch
 
-from moekit.benchmarks.gpu import (
-    PERF_TABLE_CEILINGS, _quant_call, capture_graph, graph_time_us, quant_floor_terms, quantized_weights, routing_sets,
-    shape_by_name,
-)
+from moekit.benchmarks.gpu import PERF_TABLE_CEILINGS, capture_graph, graph_time_us, point_call, quant_floor_terms
 from moekit.benchmarks.floors import floor_seconds
-from moekit.experts.api import fused_experts
 
 
 def _device_us(event) -> float:
@@ -36,20 +32,9 @@ def _device_us(event) -> float:
 def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    parts = spec.split(":")
-    name, scheme, M = parts[0], parts[1], int(parts[2])
-    static = len(parts) > 3 and parts[3] == "static"
-    _, E, k, H, I = shape_by_name(name)
-    if scheme == "bf16":
-        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
-        fn = lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton")  # noqa: E731
-        bpw, fscale = 2.0, 1.0
-    else:
-        wts = quantized_weights(scheme, E, H, I, static, "cuda")
-        fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
-        bpw, fscale = quant_floor_terms(scheme)
-    sets = routing_sets(M, E, k, H, calls, torch.bfloat16, "cuda")
+    fn, sets, (E, k, H, I), scheme, _ = point_call(spec, calls)
+    M = sets[0][0].shape[0]
+    bpw, fscale = (2.0, 1.0) if scheme == "bf16" else quant_floor_terms(scheme)
     with torch.inference_mode():
         graph_us = graph_time_us(fn, sets, replays=5)
         for args in sets:

@@ -14,21 +14,16 @@ import statistics
 
 import torch
 
-from moekit.benchmarks.gpu import (AB_TIMING, GPU_SHAPES, _quant_call, ab_arg_parser, ab_device, ab_time_us,
-                                  parse_quant_entry, quant_entry, quantized_weights, routing_sets, write_ab_result)
+from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_time_us, entry_ab_args, parse_quant_entry, quant_entry,
+                                  quantized_weights, routing_sets, write_ab_result)
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
 from moekit.quant import get_scheme
 
 
 def main() -> None:
-    p = ab_arg_parser(__doc__, "quant_entry_ab.json")
-    p.add_argument("--point", action="append", required=True, help="SHAPE:SCHEME:s|d:M (repeatable)")
-    p.add_argument("--entry", action="append", required=True, help="a table entry as JSON (repeatable)")
-    args = p.parse_args()
-    cuda, dev = ab_device(args)
+    args, cuda, dev, shapes = entry_ab_args(__doc__, "quant_entry_ab.json", "SHAPE:SCHEME:s|d:M")
     dtype = torch.bfloat16 if cuda else torch.float16
-    shapes = {s[0]: s for s in GPU_SHAPES}
     entries = [parse_quant_entry(json.loads(e)) for e in args.entry]
     rows = []
     for point in args.point:

@@ -30,7 +30,7 @@ __all__ = [
     "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
     "quant_floor_terms", "capture_graph", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
-    "AB_TIMING",
+    "AB_TIMING", "entry_ab_args", "point_call",
 ]
 
 # (name, E, k, H, I): the five shapes of PERF.md.
@@ -96,6 +96,17 @@ def ab_device(args) -> Tuple[bool, torch.device]:
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--device cpu needs TRITON_INTERPRET=1")
     return cuda, torch.device(args.device)
+
+
+def entry_ab_args(doc: str, out_name: str, point_help: str):
+    """The arguments of an A/B between table entries (--point and --entry, repeatable, with
+    ab_arg_parser's): (args, on CUDA, device, {shape name: (name, E, k, H, I)})."""
+    p = ab_arg_parser(doc, out_name)
+    p.add_argument("--point", action="append", required=True, help=point_help + " (repeatable)")
+    p.add_argument("--entry", action="append", required=True, help="a table entry as JSON (repeatable)")
+    args = p.parse_args()
+    cuda, dev = ab_device(args)
+    return args, cuda, dev, {s[0]: s for s in GPU_SHAPES}
 
 
 # How the A/B scripts time their variants (ab_time_us through graphs of 8 routing sets, replays=10).
@@ -403,6 +414,26 @@ def _quant_call(wts, x, w, ids, config=None, knobs=None):
     return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], s.get("w13_zero"),
                            s.get("w2_zero"), s.get("a13_scale"), s.get("a2_scale"), w, ids, None, scheme_of(wts),
                            "silu", config=config, knobs=knobs, out_dtype=x.dtype)
+
+
+def point_call(spec: str, calls: int):
+    """A call of the Triton experts through the shipped tables at a point "shape:scheme:M[:static]"
+    ("bf16" for unquantized weights; static: per-expert activation scales), on CUDA:
+    (fn(x, topk_weights, topk_ids), `calls` routing sets of M tokens, (E, k, H, I), scheme, static)."""
+    from moekit.experts.api import fused_experts  # noqa: PLC0415
+
+    parts = spec.split(":")
+    name, scheme, M = parts[0], parts[1], int(parts[2])
+    static = len(parts) > 3 and parts[3] == "static"
+    _, E, k, H, I = shape_by_name(name)
+    if scheme == "bf16":
+        w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
+        fn = lambda x, w, i: fused_experts(x, w13, w2, w, i, backend="triton")  # noqa: E731
+    else:
+        wts = quantized_weights(scheme, E, H, I, static, "cuda")
+        fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
+    return fn, routing_sets(M, E, k, H, calls, torch.bfloat16, "cuda"), (E, k, H, I), scheme, static
 
 
 def quant_entry(config, knobs) -> Dict:
