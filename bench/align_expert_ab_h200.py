@@ -70,8 +70,8 @@ def _old_align_quant_kernel(
             align.align_chunk_kernel(ids_ptr, map_ptr, hist_ptr, keys_ptr, TK, N, E_PAD, HAS_MAP)
     else:
         j = pid - NA
-        qr._quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j % NCH, K, top_k,
-                        stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP)
+        qr._quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, j // NCH, j // NCH + 1, j % NCH,
+                        K, top_k, stride_x, stride_q, stride_s, BC, G, GRAN, QMAX, INT8, ON_INPUT, HAS_MAP, 1)
 
 
 def old_align(topk_ids, expert_map, num_experts, block_m, small_max=None, chunk=None):
