@@ -1,6 +1,7 @@
 """A compact JSON of Nsight Compute's raw CSV (bench/ncu_run.sh): per kernel its duration, the
-DRAM bytes and rate (against the H200's 4.8 TB/s), how busy memory, L2 and the SMs were, the launch shape and the warp stall
-reasons, with the point of ncu_points_h200.py each kernel belongs to (from the run's log).
+DRAM bytes and rate (against the H200's 4.8 TB/s), how busy memory, L2 and the SMs were, the
+launch shape and the warp stall reasons, with the point of ncu_points_h200.py each kernel
+belongs to (from the run's log).
 
     python bench/ncu_summary.py STEM-raw.csv STEM-log.txt --out bench/results/h200-ncu-....json
 """
