@@ -89,8 +89,8 @@ def main() -> None:
               open(args.out, "w"), indent=1)
     for r in rows:
         print(f"{str(r['point'])[:34]:34s} {r['kernel'][:24]:24s} {r.get('us', 0):8.1f} us "
-              f"{r.get('dram_tb_s', 0):5.2f} TB/s DRAM {r.get('dram_pct_of_4.8_tb_s', 0):5.1f}% L2 {r.get('l2_pct', 0):5.1f}% "
-              f"SM {r.get('sm_pct', 0):5.1f}%")
+              f"{r.get('dram_tb_s', 0):5.2f} TB/s DRAM {r.get('dram_pct_of_4.8_tb_s', 0):5.1f}% "
+              f"L2 {r.get('l2_pct', 0):5.1f}% SM {r.get('sm_pct', 0):5.1f}%")
 
 
 if __name__ == "__main__":
