@@ -93,7 +93,9 @@ def test_biases_stay_float_and_are_loaded(gen):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(quant="int5"), "quant must be one of"),
-    (dict(quant=get_scheme("int4_w4a16", group_size=128), intermediate_size=96), "multiples of 128"),
+    (dict(quant=get_scheme("int4_w4a16", group_size=128), intermediate_size=96),
+     r"multiples of 128 .*; get_scheme\('int4_w4a16', group_size=32\) fits them"),
+    (dict(quant="int8_w8a16", hidden_size=72, intermediate_size=40), r"multiples of 128 .*I=40$"),
     (dict(quant="int8_w8a8", shared_experts=SharedExpertsConfig(I, mode="fused")), "cannot ride in quantized"),
 ])
 def test_bad_quantized_layers_fail_at_construction(kwargs, match):

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 
 from ..experts.base import ExpertWeights
-from .schemes import FP8_MAX, QuantScheme, get_scheme
+from .schemes import FP8_MAX, GROUP_SIZES, QuantScheme, get_scheme
 
 __all__ = [
     "QuantizedWeight",
@@ -60,8 +60,13 @@ def check_fits(scheme: QuantScheme, hidden_size: int, intermediate_size: int) ->
     m = scheme.column_multiple
     if hidden_size % m == 0 and intermediate_size % m == 0:
         return
+    hint = ""
     if scheme.weight_granularity == "group":
         what = f"weight groups of {m} input columns"
+        fits = [g for g in GROUP_SIZES if g < m and hidden_size % g == 0 and intermediate_size % g == 0]
+        if fits:  # a smaller group of the same scheme takes these sizes
+            zeros = "" if scheme.symmetric else ", symmetric=False"
+            hint = f"; get_scheme({scheme.name!r}, group_size={fits[-1]}{zeros}) fits them"
     elif scheme.weight_granularity == "block":
         bn, bk = scheme.weight_block
         what = f"{bn}x{bk} weight blocks and 1x{scheme.activation_group} activation groups"
@@ -69,7 +74,7 @@ def check_fits(scheme: QuantScheme, hidden_size: int, intermediate_size: int) ->
         what = f"1x{m} activation groups"
     raise ValueError(
         f"quant={scheme.name!r} needs hidden_size and intermediate_size to be multiples of {m} "
-        f"({what}), got H={hidden_size}, I={intermediate_size}")
+        f"({what}), got H={hidden_size}, I={intermediate_size}{hint}")
 
 
 def pack_int4(u: torch.Tensor) -> torch.Tensor:
