@@ -32,7 +32,7 @@ def _device_us(event) -> float:
 def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    fn, sets, (E, k, H, I), scheme, _ = point_call(spec, calls)
+    fn, sets, (E, k, H, I), scheme = point_call(spec, calls)
     M = sets[0][0].shape[0]
     bpw, fscale = (2.0, 1.0) if scheme == "bf16" else quant_floor_terms(scheme)
     with torch.inference_mode():

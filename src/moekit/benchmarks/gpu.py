@@ -419,7 +419,7 @@ def _quant_call(wts, x, w, ids, config=None, knobs=None):
 def point_call(spec: str, calls: int):
     """A call of the Triton experts through the shipped tables at a point "shape:scheme:M[:static]"
     ("bf16" for unquantized weights; static: per-expert activation scales), on CUDA:
-    (fn(x, topk_weights, topk_ids), `calls` routing sets of M tokens, (E, k, H, I), scheme, static)."""
+    (fn(x, topk_weights, topk_ids), `calls` routing sets of M tokens, (E, k, H, I), scheme)."""
     from moekit.experts.api import fused_experts  # noqa: PLC0415
 
     parts = spec.split(":")
@@ -433,7 +433,7 @@ def point_call(spec: str, calls: int):
     else:
         wts = quantized_weights(scheme, E, H, I, static, "cuda")
         fn = lambda x, w, i: _quant_call(wts, x, w, i)  # noqa: E731
-    return fn, routing_sets(M, E, k, H, calls, torch.bfloat16, "cuda"), (E, k, H, I), scheme, static
+    return fn, routing_sets(M, E, k, H, calls, torch.bfloat16, "cuda"), (E, k, H, I), scheme
 
 
 def quant_entry(config, knobs) -> Dict:
