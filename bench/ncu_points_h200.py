@@ -9,7 +9,8 @@ cudaProfilerStart and cudaProfilerStop, with an NVTX range named after the point
 A point is shape:scheme:M[:static] as in profile_h200.py ("bf16" for unquantized weights), or
 probe:w13|w2:EXPERTS[:NAME=VALUE+...]: weight_layout_probe_h200's stripped-down decode GEMM over
 Qwen3-30B-A3B's fp8 w13 or w2 for that many experts (its stream_kernel flags, e.g.
-probe:w2:82:STORE=1+MASK_A=True), to set beside the shipped kernels' counters.
+probe:w2:82:STORE=1+MASK_A=True, and BM, BN, BK, WARPS, STAGES: the tile, 16 x 64 x 128 with 4
+warps and 4 stages by default), to set beside the shipped kernels' counters.
 --read-gb also profiles torch's sum over a buffer of that many GB: what a plain read of DRAM
 reaches under the same profiler settings, the yardstick for the GEMMs' DRAM throughput.
 """
@@ -27,21 +28,23 @@ def probe_call(spec: str):
 
     _, which, n, *more = spec.split(":")
     N, K = {"w13": (1536, 2048), "w2": (2048, 768)}[which]
-    E, used, BN = 128, int(n), 64
+    E, used = 128, int(n)
     flags = dict(SWAP=True, TWO=False, GROUP=1, MASK_A=False, STORE=0)
+    tile = dict(BM=16, BN=64, BK=128, WARPS=4, STAGES=4)
     for item in (more[0].split("+") if more else []):
         name, value = item.split("=")
-        flags[name] = int(value) if value.isdigit() else value == "True"
+        (tile if name in tile else flags)[name] = int(value) if value.isdigit() else value == "True"
+    BM, BN = tile["BM"], tile["BN"]
     w = (torch.randn(E, N, K, device="cuda") * 0.1).to(torch.float8_e4m3fn)
-    a = (torch.randn(16, K, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+    a = (torch.randn(BM, K, device="cuda") * 0.1).to(torch.float8_e4m3fn)
     experts = torch.randperm(E, device="cuda")[:used].to(torch.int32)
     grid = used * (N // BN // (2 if flags["TWO"] else 1))
     out = torch.empty(grid, device="cuda")
-    y = torch.empty(grid * 16, BN, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(grid * BM, BN, dtype=torch.bfloat16, device="cuda")
 
     def fn():
-        stream_kernel[(grid,)](a, w, experts, out, y, N, K, used, BM=16, BN=BN, BK=128, TILED=False, num_warps=4,
-                               num_stages=4, **flags)
+        stream_kernel[(grid,)](a, w, experts, out, y, N, K, used, BM=BM, BN=BN, BK=tile["BK"], TILED=False,
+                               num_warps=tile["WARPS"], num_stages=tile["STAGES"], **flags)
     return fn, [(), ()]
 
 

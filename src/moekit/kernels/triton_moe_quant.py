@@ -190,14 +190,27 @@ def _k_step(acc, a, a_odd, q, zero, ws, a_s,
 
 
 @triton.jit
-def _dequant(acc, a_s_ptrs, a_ok, ws_ptrs,
-             A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr):
-    """The K-constant scales of the finished product: per row (activations), per column (weights)."""
+def _k_constant_scales(a_s_ptrs, a_ok, ws_ptrs, A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr,
+                       W_KSCALE: tl.constexpr):
+    """The scales that are constant along K: per row (activations) and per column (weights), ones
+    where a mode has none. Loaded before the K loop, so the epilogue does not wait for them."""
+    a_s = tl.full(a_ok.shape, 1.0, tl.float32)
+    if A_QUANT != 0 and not A_KSCALE:
+        a_s = tl.load(a_s_ptrs, mask=a_ok, other=0.0)
+    w_s = tl.full(ws_ptrs.shape, 1.0, tl.float32)
+    if not W_KSCALE:
+        w_s = tl.load(ws_ptrs)
+    return a_s, w_s
+
+
+@triton.jit
+def _dequant(acc, a_s, w_s, A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr):
+    """The finished product times the K-constant scales a_s [BM] and w_s [BN] (_k_constant_scales)."""
     out = acc.to(tl.float32)
     if A_QUANT != 0 and not A_KSCALE:
-        out = out * tl.load(a_s_ptrs, mask=a_ok, other=0.0)[:, None]
+        out = out * a_s[:, None]
     if not W_KSCALE:
-        out = out * tl.load(ws_ptrs)[None, :]
+        out = out * w_s[None, :]
     return out
 
 
@@ -245,6 +258,10 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     else:
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = acc_g
+    a_s_row, ws_gate = _k_constant_scales(a_s_ptrs, a_ok, ws_g, A_QUANT, A_KSCALE, W_KSCALE)
+    ws_up = ws_gate
+    if GATED:
+        _, ws_up = _k_constant_scales(a_s_ptrs, a_ok, ws_u, 0, A_KSCALE, W_KSCALE)
     if PREFETCH:  # EVEN_K: every tile is whole
         a_next = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
         qg_next = tl.load(w_ptrs)
@@ -320,9 +337,9 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    gate = _dequant(acc_g, a_s_ptrs, a_ok, ws_g, A_QUANT, A_KSCALE, W_KSCALE)
+    gate = _dequant(acc_g, a_s_row, ws_gate, A_QUANT, A_KSCALE, W_KSCALE)
     if GATED:
-        up = _dequant(acc_u, a_s_ptrs, a_ok, ws_u, A_QUANT, A_KSCALE, W_KSCALE)
+        up = _dequant(acc_u, a_s_row, ws_up, A_QUANT, A_KSCALE, W_KSCALE)
     else:
         up = gate
     return gate, up
@@ -373,6 +390,17 @@ def gemm1_quant_kernel(
     a_row_ptrs = a_ptr + a_rows * stride_am
     a_s_ptrs = a_s_ptr + e64 * stride_ase + a_rows * stride_asm
     w_e, ws_e, wz_e = w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se
+    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+    b_gate = tl.zeros([BN], dtype=tl.float32)
+    b_up = b_gate
+    if HAS_BIAS:
+        b_base = b_ptr + e64 * stride_be
+        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    inv_out_s = 1.0
+    if OUT_STATIC:  # one division a tile, a multiply per value
+        inv_out_s = 1.0 / tl.load(out_s_ptr + e64)
     if GATED and GATE_UP:
         c2 = tl.arange(0, 2 * BN)
         n2 = pid_n * BN + c2 // 2
@@ -393,16 +421,13 @@ def gemm1_quant_kernel(
         gate = gate * w_row[:, None]
         up = up * w_row[:, None]
     if HAS_BIAS:
-        b_base = b_ptr + e64 * stride_be
-        gate += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        gate += b_gate[None, :]
         if GATED:
-            up += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += b_up[None, :]
     h = _apply_act(gate, up, ACT, alpha, limit)
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if OUT_STATIC:
-        # One division a tile, a multiply per value.
-        tl.store(o_ptrs, to_quant(h * (1.0 / tl.load(out_s_ptr + e64)), 448.0, False), mask=col_ok[None, :],
-                 eviction_policy=OUT_POLICY)
+        tl.store(o_ptrs, to_quant(h * inv_out_s, 448.0, False), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
 
@@ -442,6 +467,13 @@ def gemm2_quant_kernel(
     col_ok = cols < N
     e64 = e.to(tl.int64)
     k_lo = pid_s * K_SPLIT
+    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+    bias = tl.zeros([BN], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok & (cols * 0 + pid_s == 0), other=0.0).to(tl.float32)
+    route_w = tl.zeros([BM], dtype=tl.float32)
+    if not ON_INPUT:
+        route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
     acc, _ = _mainloop(
         a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
@@ -451,10 +483,9 @@ def gemm2_quant_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
-        bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok & (cols * 0 + pid_s == 0), other=0.0).to(tl.float32)
         acc += bias[None, :]
     if not ON_INPUT:
-        acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
+        acc = acc * route_w[:, None]
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_os + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om
               + cols[None, :])
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
