@@ -211,6 +211,17 @@ def gemm1_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+    w_row = tl.zeros([BM], dtype=tl.float32)
+    if ON_INPUT:
+        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+    b_gate = tl.zeros([BN], dtype=tl.float32)
+    b_up = b_gate
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -232,15 +243,13 @@ def gemm1_kernel(
         g_ptrs += BK
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
         acc_g = acc_g * w_row[:, None]
         if GATED:
             acc_u = acc_u * w_row[:, None]
     if HAS_BIAS:
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        acc_g += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += b_gate[None, :]
         if GATED:
-            acc_u += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += b_up[None, :]
     if GATED:
         h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
     else:
@@ -411,6 +420,13 @@ def gemm2_kernel(
             k_hi = tl.minimum(k_lo + per, K)
         a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + k_lo + ks[None, :]
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + k_lo + ks[:, None]
+        # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+        bias = tl.zeros([BN], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        route_w = tl.zeros([BM], dtype=tl.float32)
+        if not ON_INPUT:
+            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
         for k0 in range(k_lo, k_hi, BK):
             k_ok = ks + k0 < k_hi
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -428,9 +444,9 @@ def gemm2_kernel(
                                   (pid_m * BM + rows).to(tl.int64)[:, None] * N + cols[None, :], o_mask, stride_ps)
             o_mask = tl.where(last, o_mask, False)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += bias[None, :]
         if not ON_INPUT:
-            acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
+            acc = acc * route_w[:, None]
         o_ptrs = out_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask, eviction_policy=OUT_POLICY)
 

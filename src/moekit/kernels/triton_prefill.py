@@ -179,6 +179,24 @@ def _gemm1_tile(
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+    w_row = tl.zeros([BMT], dtype=tl.float32)
+    if ON_INPUT or FOLD:
+        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+    b_gate = tl.zeros([BN], dtype=tl.float32)
+    b_up = b_gate
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    xw_s = 1.0
+    out_s = 1.0
+    w2_s = 1.0
+    if SCALED:
+        xw_s = tl.load(s_ptr + 4 * e) * tl.load(s_ptr + 4 * e + 1)  # one multiply a value
+        out_s = tl.load(s_ptr + 4 * e + 2)
+        w2_s = tl.load(s_ptr + 4 * e + 3)
     if GU1:
         acc = tl.zeros([BMT, 2 * BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -198,31 +216,26 @@ def _gemm1_tile(
                                              stride_wn, TMA), acc_u, IEEE)
             a_ptrs += BK
     if SCALED:
-        xw_s = tl.load(s_ptr + 4 * e) * tl.load(s_ptr + 4 * e + 1)  # one multiply a value
         acc_g = acc_g * xw_s
         acc_u = acc_u * xw_s
     if ON_INPUT:
         # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
         acc_g = acc_g * w_row[:, None]
         acc_u = acc_u * w_row[:, None]
     if HAS_BIAS:
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        acc_g += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += b_gate[None, :]
         if GATED:
-            acc_u += tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += b_up[None, :]
     if GATED:
         h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
     else:
         h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if SCALED:
-        h = to_quant(h * (1.0 / tl.load(s_ptr + 4 * e + 2)), 448.0, False)  # one division a tile
+        h = to_quant(h * (1.0 / out_s), 448.0, False)  # one division a tile
     if FOLD:
         if n0 == 0:
-            w_fold = tl.load(topk_w_ptr + assign, mask=live, other=0.0) * tl.load(s_ptr + 4 * e + 2) \
-                * tl.load(s_ptr + 4 * e + 3)
-            tl.store(wy_ptr + assign, w_fold, mask=live)
+            tl.store(wy_ptr + assign, w_row * out_s * w2_s, mask=live)
     tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :],
              eviction_policy=OUT_POLICY)
 
@@ -234,7 +247,7 @@ def _gemm2_tile(
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
-    OUT_POLICY: tl.constexpr,
+    OUT_POLICY: tl.constexpr, WS: tl.constexpr,
 ):
     """y[a, n0:n0 + BN] = w[a] * (act[row] W2[e]^T + b2[e]) for the rows [row0, row0 + rows).
 
@@ -251,6 +264,18 @@ def _gemm2_tile(
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
     a_ptrs = a_ptr + (row0 + r).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    # Without WS the epilogue's operands are loaded before the K loop, so it does not wait for
+    # them (Triton's warp specialization takes them where they are used).
+    route_w = tl.zeros([BMT], dtype=tl.float32)
+    bias = tl.zeros([BN], dtype=tl.float32)
+    scale = 1.0
+    if not WS:
+        if not ON_INPUT:
+            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SCALED:
+            scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
     acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         if ACT_TMA:
@@ -260,12 +285,19 @@ def _gemm2_tile(
         acc = _mma(a, _weight_tile(w_ptr, w_desc, e, n0, k0, ks, cols, w_rows, N, K, stride_we, stride_wn, TMA),
                    acc, IEEE)
         a_ptrs += BK
+    if WS:
+        if SCALED:
+            scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if not ON_INPUT:
+            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
     if SCALED:
-        acc = acc * tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
+        acc = acc * scale
     if HAS_BIAS:
-        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     if not ON_INPUT:
-        acc = acc * tl.load(topk_w_ptr + assign, mask=live, other=0.0)[:, None]
+        acc = acc * route_w[:, None]
     y_ptrs = y_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
              eviction_policy=OUT_POLICY)
@@ -357,22 +389,22 @@ def prefill_gemm2_kernel(
         if TAIL == 1:
             _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                         nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
+                        BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
                 _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
+                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if v == 1:
                 _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
+                            BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if TAIL == 4:
                 if v == 2:
                     _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY)
+                                BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
