@@ -80,3 +80,24 @@ def test_ncu_summary_maps_kernels_to_their_points(tmp_path):
     assert out[0]["dram_tb_s"] == pytest.approx((0.4 + 0.002) / 100e-6 / 1e12 * 1e9)  # GB over us, in TB/s
     assert out[1]["dram_write_mb"] == 1000.0  # thousands separators
     assert out[0]["stalls_per_issue"] == {"long_scoreboard": 5.5}
+
+
+def test_sass_offline_compiles_a_call_for_sm90(tmp_path):
+    """bench/sass_offline.py compiles each Triton kernel of a call for an H200 without a GPU (in its
+    own process: it points Triton at a CUDA target) and reports its resources and the program
+    order of its memory instructions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    proc = subprocess.run([sys.executable, str(BENCH / "sass_offline.py"), "--point", "olmoe-1b-7b:bf16:16",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "sass-offline.json").read_text())
+    assert report["arch"] == "sm_90a"
+    kernels = report["points"][0]["kernels"]
+    assert [k["kernel"] for k in kernels] == ["align_expert_kernel", "gemm1_kernel", "gemm2_kernel", "sum_k_kernel"]
+    for k in kernels:
+        assert 0 < k["registers"] <= 255 and k["instructions"] > 50
+        assert (tmp_path / k["sass"]).read_text().count("EXIT") >= 1
+    gemm1 = kernels[1]
+    assert gemm1["shared_bytes"] > 0  # its pipelined weight tiles
+    assert any("MMA" in line for line in gemm1["order"]) and any("LDGSTS" in line for line in gemm1["order"])
