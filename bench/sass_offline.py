@@ -14,7 +14,8 @@ to the weight pipeline, which a GPU profile shows only as stall samples.
 
 A point is shape:scheme:M[:static] as in profile_h200.py ("bf16" for unquantized weights).
 Launch options that need a CUDA device are dropped and reported (programmatic dependent
-launch: its wait and trigger instructions are missing from these kernels). Compare two
+launch: its wait and trigger instructions are missing from these kernels; int4 weights
+converted by inline PTX are compiled with the bit-operation conversion instead). Compare two
 versions of src/ by running twice with different PYTHONPATHs.
 """
 
@@ -111,25 +112,33 @@ def point_launch(spec: str):
         w2 = torch.empty(E, H, I, dtype=torch.bfloat16)
         return (lambda: launch.fused_moe(x, w13, w2, None, None, w, ids, None, "silu", config=cfg,
                                          out_dtype=torch.bfloat16)), dropped
-    from moekit.kernels.launch_quant import fused_moe_quant, quant_tiles  # noqa: PLC0415
+    from moekit.kernels.launch_quant import fused_moe_quant, prefill_refusal, quant_tiles  # noqa: PLC0415
     from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
     from moekit.quant import get_scheme, quantize_experts  # noqa: PLC0415
 
     scheme = get_scheme(scheme_name)
-    cfg, knobs = quant_tiles(M, E, k, H, I, torch.bfloat16, "NVIDIA_H200", scheme, modes_of(scheme))
-    if knobs.pdl:
-        knobs = dataclasses.replace(knobs, pdl=False)
-        dropped.append("quant.pdl")
+    modes = modes_of(scheme)
     # One expert quantized for the layouts and dtypes of the weights and scales; E of each,
     # uninitialized (the values do not matter: nothing runs).
     extra = dict(a13_scale=torch.ones(1), a2_scale=torch.ones(1)) if static else {}
     q = quantize_experts(torch.randn(1, 2 * I, H, generator=gen) * H ** -0.5,
                          torch.randn(1, H, I, generator=gen) * I ** -0.5, scheme, **extra)
     rep = lambda t: None if t is None else torch.empty(E, *t.shape[1:], dtype=t.dtype)  # noqa: E731
-    s = q.scales
-    return (lambda: fused_moe_quant(x, rep(q.w13), rep(q.w2), None, None, rep(s["w13_scale"]), rep(s["w2_scale"]),
-                                    rep(s.get("w13_zero")), rep(s.get("w2_zero")), rep(s.get("a13_scale")),
-                                    rep(s.get("a2_scale")), w, ids, None, scheme, "silu", config=cfg, knobs=knobs,
+    args = [rep(q.w13), rep(q.w2), None, None] + [rep(q.scales.get(n)) for n in
+                                                  ("w13_scale", "w2_scale", "w13_zero", "w2_zero", "a13_scale",
+                                                   "a2_scale")]
+    cfg, knobs = quant_tiles(M, E, k, H, I, torch.bfloat16, "NVIDIA_H200", scheme, modes)
+    # On CUDA an entry's static_prefill tiles replace its own where the prefill kernels take the
+    # call; an explicit config (as here) does not, so that choice is made here.
+    if knobs.static_prefill is not None and prefill_refusal(modes, static, False, args[4], args[5]) is None:
+        cfg = knobs.static_prefill
+    if knobs.pdl:
+        knobs = dataclasses.replace(knobs, pdl=False)
+        dropped.append("quant.pdl")
+    if knobs.w_convert == "ptx":  # refused off CUDA (the interpreter cannot run inline PTX)
+        knobs = dataclasses.replace(knobs, w_convert="bits")
+        dropped.append("quant.w_convert=ptx (compiled as bits)")
+    return (lambda: fused_moe_quant(x, *args, w, ids, None, scheme, "silu", config=cfg, knobs=knobs,
                                     out_dtype=torch.bfloat16)), dropped
 
 
@@ -149,6 +158,7 @@ def describe(kernel, sass_path: str) -> dict:
     with open(sass_path, "w") as out:
         out.write(sass)
     regs = re.search(r"REG:(\d+)", usage)
+    spill = re.search(r"LOCAL:(\d+)", usage)
     instrs = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -159,7 +169,8 @@ def describe(kernel, sass_path: str) -> dict:
         op = re.sub(r"^@!?U?P\w+\s+", "", text)
         if ORDER_OPS.match(op):
             order.append(f"{addr:05x} {text}")
-    return {"registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared,
+    return {"registers": int(regs.group(1)) if regs else None, "local_bytes": int(spill.group(1)) if spill else None,
+            "shared_bytes": kernel.metadata.shared,
             "num_warps": kernel.metadata.num_warps, "instructions": len(instrs), "sass": os.path.basename(sass_path),
             "order": order}
 
@@ -182,7 +193,8 @@ def main() -> None:
         for i, (name, kernel) in enumerate(compiled):
             row = {"kernel": name, **describe(kernel, os.path.join(args.out, f"{stem}-{i}-{name}.sass"))}
             kernels.append(row)
-            print(f"{spec:36s} {name:24s} {row['registers']:4d} registers {row['shared_bytes']:7d} B shared "
+            print(f"{spec:36s} {name:24s} {row['registers']:4d} registers {row['local_bytes']:5d} B local "
+                  f"{row['shared_bytes']:7d} B shared "
                   f"{row['num_warps']:2d} warps {row['instructions']:5d} instructions", flush=True)
         report["points"].append({"point": spec, "dropped": dropped, "kernels": kernels})
     with open(os.path.join(args.out, "sass-offline.json"), "w") as f:
