@@ -166,6 +166,21 @@ def _tile_ids(NUM_M, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
     return _grouped(tl.program_id(0), NUM_M, tl.cdiv(N, BN), GROUP_M)
 
 
+@triton.jit
+def _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  GATED: tl.constexpr):
+    """Expert e's GEMM1 bias at columns `cols`: (gate part, up part) in fp32, zeros without a bias.
+    The GEMMs load it before their K loop, so their epilogues do not wait for it."""
+    b_gate = tl.zeros([BN], dtype=tl.float32)
+    b_up = b_gate
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return b_gate, b_up
+
+
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])
 def gemm1_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -215,13 +230,7 @@ def gemm1_kernel(
     w_row = tl.zeros([BM], dtype=tl.float32)
     if ON_INPUT:
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
-    b_gate = tl.zeros([BN], dtype=tl.float32)
-    b_up = b_gate
-    if HAS_BIAS:
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED:
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)

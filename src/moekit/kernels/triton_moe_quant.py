@@ -58,7 +58,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _tile_ids
+from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _tile_ids
 from .triton_quant_rows import to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
@@ -391,13 +391,7 @@ def gemm1_quant_kernel(
     a_s_ptrs = a_s_ptr + e64 * stride_ase + a_rows * stride_asm
     w_e, ws_e, wz_e = w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se
     # The epilogue's operands are loaded before the K loop, so it does not wait for them.
-    b_gate = tl.zeros([BN], dtype=tl.float32)
-    b_up = b_gate
-    if HAS_BIAS:
-        b_base = b_ptr + e64 * stride_be
-        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
     inv_out_s = 1.0
     if OUT_STATIC:  # one division a tile, a multiply per value
         inv_out_s = 1.0 / tl.load(out_s_ptr + e64)

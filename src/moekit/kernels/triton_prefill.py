@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, _grouped, store_policy, sum_over_k
+from .triton_moe import _apply_act, _gate_up_bias, _grouped, store_policy, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -183,13 +183,7 @@ def _gemm1_tile(
     w_row = tl.zeros([BMT], dtype=tl.float32)
     if ON_INPUT or FOLD:
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
-    b_gate = tl.zeros([BN], dtype=tl.float32)
-    b_up = b_gate
-    if HAS_BIAS:
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            b_up = tl.load(b_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
     xw_s = 1.0
     out_s = 1.0
     w2_s = 1.0
