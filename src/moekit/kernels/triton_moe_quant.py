@@ -260,7 +260,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     acc_u = acc_g
     a_s_row, ws_gate = _k_constant_scales(a_s_ptrs, a_ok, ws_g, A_QUANT, A_KSCALE, W_KSCALE)
     ws_up = ws_gate
-    if GATED:
+    if GATED:  # the up rows' weight scales (A_QUANT 0: the activation scales are not loaded again)
         _, ws_up = _k_constant_scales(a_s_ptrs, a_ok, ws_u, 0, A_KSCALE, W_KSCALE)
     if PREFETCH:  # EVEN_K: every tile is whole
         a_next = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
