@@ -181,6 +181,21 @@ def _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN: tl.constexpr, HAS_BI
     return b_gate, b_up
 
 
+@triton.jit
+def _gemm2_operands(b_ptr, e, cols, b_mask, stride_be, topk_w_ptr, assign, live, BM: tl.constexpr,
+                    BN: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr):
+    """Expert e's GEMM2 bias at columns `cols` (where b_mask) and the rows' routed weights (unless
+    they went on the input), fp32, zeros where there are none. The GEMMs load them before their K
+    loop, so their epilogues do not wait for them."""
+    bias = tl.zeros([BN], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=b_mask, other=0.0).to(tl.float32)
+    route_w = tl.zeros([BM], dtype=tl.float32)
+    if not ON_INPUT:
+        route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+    return bias, route_w
+
+
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E", "n_cnt"])
 def gemm1_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -429,13 +444,8 @@ def gemm2_kernel(
             k_hi = tl.minimum(k_lo + per, K)
         a_ptrs = a_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_am + k_lo + ks[None, :]
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + k_lo + ks[:, None]
-        # The epilogue's operands are loaded before the K loop, so it does not wait for them.
-        bias = tl.zeros([BN], dtype=tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        route_w = tl.zeros([BM], dtype=tl.float32)
-        if not ON_INPUT:
-            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+        bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok, stride_be, topk_w_ptr, assign, live, BM, BN, HAS_BIAS,
+                                        ON_INPUT)
         for k0 in range(k_lo, k_hi, BK):
             k_ok = ks + k0 < k_hi
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)

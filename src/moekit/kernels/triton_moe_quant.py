@@ -58,7 +58,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _tile_ids
+from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _tile_ids
 from .triton_quant_rows import to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
@@ -461,13 +461,8 @@ def gemm2_quant_kernel(
     col_ok = cols < N
     e64 = e.to(tl.int64)
     k_lo = pid_s * K_SPLIT
-    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
-    bias = tl.zeros([BN], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok & (cols * 0 + pid_s == 0), other=0.0).to(tl.float32)
-    route_w = tl.zeros([BM], dtype=tl.float32)
-    if not ON_INPUT:
-        route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+    bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok & (cols * 0 + pid_s == 0), stride_be, topk_w_ptr, assign,
+                                    live, BM, BN, HAS_BIAS, ON_INPUT)
     acc, _ = _mainloop(
         a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, _gate_up_bias, _grouped, store_policy, sum_over_k
+from .triton_moe import _apply_act, _gate_up_bias, _gemm2_operands, _grouped, store_policy, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -235,6 +235,19 @@ def _gemm1_tile(
 
 
 @triton.jit
+def _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live, stride_be,
+                         BMT: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
+                         SCALED: tl.constexpr):
+    """A GEMM2 tile's epilogue operands: (bias, routed weights, SCALED's product of static scales)."""
+    scale = 1.0
+    if SCALED:
+        scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
+    bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok, stride_be, topk_w_ptr, assign, live, BMT, BN, HAS_BIAS,
+                                    ON_INPUT)
+    return bias, route_w, scale
+
+
+@triton.jit
 def _gemm2_tile(
     a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr,
     e, row0, rows, n0, N, K, TK, w_rows,
@@ -259,17 +272,10 @@ def _gemm2_tile(
     col_ok = cols < N
     a_ptrs = a_ptr + (row0 + r).to(tl.int64)[:, None] * stride_am + ks[None, :]
     # Without WS the epilogue's operands are loaded before the K loop, so it does not wait for
-    # them (Triton's warp specialization takes them where they are used).
-    route_w = tl.zeros([BMT], dtype=tl.float32)
-    bias = tl.zeros([BN], dtype=tl.float32)
-    scale = 1.0
+    # them (Triton's warp specialization takes them where they are used, after the loop).
     if not WS:
-        if not ON_INPUT:
-            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if SCALED:
-            scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
+        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live,
+                                                    stride_be, BMT, BN, HAS_BIAS, ON_INPUT, SCALED)
     acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         if ACT_TMA:
@@ -280,12 +286,8 @@ def _gemm2_tile(
                    acc, IEEE)
         a_ptrs += BK
     if WS:
-        if SCALED:
-            scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if not ON_INPUT:
-            route_w = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
+        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live,
+                                                    stride_be, BMT, BN, HAS_BIAS, ON_INPUT, SCALED)
     if SCALED:
         acc = acc * scale
     if HAS_BIAS:
