@@ -470,6 +470,18 @@ def gemm2_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask, eviction_policy=OUT_POLICY)
 
 
+@triton.jit
+def _slot_mask(e, HAS_MAP: tl.constexpr):
+    """Which slots of local expert e (-1: none) the sum over k reads y's rows for. Without an
+    expert map every slot is read, without waiting for its expert id (a slot without an
+    expert, whose row was never written, is read and dropped): a slot then costs one round
+    trip through L2, not two. With a map most slots may be another rank's, so only local
+    slots are read."""
+    if HAS_MAP:
+        return e >= 0
+    return tl.zeros_like(e) == 0
+
+
 @triton.jit(do_not_specialize=["T", "top_k"])
 def sum_k_kernel(
     y_ptr, out_ptr, ids_ptr, map_ptr, T, N, top_k, stride_y, stride_o,
@@ -488,9 +500,9 @@ def sum_k_kernel(
     for j in tl.range(0, top_k, num_stages=STAGES):
         assign = t * top_k + j
         e = local_expert(ids_ptr, map_ptr, assign, t_ok, HAS_MAP)
-        v = tl.load(y_ptr + assign.to(tl.int64)[:, None] * stride_y + n[None, :],
-                    mask=(e >= 0)[:, None] & n_ok[None, :], other=0.0)
-        acc += v.to(tl.float32)
+        v = tl.load(y_ptr + tl.where(t_ok, assign, 0).to(tl.int64)[:, None] * stride_y + n[None, :],
+                    mask=_slot_mask(e, HAS_MAP)[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.where((e >= 0)[:, None], v.to(tl.float32), 0.0)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
 

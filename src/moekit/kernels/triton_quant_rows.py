@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import triton_align as align
-from .triton_moe import INTERPRETED, MAX_TOP_K
+from .triton_moe import INTERPRETED, MAX_TOP_K, _slot_mask
 
 __all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
@@ -294,6 +294,7 @@ def sum_slots_kernel(
         assign = t * top_k + j
         e = _expert_of(ids_ptr, map_ptr, assign, HAS_MAP)
         row = y_ptr + assign.to(tl.int64) * stride_y + n
+        read = n_ok & _slot_mask(n * 0 + e, HAS_MAP)
         for s in tl.static_range(S):
-            acc += tl.load(row + s * stride_ys, mask=n_ok & (n * 0 + e >= 0), other=0.0).to(tl.float32)
+            acc += tl.where(e >= 0, tl.load(row + s * stride_ys, mask=read, other=0.0).to(tl.float32), 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
