@@ -184,3 +184,46 @@ def test_gate_and_up_in_one_product_with_bias_map_and_swiglu(cuda_gen):
         out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation, config=cfg, direct=False)
         ref = reference_experts(x, wts, w, ids, expert_map=emap, activation=activation)
         assert rel_err(out, ref) <= TOL[torch.bfloat16], activation
+
+
+def _merge_configs():
+    """merge 16 / 32 / 64 on the tiles the merged tables use (GEMM1 128 x 128 x 64 on 8 warps;
+    GEMM2 256 or 128 columns, 8 or 4 warps) and on a 64-row pair."""
+    from moekit.kernels.tuning import TileConfig  # noqa: PLC0415
+
+    pairs = [(TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 3)),
+             (TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 4, 4)),
+             (TileConfig(64, 128, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 4, 3))]
+    return [MoEConfig(g1, g2, PrefillConfig(2, 1, 1, act_tma=1, x_tma=1, gu1=1, merge=m))
+            for g1, g2 in pairs for m in (16, 32, 64) if m <= g1.BLOCK_SIZE_M // 2]
+
+
+@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
+def test_merged_rows_match_reference(shape, cuda_gen):
+    # An expert's last rows past a whole tile ride on its previous tile as a swapped product
+    # (random routing of 700 tokens over 16 experts leaves tails of every length).
+    _, E, k, H, I = shape
+    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
+    ref = reference_experts(x, wts, w, ids)
+    for cfg in _merge_configs():
+        out = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False,
+                        out_dtype=x.dtype)
+        assert rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
+        assert torch.equal(out, fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg,
+                                          direct=False, out_dtype=x.dtype)), cfg.to_json()
+
+
+def test_merged_rows_with_bias_map_input_weight_activations_and_graph_replay(cuda_gen):
+    cfg = _merge_configs()[1]
+    x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, bias=True, n_remote=5)
+    for activation in ("silu", "swigluoai"):
+        out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation, config=cfg, direct=False)
+        ref = reference_experts(x, wts, w, ids, expert_map=emap, activation=activation)
+        assert rel_err(out, ref) <= TOL[torch.bfloat16], activation
+    out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", on_input=True, config=cfg,
+                    direct=False)
+    ref = reference_experts(x, wts, w, ids, expert_map=emap, apply_router_weight_on_input=True)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    _replay_with_new_routing(
+        lambda: fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False),
+        ids, torch.rand(700, 17, device="cuda", generator=cuda_gen).topk(2, dim=1).indices.int())
