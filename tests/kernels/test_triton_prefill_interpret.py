@@ -140,50 +140,6 @@ else:
         one = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, tail, act_tma=1, x_tma=x_tma, gu1=1))
         assert rel_err(_check(x, wts, w, ids, config=one, activation=activation), two) <= 1e-6
 
-    # Counts for merge with BM = 64: 80 = a tile and 16 rows, 81 and 130 a tile (two) and up to
-    # 32 more (merged at 32; at 16, 81 runs a second, short tile), 150 two tiles and 22 rows.
-    MERGE_COUNTS = [0, 1, 16, 17, 64, 65, 80, 81, 130, 150]
-
-    @pytest.mark.parametrize("merge", [16, 32])
-    @pytest.mark.parametrize("activation,bias,n_remote,on_input,dtype", [
-        ("silu", False, 0, False, torch.float32),
-        ("swigluoai", True, 3, False, torch.float32),
-        ("silu", True, 0, True, torch.float16),
-        ("relu2_no_mul", True, 3, False, torch.float32),
-    ])
-    def test_merged_rows_match_their_own_tiles(merge, activation, bias, n_remote, on_input, dtype, gen, monkeypatch):
-        # An expert's last rows past a whole tile, up to `merge` of them, ride on its previous
-        # tile as a swapped product; rows past them (the next expert's, or zeros past R) must
-        # not reach a stored row, so buffers start as NaN. Against the reference, and against
-        # the same tiles with every tile on its own (rounding of the interpreter's products).
-        counts = MERGE_COUNTS + [5, 3, 2][:n_remote]
-        w, ids = _routing_with_counts(counts, 2, gen)
-        emap = None
-        if n_remote:
-            emap = torch.arange(len(counts), dtype=torch.int32)
-            emap[len(MERGE_COUNTS):] = -1
-        wts = _weights(len(MERGE_COUNTS), 48, 40, dtype, gen, activation=activation, bias=bias)
-        x = torch.randn(ids.shape[0], 48, generator=gen).to(dtype)
-        gu1 = int(is_gated(activation))
-        own = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, act_tma=1, x_tma=1, gu1=gu1))
-        merged = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, act_tma=1, x_tma=1, gu1=gu1, merge=merge))
-        assert merged.row_granule == merge
-        a = _check(x, wts, w, ids, emap, config=own, activation=activation, on_input=on_input)
-        real_empty = torch.empty
-        monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: (
-            lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(real_empty(*args, **kwargs)))
-        b = _check(x, wts, w, ids, emap, config=merged, activation=activation, on_input=on_input)
-        assert rel_err(b.float(), a.float()) <= (1e-6 if dtype == torch.float32 else 2e-3)
-        assert torch.equal(b, _check(x, wts, w, ids, emap, config=merged, activation=activation, on_input=on_input))
-
-    def test_merged_rows_refuse_what_they_cannot_serve(gen):
-        w, ids = _routing_with_counts([20, 70], 1, gen)
-        wts = _weights(2, 32, 16, torch.float32, gen)
-        x = torch.randn(ids.shape[0], 32, generator=gen)
-        two_products = MoEConfig(TILES[0], TILES[1], PrefillConfig(2, 1, 1, act_tma=1, x_tma=1, merge=16))
-        with pytest.raises(ValueError, match="gu1=1 for a gated activation"):
-            fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=two_products, direct=False)
-
     def test_grids_descriptors_and_flattening_agree_bit_for_bit(gen):
         # INTERPRETER_SMS programs walk every (row tile, column tile); results are bit-identical
         # to one program per work item, and from run to run.

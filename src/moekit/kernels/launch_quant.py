@@ -131,10 +131,6 @@ def check_tiles(config: MoEConfig, modes: QuantModes) -> None:
         if not prefill_modes(modes):
             raise ValueError("config.prefill runs the unquantized kernels, or fp8 weights with per-tensor "
                              f"activations; got it with another scheme: {config.prefill}")
-        if config.prefill.merge:
-            raise ValueError(f"prefill merge={config.prefill.merge} takes unquantized weights: its merged rows "
-                             "multiply on other instructions than the tile's, so a row's fp8 bits would depend on "
-                             "the tile it lands in")
         if config.row_granule < FP8_MIN_TILE_ROWS:
             raise ValueError(f"fp8 prefill tiles need BLOCK_SIZE_M / prefill tail >= {FP8_MIN_TILE_ROWS}, "
                              f"got {config.block_m} / {config.prefill.tail}")

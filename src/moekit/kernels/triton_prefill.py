@@ -60,35 +60,25 @@ INTERPRETER_SMS = 2
 
 
 @triton.jit
-def _schedule(expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr, MERGE: tl.constexpr):
+def _schedule(expert_end_ptr, E, BM: tl.constexpr, E_PAD: tl.constexpr):
     """Per expert lane: tiles ending there (cumulative), the row base of its tiles (row of
-    its tile m is base + m * BM), its padded end row; and the number of row tiles. MERGE: an
-    expert with P > BM padded rows has cdiv(P - MERGE, BM) tiles, its last up to BM + MERGE rows."""
+    its tile m is base + m * BM), its padded end row; and the number of row tiles."""
     lanes = tl.arange(0, E_PAD)
     ends = tl.load(expert_end_ptr + lanes, mask=lanes < E, other=0)
     starts = tl.load(expert_end_ptr + lanes - 1, mask=(lanes >= 1) & (lanes < E), other=0)
-    padded = ends - starts
-    tiles = (padded + BM - 1) // BM
-    if MERGE > 0:
-        tiles = tl.where(padded > BM, (padded - MERGE + BM - 1) // BM, tiles)
+    tiles = (ends - starts + BM - 1) // BM
     tile_end = tl.cumsum(tiles, axis=0)
     row_base = starts - (tile_end - tiles) * BM
     return tile_end, row_base, ends, tl.sum(tiles, axis=0)
 
 
 @triton.jit
-def _tile_rows(m, tile_end, row_base, ends, BM: tl.constexpr, E_PAD: tl.constexpr, MERGE: tl.constexpr):
-    """(expert, first row, rows) of row tile m: rows <= BM, a multiple of the row granule, or
-    with MERGE, in an expert's last tile up to BM + MERGE (rows past BM: the merged rows)."""
+def _tile_rows(m, tile_end, row_base, ends, BM: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, first row, rows) of row tile m (rows <= BM, a multiple of the row granule)."""
     e = tl.sum((tile_end <= m).to(tl.int32), axis=0)
     sel = tl.arange(0, E_PAD) == e
     row0 = tl.sum(tl.where(sel, row_base, 0), axis=0) + m * BM
-    left = tl.sum(tl.where(sel, ends, 0), axis=0) - row0
-    # Only an expert's last tile has at most BM + MERGE rows left (_schedule's tile count).
-    if MERGE > 0:
-        rows = tl.where(left <= BM + MERGE, left, BM)
-    else:
-        rows = tl.minimum(left, BM)
+    rows = tl.minimum(tl.sum(tl.where(sel, ends, 0), axis=0) - row0, BM)
     return e, row0, rows
 
 
@@ -158,63 +148,6 @@ def _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA: tl.constexpr):
 
 
 @triton.jit
-def _tile_assign(sorted_ptr, row0, rows, TK, BMT: tl.constexpr):
-    """(row offsets, in the tile, assignment of each row, live) of the rows [row0, row0 + rows)."""
-    r = tl.arange(0, BMT)
-    in_tile = r < rows
-    assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
-    return r, in_tile, assign, assign < TK
-
-
-@triton.jit
-def _gemm1_rows(sorted_ptr, src_ptr, topk_w_ptr, row0, rows, TK, top_k, BMT: tl.constexpr, SCALED: tl.constexpr,
-                LOAD_W: tl.constexpr):
-    """A GEMM1 tile's rows: (offsets, in the tile, assignments, live, x's row of each, routed
-    weights when LOAD_W, else zeros)."""
-    r, in_tile, assign, live = _tile_assign(sorted_ptr, row0, rows, TK, BMT)
-    if SCALED:
-        token = tl.load(src_ptr + assign, mask=live, other=0).to(tl.int64)
-    else:
-        token = tl.where(live, assign // top_k, 0).to(tl.int64)
-    w_row = tl.zeros([BMT], dtype=tl.float32)
-    if LOAD_W:
-        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
-    return r, in_tile, assign, live, token, w_row
-
-
-@triton.jit
-def _gemm1_store(acc_g, acc_u, r, in_tile, assign, live, w_row, b_gate, b_up, xw_s, out_s, w2_s,
-                 out_ptr, wy_ptr, row0, n0, cols, col_ok, stride_om, alpha, limit,
-                 GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
-                 SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr):
-    """GEMM1's epilogue for the rows r of a tile from row0: scales, routed weight, bias,
-    activation, stored (SCALED: as fp8; FOLD: and GEMM2's routed weights)."""
-    if SCALED:
-        acc_g = acc_g * xw_s
-        acc_u = acc_u * xw_s
-    if ON_INPUT:
-        # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        acc_g = acc_g * w_row[:, None]
-        acc_u = acc_u * w_row[:, None]
-    if HAS_BIAS:
-        acc_g += b_gate[None, :]
-        if GATED:
-            acc_u += b_up[None, :]
-    if GATED:
-        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
-    else:
-        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
-    o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
-    if SCALED:
-        h = to_quant(h * (1.0 / out_s), 448.0, False)  # one division a tile
-    if FOLD:
-        if n0 == 0:
-            tl.store(wy_ptr + assign, w_row * out_s * w2_s, mask=live)
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :],
-             eviction_policy=OUT_POLICY)
-
-
-@triton.jit
 def _gemm1_tile(
     x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr, wy_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
@@ -234,13 +167,22 @@ def _gemm1_tile(
     activation is stored quantized to fp8 with s[e, 2], GEMM2's input scale. FOLD (SCALED, no
     bias in GEMM2): the column tile at n0 = 0 also stores wy[a] = w[a] s[e, 2] s[e, 3], the
     routed weight with GEMM2's scales, for GEMM2 to apply in one multiply."""
-    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
-    r, in_tile, assign, live, token, w_row = _gemm1_rows(sorted_ptr, src_ptr, topk_w_ptr, row0, rows, TK, top_k,
-                                                         BMT, SCALED, ON_INPUT or FOLD)
+    r = tl.arange(0, BMT)
+    in_tile = r < rows
+    assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
+    live = assign < TK
+    if SCALED:
+        token = tl.load(src_ptr + assign, mask=live, other=0).to(tl.int64)
+    else:
+        token = tl.where(live, assign // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    # The epilogue's operands are loaded before the K loop, so it does not wait for them.
+    w_row = tl.zeros([BMT], dtype=tl.float32)
+    if ON_INPUT or FOLD:
+        w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
     b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
     xw_s = 1.0
     out_s = 1.0
@@ -267,54 +209,29 @@ def _gemm1_tile(
                 acc_u = _mma(a, _weight_tile(w_ptr, w_desc, e, n0 + N, k0, ks, cols + N, w_rows, 2 * N, K, stride_we,
                                              stride_wn, TMA), acc_u, IEEE)
             a_ptrs += BK
-    _gemm1_store(acc_g, acc_u, r, in_tile, assign, live, w_row, b_gate, b_up, xw_s, out_s, w2_s, out_ptr, wy_ptr,
-                 row0, n0, cols, col_ok, stride_om, alpha, limit, GATED, ACT, HAS_BIAS, ON_INPUT, SCALED, FOLD,
-                 OUT_POLICY)
-
-
-@triton.jit
-def _gemm1_merged(
-    x_desc, t_desc, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, n0, N, K, TK, top_k, w_rows,
-    stride_be, stride_om, alpha, limit,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, OUT_POLICY: tl.constexpr,
-):
-    """An expert's last tile with rows in (BM, BM + TT]: its first BM rows as _gemm1_tile
-    multiplies them (x by x_desc, gated weights as one [2 BN, BK] block: X_TMA, TMA=2, GU1),
-    and the rest swapped, the same weight block times t_desc's [TT, BK] rows transposed into a
-    [2 BN, TT] accumulator: the tail shares the tile's weight stream, and its accumulator is
-    TT columns (a [TT, 2 BN] one, as wide as the tile's, spilled)."""
-    r, in_tile, assign, live, _, w_row = _gemm1_rows(sorted_ptr, sorted_ptr, topk_w_ptr, row0, BM, TK, top_k, BM,
-                                                     False, ON_INPUT)
-    rt, in_t, assign_t, live_t, _, w_row_t = _gemm1_rows(sorted_ptr, sorted_ptr, topk_w_ptr, row0 + BM, rows - BM,
-                                                         TK, top_k, TT, False, ON_INPUT)
-    cols = n0 + tl.arange(0, BN)
-    col_ok = cols < N
-    b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
-    WR: tl.constexpr = 2 * BN if GATED else BN
-    acc = tl.zeros([BM, WR], dtype=tl.float32)
-    acc_t = tl.zeros([WR, TT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    if SCALED:
+        acc_g = acc_g * xw_s
+        acc_u = acc_u * xw_s
+    if ON_INPUT:
+        # (w x) W^T = w (x W^T): scale the product, then add the bias.
+        acc_g = acc_g * w_row[:, None]
+        acc_u = acc_u * w_row[:, None]
+    if HAS_BIAS:
+        acc_g += b_gate[None, :]
         if GATED:
-            b = w_desc.load([2 * e, n0, k0]).reshape([WR, BK])
-        else:
-            b = w_desc.load([e * w_rows + n0, k0])
-        acc = _mma(x_desc.load([row0, k0]), b.T, acc, IEEE)
-        acc_t = _mma(b, t_desc.load([row0 + BM, k0]).T, acc_t, IEEE)
+            acc_u += b_up[None, :]
     if GATED:
-        acc_g, acc_u = acc.reshape([BM, 2, BN]).permute(0, 2, 1).split()
-        t_g, t_u = acc_t.T.reshape([TT, 2, BN]).permute(0, 2, 1).split()
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
     else:
-        acc_g = acc
-        acc_u = acc
-        t_g = acc_t.T
-        t_u = t_g
-    _gemm1_store(acc_g, acc_u, r, in_tile, assign, live, w_row, b_gate, b_up, 1.0, 1.0, 1.0, out_ptr, out_ptr,
-                 row0, n0, cols, col_ok, stride_om, alpha, limit, GATED, ACT, HAS_BIAS, ON_INPUT, False, False,
-                 OUT_POLICY)
-    _gemm1_store(t_g, t_u, rt, in_t, assign_t, live_t, w_row_t, b_gate, b_up, 1.0, 1.0, 1.0, out_ptr, out_ptr,
-                 row0 + BM, n0, cols, col_ok, stride_om, alpha, limit, GATED, ACT, HAS_BIAS, ON_INPUT, False, False,
-                 OUT_POLICY)
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if SCALED:
+        h = to_quant(h * (1.0 / out_s), 448.0, False)  # one division a tile
+    if FOLD:
+        if n0 == 0:
+            tl.store(wy_ptr + assign, w_row * out_s * w2_s, mask=live)
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & col_ok[None, :],
+             eviction_policy=OUT_POLICY)
 
 
 @triton.jit
@@ -328,21 +245,6 @@ def _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live
     bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok, stride_be, topk_w_ptr, assign, live, BMT, BN, HAS_BIAS,
                                     ON_INPUT)
     return bias, route_w, scale
-
-
-@triton.jit
-def _gemm2_store(acc, assign, live, cols, col_ok, bias, route_w, scale, y_ptr, stride_ym,
-                 HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, SCALED: tl.constexpr, OUT_POLICY: tl.constexpr):
-    """GEMM2's epilogue: scales, bias and routed weight, each live row stored at y[assignment]."""
-    if SCALED:
-        acc = acc * scale
-    if HAS_BIAS:
-        acc += bias[None, :]
-    if not ON_INPUT:
-        acc = acc * route_w[:, None]
-    y_ptrs = y_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
-             eviction_policy=OUT_POLICY)
 
 
 @triton.jit
@@ -361,7 +263,10 @@ def _gemm2_tile(
     SCALED: act is fp8 with expert e's scale s[e, 2], w2 fp8 with s[e, 3], applied before the
     bias (without a bias, GEMM1 folds them into the routed weights instead: one multiply, and
     no per-tile scale loads, which Triton's warp specialization does not take)."""
-    r, in_tile, assign, live = _tile_assign(sorted_ptr, row0, rows, TK, BMT)
+    r = tl.arange(0, BMT)
+    in_tile = r < rows
+    assign = tl.load(sorted_ptr + row0 + r, mask=in_tile, other=TK)
+    live = assign < TK
     ks = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < N
@@ -383,38 +288,15 @@ def _gemm2_tile(
     if WS:
         bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live,
                                                     stride_be, BMT, BN, HAS_BIAS, ON_INPUT, SCALED)
-    _gemm2_store(acc, assign, live, cols, col_ok, bias, route_w, scale, y_ptr, stride_ym, HAS_BIAS, ON_INPUT, SCALED,
-                 OUT_POLICY)
-
-
-@triton.jit
-def _gemm2_merged(
-    a_desc, t_desc, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, n0, N, K, TK, w_rows,
-    stride_be, stride_ym,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ON_INPUT: tl.constexpr, IEEE: tl.constexpr, OUT_POLICY: tl.constexpr,
-):
-    """GEMM2 of an expert's last tile with rows in (BM, BM + TT] (see _gemm1_merged): the first
-    BM rows as _gemm2_tile multiplies them (ACT_TMA, TMA=2), the rest as the same weight tile
-    times t_desc's [TT, BK] activation rows transposed."""
-    _, _, assign, live = _tile_assign(sorted_ptr, row0, BM, TK, BM)
-    _, _, assign_t, live_t = _tile_assign(sorted_ptr, row0 + BM, rows - BM, TK, TT)
-    cols = n0 + tl.arange(0, BN)
-    col_ok = cols < N
-    bias, route_w, _ = _gemm2_tile_operands(b_ptr, topk_w_ptr, b_ptr, e, cols, col_ok, assign, live, stride_be,
-                                            BM, BN, HAS_BIAS, ON_INPUT, False)
-    _, route_w_t, _ = _gemm2_tile_operands(b_ptr, topk_w_ptr, b_ptr, e, cols, col_ok, assign_t, live_t, stride_be,
-                                           TT, BN, False, ON_INPUT, False)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_t = tl.zeros([BN, TT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        w = w_desc.load([e * w_rows + n0, k0])
-        acc = _mma(a_desc.load([row0, k0]), w.T, acc, IEEE)
-        acc_t = _mma(w, t_desc.load([row0 + BM, k0]).T, acc_t, IEEE)
-    _gemm2_store(acc, assign, live, cols, col_ok, bias, route_w, 1.0, y_ptr, stride_ym, HAS_BIAS, ON_INPUT, False,
-                 OUT_POLICY)
-    _gemm2_store(acc_t.T, assign_t, live_t, cols, col_ok, bias, route_w_t, 1.0, y_ptr, stride_ym, HAS_BIAS, ON_INPUT,
-                 False, OUT_POLICY)
+    if SCALED:
+        acc = acc * scale
+    if HAS_BIAS:
+        acc += bias[None, :]
+    if not ON_INPUT:
+        acc = acc * route_w[:, None]
+    y_ptrs = y_ptr + tl.where(live, assign, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
+             eviction_policy=OUT_POLICY)
 
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
@@ -425,7 +307,7 @@ def prefill_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
-    SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr = "", MERGE: tl.constexpr = 0,
+    SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -433,33 +315,19 @@ def prefill_gemm1_kernel(
     2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks [BN, BK]); b13 [E, w_rows];
     out [R, N] in x's dtype (SCALED: fp8); expert_end [E] padded row ends. SCALED (fp8 x and
     w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k], s [E, 4];
-    FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales. MERGE (TAIL 1, X_TMA, TMA=2,
-    GU1 when gated, not SCALED): an expert's last tile of more than BM rows runs _gemm1_merged.
+    FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales.
     """
     if GU1:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
     elif TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
-    x_dt = x_ptr
-    if MERGE > 0:
-        x_dt = tl.make_tensor_descriptor(x_ptr, shape=[R, K], strides=[stride_xm, 1], block_shape=[MERGE, BK])
-    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, MERGE)
+    tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
-        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD, MERGE)
-        if MERGE > 0:
-            if rows > BM:
-                _gemm1_merged(x_d0, x_dt, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N,
-                              K, TK, top_k, w_rows, stride_be, stride_om, alpha, limit, BM, BN, BK, MERGE, GATED,
-                              ACT, HAS_BIAS, ON_INPUT, IEEE, OUT_POLICY)
-            else:
-                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
-                            wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
-                            stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
-                            HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
-        elif TAIL == 1:
+        e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if TAIL == 1:
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
                         wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                         stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
@@ -492,43 +360,29 @@ def prefill_gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ON_INPUT: tl.constexpr, IEEE: tl.constexpr, WS: tl.constexpr, SCALED: tl.constexpr,
-    OUT_POLICY: tl.constexpr = "", MERGE: tl.constexpr = 0,
+    OUT_POLICY: tl.constexpr = "",
 ):
     """y[a, n] = w[a] * (act[row] W2[e]^T + b2[e])[n] (w = 1 when it went on the input), every row tile.
 
     act [R, K=I]; w2 [E, N=H, K] (w_desc: its [E * N, K] descriptor, blocks [BN, BK]);
     b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends. SCALED (a bias and fp8
     act and w2): the static scales s[e, 2] and s[e, 3] multiply the product before the bias.
-    MERGE (TAIL 1, ACT_TMA, TMA=2, not WS or SCALED): an expert's last tile of more than BM
-    rows runs _gemm2_merged.
     """
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
     a_d0, a_d1, a_d2 = _row_descs(a_ptr, R, K, stride_am, BM, BK, TAIL, ACT_TMA)
-    a_dt = a_ptr
-    if MERGE > 0:
-        a_dt = tl.make_tensor_descriptor(a_ptr, shape=[R, K], strides=[stride_am, 1], block_shape=[MERGE, BK])
     if WS:
         num_m = tl.load(expert_end_ptr + E - 1) // BM
     else:
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, MERGE)
+        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         if WS:
             e, row0, rows = _whole_tile_rows(m, expert_end_ptr, E, BM, E_PAD)
         else:
-            e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD, MERGE)
-        if MERGE > 0:
-            if rows > BM:
-                _gemm2_merged(a_d0, a_dt, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, e, row0, rows, nt * BN, N, K,
-                              TK, w_rows, stride_be, stride_ym, BM, BN, BK, MERGE, HAS_BIAS, ON_INPUT, IEEE,
-                              OUT_POLICY)
-            else:
-                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
-                            nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
-                            BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
-        elif TAIL == 1:
+            e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
+        if TAIL == 1:
             _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
                         nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                         BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
@@ -645,10 +499,6 @@ def fused_moe_prefill(
     R13 = w13.shape[1]
     dev = x.device
     scaled = scales is not None
-    merge = pre.merge
-    if merge and (scaled or (is_gated(activation) and not pre.gu1)):
-        raise ValueError(f"prefill merge={merge} takes unquantized weights, and gu1=1 for a gated activation "
-                         f"({activation!r}); got {'fp8 weights' if scaled else 'gu1=0'}")
     if scaled and (on_input or src is None or y_dtype is None):
         raise ValueError("the fp8 prefill kernels take src and y_dtype, and the routed weight on the output")
     if scaled and BM // pre.tail < FP8_MIN_TILE_ROWS:
@@ -683,8 +533,7 @@ def fused_moe_prefill(
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
         GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=store_policy(act),
-        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, MERGE=merge, num_warps=g1.num_warps,
-        num_stages=g1.num_stages, **common)
+        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
         act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, w_y, sorted_ids, expert_end, s_arg,
@@ -692,7 +541,7 @@ def fused_moe_prefill(
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
         WS=bool(pre.ws and b2 is None), SCALED=scaled and not fold, OUT_POLICY=store_policy(y),
-        HAS_BIAS=b2 is not None, MERGE=merge,
+        HAS_BIAS=b2 is not None,
         num_warps=g2.num_warps, num_stages=g2.num_stages, **dict(common, FLATTEN=bool(pre.flatten and not pre.ws)))
     has_map = expert_map is not None
     return sum_over_k(y, topk_ids, expert_map if has_map else topk_ids, has_map, out_dtype)

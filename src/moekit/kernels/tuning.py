@@ -154,12 +154,6 @@ class PrefillConfig:
         gu1: 1 has GEMM1 multiply a tile's gate and up rows as one [BK, 2 BN] product, its
             weight tiles read as [2, BN, BK] blocks of w13 viewed [E * 2, I, H] (tma=2; gated
             activations; same bits as two products).
-        merge: 16, 32 or 64 pads each expert's rows to that many, and an expert whose last
-            rows past a whole tile are at most that many multiplies them inside its previous
-            tile as a swapped product (the tile's weight block times those rows transposed),
-            instead of in a tile of their own that streams the weights again (0: off). Needs
-            tma=2, act_tma=1, x_tma=1, tail=1, no flatten or ws, and gu1 for gated
-            activations; unquantized weights only.
     """
 
     tma: int = 1
@@ -170,11 +164,10 @@ class PrefillConfig:
     x_tma: int = 0
     ws: int = 0
     gu1: int = 0
-    merge: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1)), ("merge", (0, 16, 32, 64))):
+                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -192,11 +185,6 @@ class PrefillConfig:
             raise ValueError(f"prefill ws=1 needs tma=2, act_tma=1, tail=1 and programs_per_sm >= 1, "
                              f"got tma={self.tma}, act_tma={self.act_tma}, tail={self.tail}, "
                              f"programs_per_sm={self.programs_per_sm}")
-        if self.merge and (self.tma != 2 or not self.act_tma or not self.x_tma or self.tail != 1 or self.flatten
-                           or self.ws):
-            raise ValueError(f"prefill merge={self.merge} needs tma=2, act_tma=1, x_tma=1, tail=1, flatten=0 and "
-                             f"ws=0, got tma={self.tma}, act_tma={self.act_tma}, x_tma={self.x_tma}, "
-                             f"tail={self.tail}, flatten={self.flatten}, ws={self.ws}")
 
     def to_json(self) -> Dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
@@ -236,9 +224,6 @@ class MoEConfig:
             if self.row_granule < 16:
                 raise ValueError(f"prefill tail={self.prefill.tail} needs BLOCK_SIZE_M >= {16 * self.prefill.tail} "
                                  f"(rows padded to BLOCK_SIZE_M / tail >= 16), got {self.block_m}")
-            if self.prefill.merge and self.prefill.merge > self.block_m // 2:
-                raise ValueError(f"prefill merge={self.prefill.merge} needs BLOCK_SIZE_M >= {2 * self.prefill.merge}, "
-                                 f"got {self.block_m}")
             knobs = [f"{g}.{name}" for g, tile in (("gemm1", self.gemm1), ("gemm2", self.gemm2))
                      for name, default in _OPTIONAL.items() if getattr(tile, name) != default]
             if knobs:
@@ -250,10 +235,7 @@ class MoEConfig:
 
     @property
     def row_granule(self) -> int:
-        """Rows each expert's rows are padded to by the alignment (BLOCK_SIZE_M / prefill tail, or
-        prefill merge)."""
-        if self.prefill is not None and self.prefill.merge:
-            return self.prefill.merge
+        """Rows each expert's rows are padded to by the alignment (BLOCK_SIZE_M / prefill tail)."""
         return self.block_m // (self.prefill.tail if self.prefill is not None else 1)
 
     def to_json(self) -> Dict:
