@@ -75,8 +75,8 @@ def moe_align(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_ex
     emap = expert_map if expert_map is not None else topk_ids
     if TK <= small_max:
         align.align_expert_kernel[(E,)](topk_ids, emap, al.sorted_ids, al.expert_end, TK, E,
-                                        BM=block_m, N=_pow2(TK), E_PAD=e_pad, HAS_MAP=expert_map is not None,
-                                        num_warps=4)
+                                        BM=block_m, N=_pow2(TK), E_BINS=align.expert_bins(E),
+                                        HAS_MAP=expert_map is not None, num_warps=align.expert_warps(_pow2(TK)))
         return al
     n = _align_chunk(TK, chunk)
     hist, keys = _chunk_buffers(TK, n, e_pad, topk_ids.device)

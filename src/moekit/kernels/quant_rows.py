@@ -156,7 +156,8 @@ def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, 
                                                                    topk_ids, expert_map, src)
     qr.align_quant_kernel[(n_align + x.shape[0] * n_chunks,)](
         topk_ids, emap, al.sorted_ids, al.expert_end, hist, keys, xx, qq, ss, w, sr, TK, E, *sizes, n_align,
-        n_chunks, BM=block_m, N=n, E_PAD=e_pad, SMALL=small, **meta, PDL=pdl and small, num_warps=4)
+        n_chunks, BM=block_m, N=n, E_PAD=align.expert_bins(E) if small else e_pad, SMALL=small, **meta,
+        PDL=pdl and small, num_warps=align.expert_warps(n) if small else 4)
     if not small:
         place_chunks(al, hist, keys, TK, E, n, e_pad)
     return al

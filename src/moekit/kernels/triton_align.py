@@ -9,12 +9,12 @@ Output layout (no host synchronisation: every size is a bound known from the sha
         whose rows [end[e-1], end[e]) hold b * BM, and blocks at or past end[E-1] are unused.
 Assignments whose expert is not local (expert_map gives -1) get no row at all.
 
-Bins are the E experts plus one more (E_PAD - 1 >= E) that collects non-local and
-out-of-range lanes. Up to SMALL assignments one launch does it all, a program per expert
-(align_expert_kernel): each counts every assignment (a histogram gives the experts' padded
-extents), and writes its own expert's rows, in assignment order (a prefix sum over the
-lanes of its expert ranks them), its padding sentinels and its expert_end. Above, two
-launches over chunks of N assignments, with no atomics:
+Up to SMALL assignments one launch does it all, a program per expert (align_expert_kernel):
+each counts every local assignment (a histogram over E_BINS >= E bins gives the experts' padded
+extents), and writes its own expert's rows, in assignment order (a prefix sum over the lanes
+of its expert ranks them), its padding sentinels and its expert_end. Above, two launches over
+chunks of N assignments, with no atomics, their bins the E experts plus one more (E_PAD - 1 >=
+E) that collects non-local and out-of-range lanes, so they sort last:
     align_chunk_kernel: each chunk sorted by stable keys (bin * N + index), its keys kept
         and its histogram stored as row c of hist [n_chunks, E_PAD];
     align_place_kernel: each chunk adds up the histograms (all chunks: the experts' padded
@@ -30,13 +30,29 @@ import triton
 import triton.language as tl
 
 __all__ = ["align_expert_kernel", "align_expert", "align_chunk_kernel", "align_place_kernel", "local_expert",
-           "chunk_size", "SMALL"]
+           "chunk_size", "SMALL", "expert_bins", "expert_warps"]
 
 # Largest T*k aligned in one launch by a program per expert. On an H200 it beats the one-program
 # sort it replaced and the chunked launches up to 2048 assignments (E = 128: 3.8 -> 2.6 us at
 # 128, 5.2 -> 3.0 at 512, 6.0 -> 4.6 at 2048; bench/results/h200-align-per-expert.json), is even
 # at 4096 and loses at 8192 (6.9 -> 8.8-11.1 us; h200-align-per-expert-probe.json).
 SMALL = 2048
+
+
+def expert_bins(E: int) -> int:
+    """align_expert's histogram bins for E local experts: the power of two at or above E. (A
+    spare bin for non-local lanes, as the chunks have, made E = 128 or 256 count into twice the
+    bins: DeepSeek-V3 fp8 M = 64 5.0 -> 3.7 us without it, Qwen3-30B-A3B M = 256 5.7 -> 5.5;
+    bench/results/h200-align-bins-warps.json.)"""
+    return triton.next_power_of_2(E)
+
+
+def expert_warps(N: int) -> int:
+    """Warps of an align_expert program over N lanes: its histogram and prefix sum over them are
+    the launch's critical path. 8 at 2048 lanes (Qwen3-30B-A3B M = 256 5.5 -> 4.8 us, OLMoE
+    3.4 -> 3.0), 4 below (8 took DeepSeek-V3 fp8 M = 64, 512 lanes, from 3.7 to 4.2 us; 16
+    were slower everywhere: h200-align-bins-warps.json)."""
+    return 8 if N >= 2048 else 4
 
 
 def chunk_size(TK: int) -> int:
@@ -108,17 +124,19 @@ def _write_ends(sorted_ptr, expert_end_ptr, starts, counts, padded, TK, E, BM: t
 
 @triton.jit
 def align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E,
-                 BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+                 BM: tl.constexpr, N: tl.constexpr, E_BINS: tl.constexpr, HAS_MAP: tl.constexpr):
     """Expert e's part of the alignment of TK <= N assignments (see the module docstring): its
-    sorted_ids rows, its padding sentinels and expert_end[e]."""
+    sorted_ids rows, its padding sentinels and expert_end[e]. E_BINS: a power of two >= E (the
+    histogram counts local assignments only: no spare bin, whose lanes would double the
+    histogram's work at E = 128 or 256)."""
     lanes = tl.arange(0, N)
-    bins = _bins(ids_ptr, map_ptr, lanes, TK, E_PAD, HAS_MAP)
-    starts, local, padded = _extents(tl.histogram(bins, E_PAD), E, BM, E_PAD)
-    sel = tl.arange(0, E_PAD) == e
+    lid = local_expert(ids_ptr, map_ptr, lanes, lanes < TK, HAS_MAP)
+    starts, local, padded = _extents(tl.histogram(lid, E_BINS, mask=lid >= 0), E, BM, E_BINS)
+    sel = tl.arange(0, E_BINS) == e
     start = tl.sum(tl.where(sel, starts, 0), axis=0)
     count = tl.sum(tl.where(sel, local, 0), axis=0)
     pad = tl.sum(tl.where(sel, padded, 0), axis=0) - count
-    mine = bins == e
+    mine = lid == e
     tl.store(sorted_ptr + start + tl.cumsum(mine.to(tl.int32), axis=0) - 1, lanes, mask=mine)
     p = tl.arange(0, BM)
     tl.store(sorted_ptr + start + count + p, TK + p * 0, mask=p < pad)
@@ -128,10 +146,10 @@ def align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, e, TK, E,
 @triton.jit(do_not_specialize=["TK"])
 def align_expert_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, TK, E,
-    BM: tl.constexpr, N: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+    BM: tl.constexpr, N: tl.constexpr, E_BINS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     """The whole alignment of TK <= N assignments in one launch, grid (E,): expert program_id(0)'s part."""
-    align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, tl.program_id(0), TK, E, BM, N, E_PAD, HAS_MAP)
+    align_expert(ids_ptr, map_ptr, sorted_ptr, expert_end_ptr, tl.program_id(0), TK, E, BM, N, E_BINS, HAS_MAP)
 
 
 @triton.jit(do_not_specialize=["TK"])

@@ -250,7 +250,8 @@ def align_quant_kernel(
     """The alignment's first step and the quantization of x in one launch (grid NA + rows * NCH).
 
     NA programs align (SMALL: expert a's part of the one-launch alignment of N >= TK assignments,
-    NA = E; else triton_align.align_chunk_kernel for chunk a of N assignments, NA chunks); the
+    NA = E, E_PAD = triton_align.expert_bins(E); else triton_align.align_chunk_kernel for chunk a
+    of N assignments, NA chunks, E_PAD >= E + 1); the
     others quantize row j // NCH, column chunk j % NCH of x (GRAN 2-4; GRAN 4: token rows). The
     quantizing programs come first on the one-launch path (its E aligning programs are short),
     last on the chunked one (its chunks lead to the second launch).
