@@ -394,7 +394,8 @@ def fused_moe_quant(
         a1_mode, a1_sm, a1_se = 1, (a1_s.stride(0) if gran in (2, 3) else 0), (1 if static else 0)
     R = al.max_blocks * al.block_m
     if config.prefill is not None:  # fp8, static per-tensor scales: triton_prefill's kernels
-        scales = torch.stack([a13_scale, w13_scale, a2_scale, w2_scale], dim=1).float().contiguous()  # [E, 4]
+        scales = tuple(t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+                       for t in (a13_scale, w13_scale, a2_scale, w2_scale))  # [E] each
         return prefill.fused_moe_prefill(a1, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,
                                          al.expert_end, R, activation, alpha, limit, False, config, out_dtype,
                                          scales=scales, src=src, y_dtype=x.dtype)

@@ -37,7 +37,7 @@ TK = T * k assignments, R rows of the activation buffer.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -149,7 +149,7 @@ def _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA: tl.constexpr):
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr, wy_ptr,
+    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
@@ -163,9 +163,9 @@ def _gemm1_tile(
     w_desc reads w13 as [E * 2, N, K] in [2, BN, BK] blocks, the gate and up rows of a tile,
     multiplied as one [BK, 2 BN] product (same sums per element, one MMA instead of two).
     SCALED (fp8, static per-tensor scales): assignment a reads x's row src[a]; the product is
-    dequantized by expert e's scales s[e, 0] (x) and s[e, 1] (w13) after the K loop, and the
-    activation is stored quantized to fp8 with s[e, 2], GEMM2's input scale. FOLD (SCALED, no
-    bias in GEMM2): the column tile at n0 = 0 also stores wy[a] = w[a] s[e, 2] s[e, 3], the
+    dequantized by expert e's scales sx[e] (x) and sw13[e] (w13) after the K loop, and the
+    activation is stored quantized to fp8 with sa2[e], GEMM2's input scale. FOLD (SCALED, no
+    bias in GEMM2): the column tile at n0 = 0 also stores wy[a] = w[a] sa2[e] sw2[e], the
     routed weight with GEMM2's scales, for GEMM2 to apply in one multiply."""
     r = tl.arange(0, BMT)
     in_tile = r < rows
@@ -188,9 +188,9 @@ def _gemm1_tile(
     out_s = 1.0
     w2_s = 1.0
     if SCALED:
-        xw_s = tl.load(s_ptr + 4 * e) * tl.load(s_ptr + 4 * e + 1)  # one multiply a value
-        out_s = tl.load(s_ptr + 4 * e + 2)
-        w2_s = tl.load(s_ptr + 4 * e + 3)
+        xw_s = tl.load(sx_ptr + e) * tl.load(sw13_ptr + e)  # one multiply a value
+        out_s = tl.load(sa2_ptr + e)
+        w2_s = tl.load(sw2_ptr + e)
     if GU1:
         acc = tl.zeros([BMT, 2 * BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -235,13 +235,13 @@ def _gemm1_tile(
 
 
 @triton.jit
-def _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live, stride_be,
+def _gemm2_tile_operands(b_ptr, topk_w_ptr, sa2_ptr, sw2_ptr, e, cols, col_ok, assign, live, stride_be,
                          BMT: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
                          SCALED: tl.constexpr):
     """A GEMM2 tile's epilogue operands: (bias, routed weights, SCALED's product of static scales)."""
     scale = 1.0
     if SCALED:
-        scale = tl.load(s_ptr + 4 * e + 2) * tl.load(s_ptr + 4 * e + 3)
+        scale = tl.load(sa2_ptr + e) * tl.load(sw2_ptr + e)
     bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok, stride_be, topk_w_ptr, assign, live, BMT, BN, HAS_BIAS,
                                     ON_INPUT)
     return bias, route_w, scale
@@ -249,7 +249,7 @@ def _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live
 
 @triton.jit
 def _gemm2_tile(
-    a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr,
     e, row0, rows, n0, N, K, TK, w_rows,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, ACT_TMA: tl.constexpr,
@@ -260,7 +260,7 @@ def _gemm2_tile(
 
     ACT_TMA: a_desc ([R, K], blocks [BMT, BK]) loads all BMT rows from row0; rows past the
     tile's belong to the next expert (or are zeros past R) and only reach unstored rows.
-    SCALED: act is fp8 with expert e's scale s[e, 2], w2 fp8 with s[e, 3], applied before the
+    SCALED: act is fp8 with expert e's scale sa2[e], w2 fp8 with sw2[e], applied before the
     bias (without a bias, GEMM1 folds them into the routed weights instead: one multiply, and
     no per-tile scale loads, which Triton's warp specialization does not take)."""
     r = tl.arange(0, BMT)
@@ -274,7 +274,7 @@ def _gemm2_tile(
     # Without WS the epilogue's operands are loaded before the K loop, so it does not wait for
     # them (Triton's warp specialization takes them where they are used, after the loop).
     if not WS:
-        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live,
+        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, sa2_ptr, sw2_ptr, e, cols, col_ok, assign, live,
                                                     stride_be, BMT, BN, HAS_BIAS, ON_INPUT, SCALED)
     acc = tl.zeros([BMT, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -286,7 +286,7 @@ def _gemm2_tile(
                    acc, IEEE)
         a_ptrs += BK
     if WS:
-        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, s_ptr, e, cols, col_ok, assign, live,
+        bias, route_w, scale = _gemm2_tile_operands(b_ptr, topk_w_ptr, sa2_ptr, sw2_ptr, e, cols, col_ok, assign, live,
                                                     stride_be, BMT, BN, HAS_BIAS, ON_INPUT, SCALED)
     if SCALED:
         acc = acc * scale
@@ -301,7 +301,7 @@ def _gemm2_tile(
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
 def prefill_gemm1_kernel(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr, s_ptr, wy_ptr,
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
     N, K, TK, top_k, E, PROGRAMS, w_rows, R,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
@@ -314,7 +314,8 @@ def prefill_gemm1_kernel(
     x [T, K=H] (X_TMA: [R, K], x's rows gathered into the sorted row order); w13 [E, w_rows =
     2N or N, K] (w_desc: its [E * w_rows, K] descriptor, blocks [BN, BK]); b13 [E, w_rows];
     out [R, N] in x's dtype (SCALED: fp8); expert_end [E] padded row ends. SCALED (fp8 x and
-    w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k], s [E, 4];
+    w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k]; sx, sw13,
+    sa2, sw2 [E] fp32 the scales of x, w13, GEMM2's input and w2;
     FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales.
     """
     if GU1:
@@ -328,25 +329,25 @@ def prefill_gemm1_kernel(
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                         wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                         stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
                         HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
                             HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if v == 1:
-                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT,
                             HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, s_ptr,
+                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                                 wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                                 stride_wn, stride_be, stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT,
                                 HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
@@ -354,7 +355,7 @@ def prefill_gemm1_kernel(
 
 @triton.jit(do_not_specialize=["TK", "E", "PROGRAMS", "R"])
 def prefill_gemm2_kernel(
-    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, s_ptr,
+    a_ptr, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, sa2_ptr, sw2_ptr,
     N, K, TK, E, PROGRAMS, w_rows, R,
     stride_am, stride_we, stride_wn, stride_be, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
@@ -366,7 +367,7 @@ def prefill_gemm2_kernel(
 
     act [R, K=I]; w2 [E, N=H, K] (w_desc: its [E * N, K] descriptor, blocks [BN, BK]);
     b2 [E, N]; y [TK, N] in x's dtype; expert_end [E] padded row ends. SCALED (a bias and fp8
-    act and w2): the static scales s[e, 2] and s[e, 3] multiply the product before the bias.
+    act and w2): the static scales sa2[e] and sw2[e] multiply the product before the bias.
     """
     if TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
@@ -383,22 +384,22 @@ def prefill_gemm2_kernel(
         else:
             e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
                         nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                         BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                             BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if v == 1:
-                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                             BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if TAIL == 4:
                 if v == 2:
-                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, s_ptr, e, row0, rows,
+                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                                 BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
 
@@ -467,16 +468,17 @@ def fused_moe_prefill(
     on_input: bool,
     config: MoEConfig,
     out_dtype: torch.dtype,
-    scales: Optional[torch.Tensor] = None,
+    scales: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     src: Optional[torch.Tensor] = None,
     y_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Routed experts through the prefill kernels, on inputs kernels.launch.fused_moe checked.
 
     fp8 weights with static per-tensor scales (kernels.launch_quant): x is then fp8, the rows
-    of triton_quant_rows (GRAN 4) that assignment a reads at src[a]; scales [E, 4] fp32 holds
-    per expert the scales of x, w13, GEMM2's input (which GEMM1 stores as fp8) and w2; y_dtype
-    is the float dtype of GEMM2's rows.
+    of triton_quant_rows (GRAN 4) that assignment a reads at src[a]; scales, four contiguous
+    [E] fp32 tensors, the per-expert scales of x, w13, GEMM2's input (which GEMM1 stores as fp8)
+    and w2 (read where they are: stacking them took a kernel a call); y_dtype is the float
+    dtype of GEMM2's rows.
 
     Args:
         x: [T, H] (with scales: [T * k, H] fp8).  w13: [E, 2I or I, H].  w2: [E, H, I].
@@ -522,12 +524,12 @@ def fused_moe_prefill(
         rows_of = (src.index_select(0, sorted_ids[:rows].clamp(0, TK - 1)) if scaled  # src: set for local slots
                    else sorted_ids[:rows] // k)
         xg = x.index_select(0, rows_of.clamp_(0, x.shape[0] - 1))
-    s_arg = scales if scaled else topk_weights
+    sx, sw13, sa2, sw2 = scales if scaled else (topk_weights,) * 4
     fold = scaled and b2 is None  # GEMM2's scales ride on the routed weights (see _gemm1_tile)
     w_y = torch.empty(TK, dtype=torch.float32, device=dev) if fold else topk_weights
     prefill_gemm1_kernel[(p1,)](
-        xg, w13, w13_desc, bias13, act, topk_weights, sorted_ids, expert_end, src if scaled else sorted_ids, s_arg,
-        w_y,
+        xg, w13, w13_desc, bias13, act, topk_weights, sorted_ids, expert_end, src if scaled else sorted_ids, sx, sw13,
+        sa2, sw2, w_y,
         I, H, TK, k, E, p1, R13, rows,
         xg.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0) if b13 is not None else 0, act.stride(0),
         float(alpha), float(limit),
@@ -536,7 +538,7 @@ def fused_moe_prefill(
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
-        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, w_y, sorted_ids, expert_end, s_arg,
+        act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, w_y, sorted_ids, expert_end, sa2, sw2,
         H, I, TK, E, p2, H, rows,
         act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0) if b2 is not None else 0, y.stride(0),
         BM=BM, BN=g2.BLOCK_SIZE_N, BK=g2.BLOCK_SIZE_K, GROUP_M=g2.GROUP_SIZE_M, ACT_TMA=pre.act_tma,
