@@ -31,6 +31,14 @@ def _silu_mul(g, u):
 
 
 @triton.jit
+def _weight_block(w_desc, e, n0, k0, N, WR: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr):
+    """Expert e's [WR, BK] weight block at column n0 (gated: its gate and up rows), K offset k0."""
+    if GATED:
+        return w_desc.load([2 * e, n0, k0]).reshape([WR, BK])
+    return w_desc.load([e * N + n0, k0])
+
+
+@triton.jit
 def probe_kernel(x_ptr, w_ptr, out_ptr, E, N, K, TPE, PROGRAMS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TT: tl.constexpr, GROUP_M: tl.constexpr,
                  GATED: tl.constexpr, MERGE: tl.constexpr):
@@ -65,12 +73,8 @@ def probe_kernel(x_ptr, w_ptr, out_ptr, E, N, K, TPE, PROGRAMS,
         if MERGE and j == TPE - 1:
             acc_t = tl.zeros([WR, TT], dtype=tl.float32)
             for k0 in range(0, K, BK):
-                a = x_desc.load([row0, k0])
-                if GATED:
-                    b = w_desc.load([2 * e, n0, k0]).reshape([WR, BK])
-                else:
-                    b = w_desc.load([e * N + n0, k0])
-                acc = tl.dot(a, b.T, acc)
+                b = _weight_block(w_desc, e, n0, k0, N, WR, BK, GATED)
+                acc = tl.dot(x_desc.load([row0, k0]), b.T, acc)
                 acc_t = tl.dot(b, t_desc.load([row0 + BM, k0]).T, acc_t)
             if GATED:
                 g_t, u_t = acc_t.reshape([2, BN, TT]).permute(1, 2, 0).split()
@@ -82,12 +86,7 @@ def probe_kernel(x_ptr, w_ptr, out_ptr, E, N, K, TPE, PROGRAMS,
                      mask=(cols < N)[None, :])
         else:
             for k0 in range(0, K, BK):
-                a = x_desc.load([row0, k0])
-                if GATED:
-                    b = w_desc.load([2 * e, n0, k0]).reshape([WR, BK])
-                else:
-                    b = w_desc.load([e * N + n0, k0])
-                acc = tl.dot(a, b.T, acc)
+                acc = tl.dot(x_desc.load([row0, k0]), _weight_block(w_desc, e, n0, k0, N, WR, BK, GATED).T, acc)
         if GATED:
             g, u = acc.reshape([BM, 2, BN]).permute(0, 2, 1).split()
             h = _silu_mul(g, u)

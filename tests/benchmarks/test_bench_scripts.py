@@ -101,3 +101,13 @@ def test_sass_offline_compiles_a_call_for_sm90(tmp_path):
     gemm1 = kernels[1]
     assert gemm1["shared_bytes"] > 0  # its pipelined weight tiles
     assert any("MMA" in line for line in gemm1["order"]) and any("LDGSTS" in line for line in gemm1["order"])
+
+
+def test_merge_swap_probe_matches_torch_under_the_interpreter():
+    # The probe's kernel (a tile's rows plus tail rows as a swapped product) against torch on
+    # tiny fp32 problems, gated and not, with and without a tail.
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(BENCH / "merge_swap_probe_h200.py"), "--check"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("max err") == 6
