@@ -149,7 +149,8 @@ def _x_tile(x_desc, a_ptrs, row0, k0, live, ks, K, X_TMA: tl.constexpr):
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
+    x_ptr, x_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
+    sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
     e, row0, rows, n0, N, K, TK, top_k, w_rows,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr,
@@ -301,7 +302,8 @@ def _gemm2_tile(
 
 @triton.jit(do_not_specialize=["TK", "top_k", "E", "PROGRAMS", "R"])
 def prefill_gemm1_kernel(
-    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
+    x_ptr, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
+    sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr, wy_ptr,
     N, K, TK, top_k, E, PROGRAMS, w_rows, R,
     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
@@ -329,25 +331,29 @@ def prefill_gemm1_kernel(
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
+            _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
+                        sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                         wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                         stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
                         HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
+                _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
+                            sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
                             HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if v == 1:
-                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
+                _gemm1_tile(x_ptr, x_d1, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
+                            sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT,
                             HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
             if TAIL == 4:
                 if v == 2:
-                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr, sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
+                    _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
+                                sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                                 wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                                 stride_wn, stride_be, stride_om, alpha, limit, BM // 4, BN, BK, TMA, X_TMA, GATED, ACT,
                                 HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
@@ -384,22 +390,26 @@ def prefill_gemm2_kernel(
         else:
             e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
         if TAIL == 1:
-            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
+            _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+                        sa2_ptr, sw2_ptr, e, row0, rows,
                         nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                         BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
         else:
             v = _variant(rows, BM, TAIL)
             if v == 0:
-                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
+                _gemm2_tile(a_ptr, a_d0, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+                            sa2_ptr, sw2_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                             BM, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if v == 1:
-                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
+                _gemm2_tile(a_ptr, a_d1, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+                            sa2_ptr, sw2_ptr, e, row0, rows,
                             nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                             BM // 2, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
             if TAIL == 4:
                 if v == 2:
-                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr, sa2_ptr, sw2_ptr, e, row0, rows,
+                    _gemm2_tile(a_ptr, a_d2, w_ptr, w_desc, b_ptr, y_ptr, topk_w_ptr, sorted_ptr,
+                                sa2_ptr, sw2_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                                 BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
 
@@ -535,7 +545,8 @@ def fused_moe_prefill(
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
         GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=store_policy(act),
-        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps, num_stages=g1.num_stages, **common)
+        GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps,
+        num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)
     prefill_gemm2_kernel[(p2,)](
         act, w2, _weight_desc(w2, g2, pre.tma, "w2"), bias2, y, w_y, sorted_ids, expert_end, sa2, sw2,
