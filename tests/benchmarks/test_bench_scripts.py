@@ -111,3 +111,22 @@ def test_merge_swap_probe_matches_torch_under_the_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("max err") == 6
+
+
+def test_gluon_block_fp8_probe_keeps_a_product_in_flight(tmp_path):
+    # The Gluon block-scaled fp8 GEMM (run on the H200 only) compiled for sm_90a here: no spill,
+    # and inside its K loop each product is waited for only down to one in flight, so the
+    # previous one is promoted while the next multiplies (a copied in-flight accumulator made
+    # ptxas wait for all of them after each).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    proc = subprocess.run([sys.executable, str(BENCH / "fp8_block_gluon_probe_h200.py"), "--sass", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if "has no Gluon Hopper module" in proc.stderr + proc.stdout:
+        pytest.skip("this triton has no Gluon Hopper module")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "block_fp8_offline.json").read_text())
+    assert report
+    for tile, r in report.items():
+        assert r["local_bytes"] == 0 and r["registers"] <= 255, tile
+        assert r["products"] == 8 and r["overlapped"] == 2, (tile, r)  # two products a loop step, each left in flight
