@@ -40,6 +40,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp8_gemm_probe_h200 as tl_probe  # noqa: E402 (the Triton kernel, operands and reference)
+from moekit.benchmarks.gpu import eager_time_us  # noqa: E402
 
 try:  # Gluon's Hopper module (triton >= 3.5)
     from triton.experimental import gluon
@@ -183,20 +184,6 @@ GLUON_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 128, 4,
 TRITON_TILES = [(128, 128, 128, 8, 4, False), (128, 256, 128, 8, 3, False)]  # the Triton probe's best fp8 tiles
 
 
-def _time_us(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
 def offline(out_dir: str) -> dict:
     """Compile each Gluon tile for sm_90a here, without a GPU (bench/sass_offline.py): registers,
     spills, and how the products are waited for: `overlapped` counts the product groups left in
@@ -257,7 +244,7 @@ def main():
                 c = call()
                 rec["rel_err"] = ((c.float() - r).norm() / r.norm()).item()
                 rec["run_to_run_bits"] = bool(torch.equal(c, call()))
-                rec["us"] = _time_us(call)
+                rec["us"] = eager_time_us(lambda *_: call(), [()], replays=10)
                 rec["tflops"] = flops / rec["us"] / 1e6
             except Exception as exc:  # noqa: BLE001 (a kernel the compiler refuses is a result)
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -18,11 +18,12 @@ tiles an expert: merged pays when it costs much less than the extra tile.
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+
+from moekit.benchmarks.gpu import eager_time_us
 
 
 @triton.jit
@@ -134,21 +135,6 @@ def check():
             assert err < 1e-3 * ref.abs().max().item()
 
 
-def time_us(fn, rounds, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(ts)
-
-
 SHAPES = {  # name: E, H, I, full tiles an expert with a tail (the common case at M = 4096)
     "qwen3-30b-a3b": (128, 2048, 768, 2),
     "deepseek-v3": (256, 7168, 2048, 1),
@@ -188,8 +174,9 @@ def main():
                         ref = reference(x[: 2 * (tpe * BM + tt)], w[:2], 2, N, tpe, BM, tt, gated)
                         err = (out[: ref.shape[0]].float() - ref).abs().max().item() / ref.abs().max().item()
                         row.setdefault("rel_err", {})[tag] = err
-                        row["us"][tag] = time_us(lambda: run(x, w, E, N, K, tpe, BM, BN, BK, tt, merge, gated,
-                                                             warps, stages, sms), args.rounds)
+                        row["us"][tag] = eager_time_us(lambda *_: run(x, w, E, N, K, tpe, BM, BN, BK, tt, merge,
+                                                                      gated, warps, stages, sms), [()] * 5,
+                                                       replays=args.rounds)
                     except Exception as exc:  # noqa: BLE001 (a variant that fails to compile is reported)
                         row.setdefault("errors", {})[tag] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     torch.cuda.empty_cache()
@@ -197,8 +184,8 @@ def main():
                 for tag, tpe, tt, merge in variants:
                     if tag in row["us"]:
                         x = xs[tag]
-                        t2 = time_us(lambda: run(x, w, E, N, K, tpe, BM, BN, BK, tt, merge, gated, warps, stages,
-                                                 sms), args.rounds)
+                        t2 = eager_time_us(lambda *_: run(x, w, E, N, K, tpe, BM, BN, BK, tt, merge, gated, warps,
+                                                          stages, sms), [()] * 5, replays=args.rounds)
                         row["us"][tag] = min(row["us"][tag], t2)
                 del xs
                 base = row["us"].get("plain")
