@@ -113,20 +113,32 @@ def test_merge_swap_probe_matches_torch_under_the_interpreter():
     assert proc.stdout.count("max err") == 6
 
 
-def test_gluon_block_fp8_probe_keeps_a_product_in_flight(tmp_path):
-    # The Gluon block-scaled fp8 GEMM (run on the H200 only) compiled for sm_90a here: no spill,
-    # and inside its K loop each product is waited for only down to one in flight, so the
-    # previous one is promoted while the next multiplies (a copied in-flight accumulator made
-    # ptxas wait for all of them after each).
+@pytest.mark.parametrize("script,report_name", [("fp8_block_gluon_probe_h200.py", "block_fp8_offline.json"),
+                                                ("fp8_block_gluon_gemm2_probe_h200.py", "block_gemm2_offline.json")])
+def test_gluon_block_fp8_probes_keep_a_product_in_flight(script, report_name, tmp_path):
+    # The Gluon block-scaled fp8 GEMMs (dense, and the layer's GEMM2 over sorted rows; run on the
+    # H200 only) compiled for sm_90a here: no spill, and inside the K loop each product is waited
+    # for only down to one in flight, so the previous one is promoted while the next multiplies
+    # (a copied in-flight accumulator made ptxas wait for all of them after each).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
-    proc = subprocess.run([sys.executable, str(BENCH / "fp8_block_gluon_probe_h200.py"), "--sass", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--sass", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     if "has no Gluon Hopper module" in proc.stderr + proc.stdout:
         pytest.skip("this triton has no Gluon Hopper module")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "block_fp8_offline.json").read_text())
+    report = json.loads((tmp_path / report_name).read_text())
     assert report
     for tile, r in report.items():
         assert r["local_bytes"] == 0 and r["registers"] <= 255, tile
         assert r["products"] == 8 and r["overlapped"] == 2, (tile, r)  # two products a loop step, each left in flight
+
+
+def test_gluon_gemm2_probe_reference_on_cpu():
+    # The GEMM2 probe's fp32 reference (what its Gluon kernel is checked against on the H200),
+    # against a row-by-row product, on moekit's alignment and row quantization under the interpreter.
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(BENCH / "fp8_block_gluon_gemm2_probe_h200.py"), "--check"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "rows written 80 of 80" in proc.stdout
