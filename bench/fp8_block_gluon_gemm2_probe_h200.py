@@ -31,20 +31,15 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moekit.benchmarks.gpu import eager_time_us, routing_sets, shape_by_name  # noqa: E402
+from moekit.benchmarks.gpu import routing_sets, shape_by_name  # noqa: E402
 
-try:  # Gluon's Hopper module (triton >= 3.5)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    GLUON = None
-except ImportError as err:  # pragma: no cover - depends on the installed triton
-    GLUON = f"{type(err).__name__}: {err}"
+import fp8_block_gluon_probe_h200 as dense  # noqa: E402 (its Gluon imports, TMA steps and product issue)
 
-
+GLUON = dense.GLUON
 if GLUON is None:
+    from fp8_block_gluon_probe_h200 import (  # noqa: E402
+        TensorDescriptor, _issue, _load_step, gl, gluon, mbarrier, warpgroup_mma_wait,
+    )
 
     @gluon.jit
     def _add(a, b):
@@ -76,24 +71,6 @@ if GLUON is None:
         row0 = gl.sum(gl.where(sel, row_base, 0), axis=0) + m * BM
         rows = gl.minimum(gl.sum(gl.where(sel, ends, 0), axis=0) - row0, BM)
         return e, row0, rows, nt
-
-    @gluon.jit
-    def _load_step(s, a_row, w_row, KT, a_desc, w_desc, a_bufs, w_bufs, bars, BK: gl.constexpr,
-                   NUM_BUF: gl.constexpr, pred):
-        """TMA loads of step s (K step s % KT of the item at rows a_row / w_row) into stage s % NUM_BUF."""
-        k0 = (s % KT) * BK
-        bar = bars.index(s % NUM_BUF)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(s % NUM_BUF), pred)
-        _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(s % NUM_BUF), pred)
-
-    @gluon.jit
-    def _issue(s, a_bufs, w_bufs, bars, zero, NUM_BUF: gl.constexpr):
-        """Wait for step s's operands and issue its product into a fresh accumulator (asynchronous)."""
-        stage = s % NUM_BUF
-        mbarrier.wait(bars.index(stage), (s // NUM_BUF) & 1)
-        return warpgroup_mma(a_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
 
     @gluon.jit
     def _refill(nxt, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base, ends, N,
@@ -281,24 +258,17 @@ POINTS = ("deepseek-v3:4096", "deepseek-v3:16384", "qwen3-30b-a3b:16384")
 
 
 def offline(out_dir):
-    """Compile the kernel for sm_90a here (bench/sass_offline.py): registers, spills, and the
-    product groups left in flight in its K loop."""
-    from sass_offline import compile_only, describe  # noqa: PLC0415
-
+    """Each tile compiled for sm_90a here (the dense probe's sass_report), at DeepSeek-V3's GEMM2 at
+    M = 16384 (the operands' shapes and strides; nothing runs)."""
     E, H, I, R, TK = 256, 7168, 2048, 65536, 131072
     a2 = torch.empty(R, I, dtype=torch.float8_e4m3fn)
     w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
-    report = {}
-    for bm, warps, stages in TILES:
-        with compile_only(90) as compiled:
-            gemm2(a2, torch.empty(R, I // 128), w2, torch.empty(E, H // 128, I // 128), torch.empty(TK),
-                  torch.empty(R, dtype=torch.int32), torch.empty(E, dtype=torch.int32), TK, bm, warps, stages, 132)
-        path = os.path.join(out_dir, f"block_gemm2_{bm}_w{warps}_s{stages}.sass")
-        d = describe(compiled[-1][1], path)
-        sass = open(path).read()
-        report[f"{bm} w{warps} s{stages}"] = dict(
-            registers=d["registers"], local_bytes=d["local_bytes"], shared_bytes=d["shared_bytes"],
-            overlapped=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1"), products=sass.count("QGMMA"))
+    args = (a2, torch.empty(R, I // 128), w2, torch.empty(E, H // 128, I // 128), torch.empty(TK),
+            torch.empty(R, dtype=torch.int32), torch.empty(E, dtype=torch.int32), TK)
+    report = {f"{bm} w{warps} s{stages}": dense.sass_report(
+        lambda: gemm2(*args, bm, warps, stages, 132),
+        os.path.join(out_dir, f"block_gemm2_{bm}_w{warps}_s{stages}.sass"))
+        for bm, warps, stages in TILES}
     with open(os.path.join(out_dir, "block_gemm2_offline.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -336,20 +306,11 @@ def main():
                             tflops=flops / gemm2_us / 1e6 if gemm2_us else None))
         print(json.dumps(results[-1]), flush=True)
         for bm, warps, stages in TILES:
-            rec = dict(point=spec, kernel=f"gluon BM={bm} warps={warps} stages={stages}")
             call = (lambda bm=bm, warps=warps, stages=stages: gemm2(
                 p["a2"], p["a2_s"], p["w2"], p["w2_s"], p["w"], p["al"].sorted_ids, p["al"].expert_end, TK, bm,
                 warps, stages, sms))
-            try:
-                y = call()
-                rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                rec["run_to_run_bits"] = bool(torch.equal(y, call()))
-                rec["us"] = eager_time_us(lambda *_: call(), [()], replays=10)
-                rec["tflops"] = flops / rec["us"] / 1e6
-            except Exception as exc:  # noqa: BLE001 (a kernel the compiler refuses is a result)
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            results.append(rec)
-            print(json.dumps(rec), flush=True)
+            results.append(dense.measure(dict(point=spec, kernel=f"gluon BM={bm} warps={warps} stages={stages}"),
+                                         call, ref, flops))
         del p, ref
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

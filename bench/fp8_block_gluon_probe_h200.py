@@ -184,27 +184,48 @@ GLUON_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 128, 4,
 TRITON_TILES = [(128, 128, 128, 8, 4, False), (128, 256, 128, 8, 3, False)]  # the Triton probe's best fp8 tiles
 
 
-def offline(out_dir: str) -> dict:
-    """Compile each Gluon tile for sm_90a here, without a GPU (bench/sass_offline.py): registers,
-    spills, and how the products are waited for: `overlapped` counts the product groups left in
-    flight (WARPGROUP.DEPBAR.LE gsb0, 0x1), `serialized` the waits for all of them."""
+def sass_report(launch, sass_path: str) -> dict:
+    """Compile what launch() launches for sm_90a here, without a GPU (bench/sass_offline.py), and
+    report its registers, spills and shared memory, and how its products are waited for:
+    `overlapped` counts the product groups left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1),
+    `serialized` the waits for all of them."""
     from sass_offline import compile_only, describe  # noqa: PLC0415
 
+    with compile_only(90) as compiled:
+        launch()
+    d = describe(compiled[-1][1], sass_path)
+    with open(sass_path) as f:
+        sass = f.read()
+    return dict(registers=d["registers"], local_bytes=d["local_bytes"], shared_bytes=d["shared_bytes"],
+                overlapped=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1"),
+                serialized=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), products=sass.count("QGMMA"))
+
+
+def measure(rec: dict, call, ref: torch.Tensor, flops: float) -> dict:
+    """rec with call()'s error against ref, its run-to-run bits, median us and TFLOP/s (or the error
+    that stopped it), printed as a JSON line."""
+    try:
+        c = call()
+        rec["rel_err"] = ((c.float() - ref).norm() / ref.norm()).item()
+        rec["run_to_run_bits"] = bool(torch.equal(c, call()))
+        rec["us"] = eager_time_us(lambda *_: call(), [()], replays=10)
+        rec["tflops"] = flops / rec["us"] / 1e6
+    except Exception as exc:  # noqa: BLE001 (a kernel the compiler refuses is a result)
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def offline(out_dir: str) -> dict:
+    """Each Gluon tile compiled for sm_90a here (sass_report), on DeepSeek-V3's GEMM1 shape."""
     M, N, K = tl_probe.SHAPES["dsv3-gemm1"]
     a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     b = torch.empty(N, K, dtype=torch.float8_e4m3fn)
     a_s, b_s = torch.empty(M, K // 128), torch.empty(N // 128, K // 128)
-    report = {}
-    for bm, bn, warps, stages in GLUON_TILES:
-        with compile_only(90) as compiled:
-            run_gluon(a, b, a_s, b_s, bm, bn, warps, stages, 132)
-        sass_path = os.path.join(out_dir, f"block_fp8_{bm}x{bn}_w{warps}_s{stages}.sass")
-        d = describe(compiled[-1][1], sass_path)
-        sass = open(sass_path).read()
-        report[f"{bm}x{bn} w{warps} s{stages}"] = dict(
-            registers=d["registers"], local_bytes=d["local_bytes"], shared_bytes=d["shared_bytes"],
-            overlapped=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1"), serialized=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
-            products=sass.count("QGMMA"))
+    report = {f"{bm}x{bn} w{warps} s{stages}": sass_report(
+        lambda: run_gluon(a, b, a_s, b_s, bm, bn, warps, stages, 132),
+        os.path.join(out_dir, f"block_fp8_{bm}x{bn}_w{warps}_s{stages}.sass"))
+        for bm, bn, warps, stages in GLUON_TILES}
     with open(os.path.join(out_dir, "block_fp8_offline.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -239,17 +260,7 @@ def main():
         calls += [(f"triton fp8 unscaled {t}", lambda t=t: tl_probe.run(a0, b0, a0_s, b0_s, 0, *t, sms), ref0)
                   for t in TRITON_TILES]
         for label, call, r in calls:
-            rec = dict(shape=name, M=M, N=N, K=K, kernel=label)
-            try:
-                c = call()
-                rec["rel_err"] = ((c.float() - r).norm() / r.norm()).item()
-                rec["run_to_run_bits"] = bool(torch.equal(c, call()))
-                rec["us"] = eager_time_us(lambda *_: call(), [()], replays=10)
-                rec["tflops"] = flops / rec["us"] / 1e6
-            except Exception as exc:  # noqa: BLE001 (a kernel the compiler refuses is a result)
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            results.append(rec)
-            print(json.dumps(rec), flush=True)
+            results.append(measure(dict(shape=name, M=M, N=N, K=K, kernel=label), call, r, flops))
         del a, b, a0, b0, ref, ref0
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
