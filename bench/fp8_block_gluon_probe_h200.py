@@ -33,6 +33,7 @@ that its products stay in flight while the previous ones are promoted.
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -187,8 +188,8 @@ TRITON_TILES = [(128, 128, 128, 8, 4, False), (128, 256, 128, 8, 3, False)]  # t
 def sass_report(launch, sass_path: str) -> dict:
     """Compile what launch() launches for sm_90a here, without a GPU (bench/sass_offline.py), and
     report its registers, spills and shared memory, and how its products are waited for:
-    `overlapped` counts the product groups left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1),
-    `serialized` the waits for all of them."""
+    `overlapped` counts the waits that leave product groups in flight (WARPGROUP.DEPBAR.LE gsb0,
+    0x1 or more), `serialized` the waits for all of them."""
     from sass_offline import compile_only, describe  # noqa: PLC0415
 
     with compile_only(90) as compiled:
@@ -197,7 +198,7 @@ def sass_report(launch, sass_path: str) -> dict:
     with open(sass_path) as f:
         sass = f.read()
     return dict(registers=d["registers"], local_bytes=d["local_bytes"], shared_bytes=d["shared_bytes"],
-                overlapped=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1"),
+                overlapped=len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass)),
                 serialized=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), products=sass.count("QGMMA"))
 
 

@@ -6,6 +6,7 @@ plain Python and run here.
 """
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -42,6 +43,29 @@ if not IN_INTERPRETER:
             QuantKnobs(prefetch1=1)
         with pytest.raises(ValueError, match="quant"):
             QuantKnobs.from_json({"split": 2})
+        assert QuantKnobs.from_json({"gluon": 128}) == QuantKnobs(gluon=128)
+        for bad in (96, True, "128"):
+            with pytest.raises(ValueError, match="gluon must be 0"):
+                QuantKnobs(gluon=bad)
+
+    @pytest.mark.parametrize("scheme,kw,match", [
+        ("fp8_w8a8_block128", dict(rows=96), "row tile must be one of"),
+        ("fp8_w8a8", {}, "128 x 128 fp8 weight blocks"),
+        ("fp8_w8a8_block128", dict(static=True), "128 x 128 fp8 weight blocks"),
+        ("fp8_w8a8_block128", dict(x_dtype=torch.float32), "bfloat16 or float16"),
+        ("fp8_w8a8_block128", dict(activation="gelu"), "silu"),
+        ("fp8_w8a8_block128", dict(has_bias=True), "no biases"),
+        ("fp8_w8a8_block128", dict(on_input=True), "router weight on the input"),
+        ("fp8_w8a8_block128", dict(I=384), "multiples of 256"),
+        ("fp8_w8a8_block128", {}, "compute capability 9.x, got cpu|no Gluon Hopper module"),
+    ])
+    def test_gluon_kernels_say_why_they_cannot_run_a_call(scheme, kw, match):
+        from moekit.kernels import gluon_block  # noqa: PLC0415
+
+        args = dict(x_dtype=torch.bfloat16, device=torch.device("cpu"), activation="silu", has_bias=False,
+                    on_input=False, static=False, H=1024, I=512, rows=128)
+        args.update(kw)
+        assert re.search(match, gluon_block.refusal(get_scheme(scheme), **args))
 
     def test_file_names_follow_the_large_engines():
         names = {s: quant_file_name(8, 14336, "NVIDIA_H200", get_scheme(s)) for s in
@@ -286,3 +310,6 @@ else:
             _run(wts, torch.randn(2, 48).half(), w, ids, None, None, QuantKnobs(pdl=True))
         with pytest.raises(TypeError, match="knobs"):
             _run(wts, torch.randn(2, 48).half(), w, ids, None, None, {"split_k": 2})
+        block = _weights("fp8_w8a8_block128", {}, 2, 256, 256, gen)
+        with pytest.raises(ValueError, match="knobs.gluon=128 cannot run this call on the Gluon kernels"):
+            _run(block, torch.randn(2, 256).half(), w, ids, None, None, QuantKnobs(gluon=128))

@@ -29,7 +29,7 @@ import triton
 
 from ..activations import check_activation, is_gated
 from ..quant.schemes import QuantScheme
-from . import launch
+from . import gluon_block, launch
 from . import triton_moe as moe
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
@@ -205,7 +205,9 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
                 scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs]:
     """Tiles and knobs of a call: the tuned quantized entry of the nearest M (its K tiles cut to
     the scheme's scale groups: a weight-only table is named by the dtype alone, whatever the
-    group size), else the unquantized config fitted by quant_config with default knobs.
+    group size), else the unquantized config fitted by quant_config with default knobs (and the
+    Gluon kernels for 128 x 128 fp8 blocks where they pay: gluon_block.default_rows; calls they
+    cannot run keep the tiles).
 
     Args:
         T: tokens.  E: local experts.  k: slots per token.  H, I: hidden and intermediate sizes.
@@ -219,7 +221,8 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
                           gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
         check_tiles(cfg, modes)
         return cfg, knobs
-    return quant_config(get_config(T, E, k, H, I, dtype, device), modes), QuantKnobs()
+    return quant_config(get_config(T, E, k, H, I, dtype, device), modes), \
+        QuantKnobs(gluon=gluon_block.default_rows(T, E, k, scheme))
 
 
 def _tile_kwargs(t: TileConfig):
@@ -363,13 +366,21 @@ def fused_moe_quant(
     if knobs.w_convert == "ptx" and dev.type != "cuda":
         raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
                          "(the Triton interpreter cannot run it)")
+    gluon_rows = knobs.gluon
+    if gluon_rows:
+        why = gluon_block.refusal(scheme, x.dtype, dev, activation, b13 is not None or b2 is not None, on_input,
+                                  a13_scale is not None, H, I, gluon_rows)
+        if why and not tuned_knobs:
+            raise ValueError(f"knobs.gluon={gluon_rows} cannot run this call on the Gluon kernels: {why}")
+        gluon_rows = 0 if why else gluon_rows
     g1, g2 = config.gemm1, config.gemm2
+    granule = gluon_rows or config.row_granule
     TK = T * k
     small_max = launch.ALIGN_SMALL_MAX
     w_in = topk_weights if on_input else None
     # Step 1: alignment and GEMM1's input (x quantized in the alignment's launch when it can be).
     if modes.act_dtype is None:
-        al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=small_max)
+        al = moe_align(topk_ids, expert_map, E, granule, small_max=small_max)
         a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
     else:
         gran = 4 if static else GRAN[modes.act_gran]
@@ -383,10 +394,10 @@ def fused_moe_quant(
         else:
             a1_s = a13_scale  # gran 1: replaced by the dynamic scale below
         if knobs.fuse_x_quant and gran != 1:
-            al = align_and_quantize(topk_ids, expert_map, E, config.row_granule, x, a1, a1_s, modes, gran, group, w_in,
+            al = align_and_quantize(topk_ids, expert_map, E, granule, x, a1, a1_s, modes, gran, group, w_in,
                                     small_max, pdl=knobs.pdl, src=src)
         else:
-            al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=small_max)
+            al = moe_align(topk_ids, expert_map, E, granule, small_max=small_max)
             if gran == 1:
                 a1_s = tensor_scale(x, modes, topk_weights, topk_ids, expert_map, None, al.expert_end, on_input)
             quant_rows(x, a1, a1_s, modes, gran, group, topk_weights=w_in, topk_ids=topk_ids if static else None,
@@ -400,6 +411,14 @@ def fused_moe_quant(
                                          al.expert_end, R, activation, alpha, limit, False, config, out_dtype,
                                          scales=scales, src=src, y_dtype=x.dtype)
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
+    if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs
+        a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
+        act = torch.empty(R, I, dtype=x.dtype, device=dev)
+        gluon_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end, gluon_rows)
+        a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
+        y = torch.empty(1, TK, H, dtype=x.dtype, device=dev)
+        gluon_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end, gluon_rows)
+        return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
     flags = dict(A_KSCALE=modes.a_kscale, W_KSCALE=modes.w_kscale, W_SROWS=modes.w_srows, W_INT4=modes.w_int4,
                  HAS_ZERO=modes.has_zero, INT_DOT=modes.int_dot, KGROUP=max(modes.kgroup, 1),
                  **_convert(modes, knobs, x.dtype))
@@ -445,10 +464,16 @@ def fused_moe_quant(
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
         PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), **chain, **flags,
         **_tile_kwargs(g2))
-    out = torch.empty(T, H, dtype=out_dtype, device=dev)
+    return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
+
+
+def _sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], T: int, H: int, k: int,
+                out_dtype: torch.dtype, chain: dict) -> torch.Tensor:
+    """out [T, H]: each token's k slots of y [splits, T * k, H] and its K splits, added in a fixed order."""
+    out = torch.empty(T, H, dtype=out_dtype, device=y.device)
     bn = _sum_block(T, H)
     has_map = expert_map is not None
     qr.sum_slots_kernel[(T, triton.cdiv(H, bn))](
         y, out, topk_ids, expert_map if has_map else topk_ids, H, k, y.stride(0), y.stride(1), out.stride(0),
-        S=splits, BN=bn, HAS_MAP=has_map, STAGES=_sum_stages(T), **chain, num_warps=4)
+        S=y.shape[0], BN=bn, HAS_MAP=has_map, STAGES=_sum_stages(T), **chain, num_warps=4)
     return out

@@ -58,6 +58,10 @@ class QuantKnobs:
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
         per-channel weights) keep the tiles. Its tiles hold at least 64 rows
         (BLOCK_SIZE_M / prefill tail; tuning.FP8_MIN_TILE_ROWS).
+    gluon: 0, or the row tile (64 or 128) of the Gluon kernels of the 128 x 128 block-scaled fp8
+        scheme on Hopper (kernels/gluon_block.py: each K block's promotion overlapped with the
+        next product), which then run GEMM1 and GEMM2 instead of these tiles; a tuned entry's
+        gluon falls back to the tiles on calls the Gluon kernels cannot run.
     """
 
     gate_up: bool = False
@@ -70,11 +74,15 @@ class QuantKnobs:
     swap1: bool = False
     swap2: bool = False
     static_prefill: Optional[MoEConfig] = None
+    gluon: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "split_k":
+            if f.name == "gluon":
+                if isinstance(value, bool) or value not in (0, 64, 128):
+                    raise ValueError(f"gluon must be 0 (off) or a row tile of 64 or 128, got {value!r}")
+            elif f.name == "split_k":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"split_k must be an int >= 1, got {value!r}")
             elif f.name == "w_convert":

@@ -1,0 +1,100 @@
+"""The Gluon kernels of the 128 x 128 block-scaled fp8 scheme (QuantKnobs.gluon) on a Hopper GPU
+against the emulated reference (PERF.md tolerances) and against the Triton tiles, in CUDA graphs,
+run to run. Run with `pytest -m gpu tests/kernels`."""
+
+import pytest
+import torch
+
+from conftest import rel_err, random_expert_map, triton_act_dtype
+
+pytest.importorskip("triton")
+
+from moekit.config import settings  # noqa: E402
+from moekit.kernels import gluon_block  # noqa: E402
+from moekit.kernels.launch_quant import fused_moe_quant  # noqa: E402
+from moekit.kernels.quant_tuning import QuantKnobs  # noqa: E402
+from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, reason="TRITON_INTERPRET=1 is set"),
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="the Gluon kernels need a Hopper GPU"),
+              pytest.mark.skipif(gluon_block.GLUON_MISSING is not None, reason=str(gluon_block.GLUON_MISSING))]
+
+SCHEME = "fp8_w8a8_block128"
+
+
+def _weights(E, H, I, gen):
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5
+    return quantize_experts(w13, w2, SCHEME)
+
+
+def _routing(T, E_global, k, gen, skewed=False):
+    scores = torch.rand(T, E_global, device="cuda", generator=gen)
+    if skewed:  # most tokens on a few experts, some experts with none
+        scores[:, : E_global // 4] += 2.0
+    return torch.rand(T, k, device="cuda", generator=gen) + 0.05, scores.topk(k, dim=1).indices.to(torch.int32)
+
+
+def _run(wts, x, w, ids, emap=None, rows=0):
+    s = wts.scales
+    return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w,
+                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows), out_dtype=x.dtype)
+
+
+def _poison_allocator():
+    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+@pytest.mark.parametrize("T,E,k,H,I,n_remote,skewed", [
+    (0, 8, 2, 256, 256, 0, False),
+    (1, 8, 2, 256, 256, 0, False),
+    (37, 16, 4, 512, 256, 3, False),      # expert map: a few experts on another rank
+    (300, 16, 1, 768, 512, 0, True),      # k = 1, experts without tokens
+    (700, 32, 8, 1024, 768, 0, False),    # several tiles an expert, odd numbers of K steps in pairs (I = 768)
+    (2000, 8, 2, 2048, 1536, 0, True),
+], ids=["T0", "T1", "T37-expert-map", "T300-k1-skewed", "T700-k8", "T2000-skewed"])
+def test_gluon_block_matches_emulated_reference(rows, T, E, k, H, I, n_remote, skewed, cuda_gen):
+    wts = _weights(E, H, I, cuda_gen)
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen, skewed)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(T, H, device="cuda", generator=cuda_gen).to(dtype)
+        _poison_allocator()
+        out = _run(wts, x, w, ids, emap, rows)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
+        assert out.shape == (T, H) and out.dtype == dtype and torch.isfinite(out).all()
+        if T:
+            assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
+            # the Triton tiles of the same call agree as closely as either does with the reference
+            assert rel_err(out, _run(wts, x, w, ids, emap, 0)) <= TOLERANCE["fp8"]
+
+
+def test_gluon_block_deepseek_v3_sized_experts_in_a_cuda_graph(cuda_gen):
+    E, k, H, I, T = 32, 8, 7168, 2048, 512
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    eager = _run(wts, x, w, ids, rows=128)
+    assert rel_err(eager, ref) <= TOLERANCE["fp8"]
+    assert torch.equal(eager, _run(wts, x, w, ids, rows=128))  # run to run
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(wts, x, w, ids, rows=128)
+    w2, ids2 = _routing(T, E, k, cuda_gen)
+    w.copy_(w2)
+    ids.copy_(ids2)
+    graph.replay()
+    assert torch.equal(out, _run(wts, x, w, ids, rows=128))
+
+
+def test_explicit_gluon_knob_refused_with_the_reason(cuda_gen):
+    wts = _weights(8, 256, 256, cuda_gen)
+    w, ids = _routing(4, 8, 2, cuda_gen)
+    x = torch.randn(4, 256, device="cuda", generator=cuda_gen).bfloat16()
+    s = wts.scales
+    with pytest.raises(ValueError, match="knobs.gluon=128 .*silu"):
+        fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w, ids,
+                        None, scheme_of(wts), "gelu", knobs=QuantKnobs(gluon=128), out_dtype=x.dtype)
