@@ -18,7 +18,7 @@ from triton_child import IN_INTERPRETER, run_in_interpreter
 pytest.importorskip("triton")
 
 from moekit.kernels import quant_tuning, tuning  # noqa: E402
-from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles  # noqa: E402
+from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles, quant_tiles  # noqa: E402
 from moekit.kernels.quant_rows import modes_of  # noqa: E402
 from moekit.kernels.quant_tuning import (QuantKnobs, lookup_quant_config, parse_quant_configs,  # noqa: E402
                                          quant_file_name, quant_search_space)
@@ -47,6 +47,18 @@ if not IN_INTERPRETER:
         for bad in (96, True, "128"):
             with pytest.raises(ValueError, match="gluon must be 0"):
                 QuantKnobs(gluon=bad)
+
+    def test_untuned_block_calls_take_the_gluon_kernels_by_rows_per_expert():
+        from moekit.kernels import gluon_block  # noqa: PLC0415
+
+        block, tensor = get_scheme("fp8_w8a8_block128"), get_scheme("fp8_w8a8")
+        # rows an expert: T * k / E
+        assert [gluon_block.default_rows(T, 128, 8, block) for T in (1, 256, 512, 1023, 1024, 16384)] == \
+            [0, 0, 64, 64, 128, 128]
+        assert gluon_block.default_rows(16384, 128, 8, tensor) == 0
+        # an untuned table on a device: the quantized tiles plus the Gluon row tile
+        cfg, knobs = quant_tiles(4096, 128, 8, 2048, 768, torch.bfloat16, "NO_SUCH_GPU", block, modes_of(block))
+        assert knobs.gluon == 128 and cfg.gemm1.BLOCK_SIZE_K == 128
 
     @pytest.mark.parametrize("scheme,kw,match", [
         ("fp8_w8a8_block128", dict(rows=96), "row tile must be one of"),

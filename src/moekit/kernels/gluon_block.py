@@ -58,13 +58,14 @@ GEMM2_COLS = 128  # output columns an item of GEMM2 (one weight scale block)
 
 
 def default_rows(T: int, E: int, k: int, scheme) -> int:
-    """The row tile of an untuned call of the 128 x 128 block scheme (0: the Triton tiles): none
-    below 32 rows an expert (weight streaming, where the Triton decode tiles are tuned), 64 rows
-    below 128 rows an expert, 128 from there (bench/results/h200-gluon-block-ab.json)."""
+    """The row tile of an untuned call of the 128 x 128 block scheme (0: the Triton tiles), by rows
+    an expert: none below 32 (weight streaming, where the Triton decode tiles are as fast or
+    faster), 64 from 32, 128 from 64 (bench/results/h200-gluon-block-ab-shapes.json and
+    h200-gluon-block-ab-edges.json: five shapes, M = 64 to 16384)."""
     if scheme.weight_granularity != "block" or tuple(scheme.weight_block) != (128, 128):
         return 0
     rows_per_expert = T * k / E
-    return 0 if rows_per_expert < 32 else 64 if rows_per_expert < 128 else 128
+    return 0 if rows_per_expert < 32 else 64 if rows_per_expert < 64 else 128
 
 
 def refusal(scheme, x_dtype: torch.dtype, device: torch.device, activation: str, has_bias: bool, on_input: bool,
@@ -378,214 +379,6 @@ if GLUON_MISSING is None:
             mbarrier.invalidate(bars.index(i))
 
 
-    # ---- Warp-specialized variants (knob gluon_ws): a producer warp issues every TMA load, and
-    # two consumer warpgroups each multiply 64 rows of the item's 128 with no barrier between
-    # them, so one promotes while the other's products run.
-
-    @gluon.jit
-    def _ws_producer(a_desc, w_desc, a_bufs, w_bufs, w2_bufs, ready, empty, expert_end_ptr, E, num_n, KT, w_rows,
-                     up_off, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                     NUM_BUF: gl.constexpr, E_PAD: gl.constexpr, TWO: gl.constexpr):
-        """Every step's loads in order, each into its stage once both consumers released it."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [1], [0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-        p_a = 0
-        p_w = 0
-        for s in range(steps):
-            if s % KT == 0:
-                e, row0, rows, nt = _item(s // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, BM,
-                                          GROUP_M, E_PAD, LANES)
-                p_a = row0
-                p_w = e * w_rows + nt * BN
-            mbarrier.wait(empty.index(s % NUM_BUF), ((s // NUM_BUF) & 1) ^ 1)
-            _load_step(s, p_a, p_w, p_w + up_off, KT, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, ready, BK, NUM_BUF,
-                       TWO, True)
-
-    @gluon.jit
-    def _ws_issue(s, half: gl.constexpr, a_bufs, w_bufs, ready, zero, NUM_BUF: gl.constexpr):
-        """Wait for step s's operands and issue this consumer's product (its 64 rows of the stage)."""
-        stage = s % NUM_BUF
-        mbarrier.wait(ready.index(stage), (s // NUM_BUF) & 1)
-        return warpgroup_mma(a_bufs.index(stage).slice(half * 64, 64), w_bufs.index(stage).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _ws_issue_second(s, half: gl.constexpr, a_bufs, w_bufs, zero, NUM_BUF: gl.constexpr):
-        stage = s % NUM_BUF
-        return warpgroup_mma(a_bufs.index(stage).slice(half * 64, 64), w_bufs.index(stage).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _ws_gemm2_consumer(half: gl.constexpr, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, topk_w_ptr,
-                           sorted_ptr, expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym,
-                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                           NUM_BUF: gl.constexpr, E_PAD: gl.constexpr):
-        """Rows half * 64 .. + 63 of each item of block_gemm2_kernel's schedule, on one warpgroup."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [4], [0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN, 32])
-        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M,
-                                         E_PAD, LANES)
-        zero = gl.zeros([64, BN], gl.float32, ACC)
-        acc = zero
-        t1 = zero
-        s1 = gl.zeros([64], gl.float32, ROWS)
-        for s in range(0, steps, 2):
-            kk = s % KT
-            t0 = _ws_issue(s, half, a_bufs, w_bufs, ready, zero, NUM_BUF)
-            t1, t0 = warpgroup_mma_wait(1, deps=(t1, t0))  # step s - 1 done
-            if kk > 0:  # its stage back to the producer, its product promoted while step s multiplies
-                mbarrier.arrive(empty.index((s - 1) % NUM_BUF), count=1)
-                acc = acc + t1 * gl.expand_dims(s1, 1)
-            w_s = ws_ptr + c_e * stride_we + c_nt * stride_wn + kk
-            s0 = _row_scales(as_ptr, c_row + half * 64, kk, stride_as, 64, ROWS) * gl.load(w_s)
-            t1 = _ws_issue(s + 1, half, a_bufs, w_bufs, ready, zero, NUM_BUF)
-            t0, t1 = warpgroup_mma_wait(1, deps=(t0, t1))  # step s done
-            mbarrier.arrive(empty.index(s % NUM_BUF), count=1)
-            acc = acc + t0 * gl.expand_dims(s0, 1)
-            s1 = _row_scales(as_ptr, c_row + half * 64, kk + 1, stride_as, 64, ROWS) * gl.load(w_s + 1)
-            if kk + 2 == KT:  # the item's last step: finish it, apply the routed weights, store y rows
-                t1 = warpgroup_mma_wait(0, deps=(t1,))
-                mbarrier.arrive(empty.index((s + 1) % NUM_BUF), count=1)
-                acc = acc + t1 * gl.expand_dims(s1, 1)
-                out = gl.convert_layout(acc, STORE)
-                rs = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE))
-                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
-                assign = gl.load(sorted_ptr + c_row + rs, mask=rs < c_rows, other=TK)
-                live = assign < TK
-                route_w = gl.load(topk_w_ptr + assign, mask=live, other=0.0)
-                out = (out * gl.expand_dims(route_w, 1)).to(y_ptr.dtype.element_ty)
-                y_ptrs = y_ptr + gl.expand_dims(gl.where(live, assign, 0).to(gl.int64) * stride_ym, 1) \
-                    + gl.expand_dims(cs, 0)
-                gl.store(y_ptrs, out, mask=gl.expand_dims(live, 1) & gl.expand_dims(cs < N, 0))
-                acc = zero
-                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
-                                                 BM, GROUP_M, E_PAD, LANES)
-
-    @gluon.jit
-    def _ws_gemm1_consumer(half: gl.constexpr, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr,
-                           expert_end_ptr, N, K, E, stride_as, stride_we, stride_wn, stride_act,
-                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                           NUM_BUF: gl.constexpr, E_PAD: gl.constexpr):
-        """Rows half * 64 .. + 63 of each item of block_gemm1_kernel's schedule, on one warpgroup."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [4], [0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN, 32])
-        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M,
-                                         E_PAD, LANES)
-        zero = gl.zeros([64, BN], gl.float32, ACC)
-        acc_g = zero
-        acc_u = zero
-        t1g = zero
-        t1u = zero
-        s1g = gl.zeros([64], gl.float32, ROWS)
-        s1u = s1g
-        for s in range(0, steps, 2):
-            kk = s % KT
-            t0g = _ws_issue(s, half, a_bufs, g_bufs, ready, zero, NUM_BUF)
-            t0u = _ws_issue_second(s, half, a_bufs, u_bufs, zero, NUM_BUF)
-            t1g, t1u, t0g, t0u = warpgroup_mma_wait(2, deps=(t1g, t1u, t0g, t0u))  # step s - 1 done
-            if kk > 0:
-                mbarrier.arrive(empty.index((s - 1) % NUM_BUF), count=1)
-                acc_g = acc_g + t1g * gl.expand_dims(s1g, 1)
-                acc_u = acc_u + t1u * gl.expand_dims(s1u, 1)
-            s0 = _row_scales(as_ptr, c_row + half * 64, kk, stride_as, 64, ROWS)
-            w_s = ws_ptr + c_e * stride_we + kk
-            s0g = s0 * gl.load(w_s + ((c_nt * BN) // 128) * stride_wn)
-            s0u = s0 * gl.load(w_s + ((N + c_nt * BN) // 128) * stride_wn)
-            t1g = _ws_issue(s + 1, half, a_bufs, g_bufs, ready, zero, NUM_BUF)
-            t1u = _ws_issue_second(s + 1, half, a_bufs, u_bufs, zero, NUM_BUF)
-            t0g, t0u, t1g, t1u = warpgroup_mma_wait(2, deps=(t0g, t0u, t1g, t1u))  # step s done
-            mbarrier.arrive(empty.index(s % NUM_BUF), count=1)
-            acc_g = acc_g + t0g * gl.expand_dims(s0g, 1)
-            acc_u = acc_u + t0u * gl.expand_dims(s0u, 1)
-            s1 = _row_scales(as_ptr, c_row + half * 64, kk + 1, stride_as, 64, ROWS)
-            s1g = s1 * gl.load(w_s + 1 + ((c_nt * BN) // 128) * stride_wn)
-            s1u = s1 * gl.load(w_s + 1 + ((N + c_nt * BN) // 128) * stride_wn)
-            if kk + 2 == KT:
-                t1g, t1u = warpgroup_mma_wait(0, deps=(t1g, t1u))
-                mbarrier.arrive(empty.index((s + 1) % NUM_BUF), count=1)
-                acc_g = acc_g + t1g * gl.expand_dims(s1g, 1)
-                acc_u = acc_u + t1u * gl.expand_dims(s1u, 1)
-                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-                out = gl.convert_layout(h.to(act_ptr.dtype.element_ty), STORE)
-                rs = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE))
-                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
-                ptrs = act_ptr + gl.expand_dims((c_row + rs).to(gl.int64) * stride_act, 1) + gl.expand_dims(cs, 0)
-                gl.store(ptrs, out, mask=gl.expand_dims(rs < c_rows, 1) & gl.expand_dims(cs < N, 0))
-                acc_g = zero
-                acc_u = zero
-                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
-                                                 BM, GROUP_M, E_PAD, LANES)
-
-    @gluon.jit
-    def _ws_barriers(NUM_BUF: gl.constexpr):
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrival a consumer
-        return ready, empty
-
-    @gluon.jit
-    def ws_gemm2_kernel(a_desc, w_desc, as_ptr, ws_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
-                        N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym,
-                        BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                        E_PAD: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, 128, BK], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        ready, empty = _ws_barriers(NUM_BUF)
-        gl.warp_specialize([
-            (_ws_gemm2_consumer, (0, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, topk_w_ptr, sorted_ptr,
-                                  expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym, 128, BN, BK,
-                                  GROUP_M, NUM_BUF, E_PAD)),
-            (_ws_gemm2_consumer, (1, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, topk_w_ptr, sorted_ptr,
-                                  expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym, 128, BN, BK,
-                                  GROUP_M, NUM_BUF, E_PAD)),
-            (_ws_producer, (a_desc, w_desc, a_bufs, w_bufs, w_bufs, ready, empty, expert_end_ptr, E, N // BN, K // BK,
-                            N, 0, 128, BN, BK, GROUP_M, NUM_BUF, E_PAD, False)),
-        ], [4, 1], [REGS, 40])
-
-    @gluon.jit
-    def ws_gemm1_kernel(a_desc, w_desc, as_ptr, ws_ptr, act_ptr, expert_end_ptr,
-                        N, K, E, stride_as, stride_we, stride_wn, stride_act,
-                        BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                        E_PAD: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, 128, BK], a_desc.layout)
-        g_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        u_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        ready, empty = _ws_barriers(NUM_BUF)
-        gl.warp_specialize([
-            (_ws_gemm1_consumer, (0, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr, expert_end_ptr, N,
-                                  K, E, stride_as, stride_we, stride_wn, stride_act, 128, BN, BK, GROUP_M, NUM_BUF,
-                                  E_PAD)),
-            (_ws_gemm1_consumer, (1, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr, expert_end_ptr, N,
-                                  K, E, stride_as, stride_we, stride_wn, stride_act, 128, BN, BK, GROUP_M, NUM_BUF,
-                                  E_PAD)),
-            (_ws_producer, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, expert_end_ptr, E, N // BN, K // BK,
-                            2 * N, N, 128, BN, BK, GROUP_M, NUM_BUF, E_PAD, True)),
-        ], [4, 1], [REGS, 40])
-
-
 def _descriptor(t: torch.Tensor, block):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block),
                             gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv))
@@ -603,8 +396,8 @@ def _e_pad(E: int) -> int:
 
 
 def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, act: torch.Tensor,
-          expert_end: torch.Tensor, rows: int, programs: Optional[int] = None, ws: bool = False, regs: int = 232,
-          num_buf: int = NUM_BUF) -> None:
+          expert_end: torch.Tensor, rows: int, programs: Optional[int] = None,
+          num_buf: Optional[int] = None) -> None:
     """act [R, I] (x's dtype) = silu(gate) * up of the sorted rows a1s [R, H] fp8 (scales a1s_s
     [R, H / 128]) through w13 [E, 2I, H] fp8 (scales w13_s [E, 2I / 128, H / 128]); rows past the
     last expert's padded end are left unwritten."""
@@ -615,17 +408,13 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     grid = _grid(R, rows, E, I2 // 2 // GEMM1_COLS, programs, a1s.device)
     args = (a_desc, w_desc, a1s_s, w13_s, act, expert_end, I2 // 2, H, E, a1s_s.stride(0), w13_s.stride(0),
             w13_s.stride(1), act.stride(0))
-    if ws:
-        ws_gemm1_kernel[grid](*args, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf, E_PAD=_e_pad(E), REGS=regs,
-                              num_warps=4)
-    else:
-        block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf, E_PAD=_e_pad(E),
-                                 num_warps=ROW_TILES[rows])
+    block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
+                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
           topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, rows: int,
-          programs: Optional[int] = None, ws: bool = False, regs: int = 232, num_buf: int = NUM_BUF) -> None:
+          programs: Optional[int] = None, num_buf: Optional[int] = None) -> None:
     """y [T * k, H] (x's dtype) at each sorted row's assignment: the row a2 [R, I] fp8 (scales a2_s
     [R, I / 128]) through w2 [E, H, I] fp8 (scales w2_s [E, H / 128, I / 128]) times its routed
     weight; rows of assignments without a local expert are left unwritten."""
@@ -636,9 +425,5 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
     grid = _grid(R, rows, E, H // GEMM2_COLS, programs, a2.device)
     args = (a_desc, w_desc, a2_s, w2_s, y, topk_weights, sorted_ids, expert_end, H, I, y.shape[0], E, a2_s.stride(0),
             w2_s.stride(0), w2_s.stride(1), y.stride(0))
-    if ws:
-        ws_gemm2_kernel[grid](*args, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf, E_PAD=_e_pad(E), REGS=regs,
-                              num_warps=4)
-    else:
-        block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf, E_PAD=_e_pad(E),
-                                 num_warps=ROW_TILES[rows])
+    block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
+                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
