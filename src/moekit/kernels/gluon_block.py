@@ -55,8 +55,7 @@ ROW_TILES = {64: 4, 128: 8}
 NUM_BUF = 4  # shared-memory stages: 32 KB each (GEMM1: x block + gate and up blocks; GEMM2: 128-row blocks)
 GEMM1_COLS = 64  # activation columns an item of GEMM1 (gate and up: 128 weight rows)
 GEMM2_COLS = 128  # output columns an item of GEMM2 (one weight scale block)
-COOP = False  # 128-row items on two warpgroups out of phase (the coop_* kernels)
-COOP_REGS = 240  # registers of the second warpgroup of a coop kernel
+GEMM1_ONE = False  # GEMM1 as one product a step over the gate and up blocks (block_gemm1_one_kernel)
 
 
 def default_rows(T: int, E: int, k: int, scheme) -> int:
@@ -167,7 +166,7 @@ if GLUON_MISSING is None:
 
     @gluon.jit
     def _load_step(s, a_row, w_row, w2_row, KT, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BK: gl.constexpr,
-                   NUM_BUF: gl.constexpr, TWO: gl.constexpr, pred):
+                   NUM_BUF: gl.constexpr, TWO: gl.constexpr, pred, SPLIT: gl.constexpr = False):
         """TMA loads of step s (K step s % KT of the item at a_row / w_row, and w2_row when TWO
         weight blocks) into stage s % NUM_BUF."""
         k0 = (s % KT) * BK
@@ -178,9 +177,14 @@ if GLUON_MISSING is None:
         else:
             mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
         _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(stage), pred)
-        _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage), pred)
-        if TWO:
-            _tma_load(w_desc, [w2_row, k0], bar, w2_bufs.index(stage), pred)
+        if SPLIT:  # both weight blocks into the two halves of one stage (one product over both)
+            HALF: gl.constexpr = w_desc.block_type.shape[0]
+            _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage).slice(0, HALF), pred)
+            _tma_load(w_desc, [w2_row, k0], bar, w_bufs.index(stage).slice(HALF, HALF), pred)
+        else:
+            _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage), pred)
+            if TWO:
+                _tma_load(w_desc, [w2_row, k0], bar, w2_bufs.index(stage), pred)
 
     @gluon.jit
     def _issue(s, a_bufs, w_bufs, bars, zero, NUM_BUF: gl.constexpr):
@@ -201,7 +205,7 @@ if GLUON_MISSING is None:
     def _refill(nxt, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base, ends, w_rows, up_off,
                 a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BM: gl.constexpr, BN: gl.constexpr,
                 BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, E_PAD: gl.constexpr,
-                LANES: gl.constexpr, TWO: gl.constexpr):
+                LANES: gl.constexpr, TWO: gl.constexpr, SPLIT: gl.constexpr = False):
         """Loads of step nxt into its stage (freed by the product just waited for); the producer's
         item rows, recomputed when nxt enters an item. An item's weight rows start at
         e * w_rows + column tile * BN (and + up_off for the second block)."""
@@ -211,7 +215,7 @@ if GLUON_MISSING is None:
             p_a = row0
             p_w = e * w_rows + nt * BN
         _load_step(nxt, p_a, p_w, p_w + up_off, KT, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BK, NUM_BUF,
-                   TWO, nxt < steps)
+                   TWO, nxt < steps, SPLIT)
         return p_a, p_w
 
     @gluon.jit
@@ -307,6 +311,94 @@ if GLUON_MISSING is None:
             mbarrier.invalidate(bars.index(i))
 
     @gluon.jit
+    def _promote_halves(acc_g, acc_u, t, s_row, s_gate, s_up):
+        """acc_g / acc_u plus the gate / up halves of product t [BM, 128], scaled by the row scales
+        and the halves' weight scales (the halves split out of the registers holding them)."""
+        t = t * gl.expand_dims(s_row, 1)
+        t_g, t_u = t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute((0, 2, 1)).split()
+        return acc_g + t_g * s_gate, acc_u + t_u * s_up
+
+    @gluon.jit
+    def block_gemm1_one_kernel(a_desc, w_desc, as_ptr, ws_ptr, act_ptr, expert_end_ptr,
+                               N, K, E, stride_as, stride_we, stride_wn, stride_act,
+                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                               NUM_BUF: gl.constexpr, E_PAD: gl.constexpr, num_warps: gl.constexpr):
+        """block_gemm1_kernel with one product a step: the gate and the up block (BN = 64 rows each)
+        in the two halves of one [2 BN, BK] stage, one [BM, 2 BN] product, its halves promoted into
+        the gate and up accumulators."""
+        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [num_warps], [0])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 2 * BN, 32])
+        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
+        num_n = N // BN
+        KT = K // BK
+        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
+
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BM, BK], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, 2 * BN, BK], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(bars.index(i), count=1)
+        p_a = 0
+        p_w = 0
+        for i in gl.static_range(NUM_BUF - 1):
+            p_a, p_w = _refill(i, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base, ends, 2 * N,
+                               N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK, GROUP_M, NUM_BUF, E_PAD,
+                               LANES, True, True)
+        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M,
+                                         E_PAD, LANES)
+
+        zero = gl.zeros([BM, 2 * BN], gl.float32, ACC)
+        zero_g, zero_u = _promote_halves(0.0, 0.0, zero, gl.zeros([BM], gl.float32, ROWS), 0.0, 0.0)
+        acc_g = zero_g
+        acc_u = zero_u
+        t1 = zero
+        s1 = gl.zeros([BM], gl.float32, ROWS)
+        g1 = 0.0
+        u1 = 0.0
+        for s in range(0, steps, 2):
+            kk = s % KT
+            t0 = _issue(s, a_bufs, w_bufs, bars, zero, NUM_BUF)
+            t1, t0 = warpgroup_mma_wait(1, deps=(t1, t0))  # step s - 1 done
+            p_a, p_w = _refill(s + NUM_BUF - 1, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end,
+                               row_base, ends, 2 * N, N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK,
+                               GROUP_M, NUM_BUF, E_PAD, LANES, True, True)
+            if kk > 0:  # promote step s - 1 while step s multiplies
+                acc_g, acc_u = _promote_halves(acc_g, acc_u, t1, s1, g1, u1)
+            s0 = _row_scales(as_ptr, c_row, kk, stride_as, BM, ROWS)
+            w_s = ws_ptr + c_e * stride_we + kk
+            g0 = gl.load(w_s + ((c_nt * BN) // 128) * stride_wn)
+            u0 = gl.load(w_s + ((N + c_nt * BN) // 128) * stride_wn)
+            t1 = _issue(s + 1, a_bufs, w_bufs, bars, zero, NUM_BUF)
+            t0, t1 = warpgroup_mma_wait(1, deps=(t0, t1))  # step s done
+            p_a, p_w = _refill(s + NUM_BUF, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base,
+                               ends, 2 * N, N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK, GROUP_M,
+                               NUM_BUF, E_PAD, LANES, True, True)
+            acc_g, acc_u = _promote_halves(acc_g, acc_u, t0, s0, g0, u0)
+            s1 = _row_scales(as_ptr, c_row, kk + 1, stride_as, BM, ROWS)
+            g1 = gl.load(w_s + 1 + ((c_nt * BN) // 128) * stride_wn)
+            u1 = gl.load(w_s + 1 + ((N + c_nt * BN) // 128) * stride_wn)
+            if kk + 2 == KT:  # the item's last step: finish it, apply the activation, store its rows
+                t1 = warpgroup_mma_wait(0, deps=(t1,))
+                acc_g, acc_u = _promote_halves(acc_g, acc_u, t1, s1, g1, u1)
+                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+                out = gl.convert_layout(h.to(act_ptr.dtype.element_ty), STORE)
+                rs = gl.arange(0, BM, layout=gl.SliceLayout(1, STORE))
+                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
+                ptrs = act_ptr + gl.expand_dims((c_row + rs).to(gl.int64) * stride_act, 1) + gl.expand_dims(cs, 0)
+                gl.store(ptrs, out, mask=gl.expand_dims(rs < c_rows, 1) & gl.expand_dims(cs < N, 0))
+                acc_g = zero_g
+                acc_u = zero_u
+                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
+                                                 BM, GROUP_M, E_PAD, LANES)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
     def block_gemm2_kernel(a_desc, w_desc, as_ptr, ws_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
                            N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym,
                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
@@ -381,244 +473,6 @@ if GLUON_MISSING is None:
             mbarrier.invalidate(bars.index(i))
 
 
-    # ---- Two warpgroups out of phase (knob COOP): a kernel of two partitions, one warpgroup each,
-    # each multiplying 64 rows of every 128-row item and loading its own half of each stage (its
-    # 64 rows of x, and half of the weight block: GEMM2 64 of its 128 rows, GEMM1 the gate or the
-    # up block). A stage is ready when both halves landed (ready: two arrivals) and free when both
-    # warpgroups' products that read it are done (empty: two arrivals). Nothing else ties the two
-    # together, so one promotes while the other's products run.
-
-    @gluon.jit
-    def _coop_load(n, steps, KT, p_a, p_w, half: gl.constexpr, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, ready, empty,
-                   BK: gl.constexpr, NUM_BUF: gl.constexpr, UP_OFF, TWO: gl.constexpr):
-        """This warpgroup's half of step n's loads, once both warpgroups released the stage."""
-        stage = n % NUM_BUF
-        live = n < steps
-        mbarrier.wait(empty.index(stage), ((n // NUM_BUF) & 1) ^ 1, pred=live)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=live)
-        k0 = (n % KT) * BK
-        _tma_load(a_desc, [p_a + half * 64, k0], bar, a_bufs.index(stage).slice(half * 64, 64), live)
-        if TWO:  # GEMM1: the gate block (first warpgroup) or the up block (second)
-            if half == 0:
-                _tma_load(w_desc, [p_w, k0], bar, w_bufs.index(stage), live)
-            else:
-                _tma_load(w_desc, [p_w + UP_OFF, k0], bar, w2_bufs.index(stage), live)
-        else:
-            _tma_load(w_desc, [p_w + half * 64, k0], bar, w_bufs.index(stage).slice(half * 64, 64), live)
-
-    @gluon.jit
-    def _coop_refill(n, steps, KT, p_a, p_w, half: gl.constexpr, pid, programs, num_m, num_n, tile_end, row_base,
-                     ends, w_rows, UP_OFF, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, ready, empty, BN: gl.constexpr,
-                     BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, E_PAD: gl.constexpr,
-                     LANES: gl.constexpr, TWO: gl.constexpr):
-        if n % KT == 0:
-            e, row0, rows, nt = _item(n // KT, pid, programs, num_m, num_n, tile_end, row_base, ends, 128, GROUP_M,
-                                      E_PAD, LANES)
-            p_a = row0
-            p_w = e * w_rows + nt * BN
-        _coop_load(n, steps, KT, p_a, p_w, half, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, ready, empty, BK, NUM_BUF,
-                   UP_OFF, TWO)
-        return p_a, p_w
-
-    @gluon.jit
-    def _coop_issue(s, half: gl.constexpr, a_bufs, w_bufs, ready, zero, NUM_BUF: gl.constexpr, WAIT: gl.constexpr):
-        stage = s % NUM_BUF
-        if WAIT:
-            mbarrier.wait(ready.index(stage), (s // NUM_BUF) & 1)
-        return warpgroup_mma(a_bufs.index(stage).slice(half * 64, 64), w_bufs.index(stage).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _coop_gemm2(half: gl.constexpr, a_desc, w_desc, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr,
-                    topk_w_ptr, sorted_ptr, expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym,
-                    BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                    E_PAD: gl.constexpr):
-        """Rows half * 64 .. + 63 of each item of block_gemm2_kernel's schedule, on one warpgroup."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [4], [0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN, 32])
-        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, 128, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-        p_a = 0
-        p_w = 0
-        for i in gl.static_range(NUM_BUF - 1):
-            p_a, p_w = _coop_refill(i, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n, tile_end, row_base,
-                                    ends, N, 0, a_desc, w_desc, a_bufs, w_bufs, w_bufs, ready, empty, BN, BK, GROUP_M,
-                                    NUM_BUF, E_PAD, LANES, False)
-        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, 128, GROUP_M,
-                                         E_PAD, LANES)
-        zero = gl.zeros([64, BN], gl.float32, ACC)
-        acc = zero
-        t1 = zero
-        s1 = gl.zeros([64], gl.float32, ROWS)
-        for s in range(0, steps, 2):
-            kk = s % KT
-            t0 = _coop_issue(s, half, a_bufs, w_bufs, ready, zero, NUM_BUF, True)
-            t1, t0 = warpgroup_mma_wait(1, deps=(t1, t0))  # step s - 1 done: its stage released
-            if kk > 0:
-                mbarrier.arrive(empty.index((s - 1) % NUM_BUF), count=1)
-            p_a, p_w = _coop_refill(s + NUM_BUF - 1, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n,
-                                    tile_end, row_base, ends, N, 0, a_desc, w_desc, a_bufs, w_bufs, w_bufs, ready,
-                                    empty, BN, BK, GROUP_M, NUM_BUF, E_PAD, LANES, False)
-            if kk > 0:
-                acc = acc + t1 * gl.expand_dims(s1, 1)
-            w_s = ws_ptr + c_e * stride_we + c_nt * stride_wn + kk
-            s0 = _row_scales(as_ptr, c_row + half * 64, kk, stride_as, 64, ROWS) * gl.load(w_s)
-            t1 = _coop_issue(s + 1, half, a_bufs, w_bufs, ready, zero, NUM_BUF, True)
-            t0, t1 = warpgroup_mma_wait(1, deps=(t0, t1))  # step s done
-            mbarrier.arrive(empty.index(s % NUM_BUF), count=1)
-            p_a, p_w = _coop_refill(s + NUM_BUF, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n, tile_end,
-                                    row_base, ends, N, 0, a_desc, w_desc, a_bufs, w_bufs, w_bufs, ready, empty, BN,
-                                    BK, GROUP_M, NUM_BUF, E_PAD, LANES, False)
-            acc = acc + t0 * gl.expand_dims(s0, 1)
-            s1 = _row_scales(as_ptr, c_row + half * 64, kk + 1, stride_as, 64, ROWS) * gl.load(w_s + 1)
-            if kk + 2 == KT:
-                t1 = warpgroup_mma_wait(0, deps=(t1,))
-                mbarrier.arrive(empty.index((s + 1) % NUM_BUF), count=1)
-                acc = acc + t1 * gl.expand_dims(s1, 1)
-                out = gl.convert_layout(acc, STORE)
-                rs = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE))
-                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
-                assign = gl.load(sorted_ptr + c_row + rs, mask=rs < c_rows, other=TK)
-                live = assign < TK
-                route_w = gl.load(topk_w_ptr + assign, mask=live, other=0.0)
-                out = (out * gl.expand_dims(route_w, 1)).to(y_ptr.dtype.element_ty)
-                y_ptrs = y_ptr + gl.expand_dims(gl.where(live, assign, 0).to(gl.int64) * stride_ym, 1) \
-                    + gl.expand_dims(cs, 0)
-                gl.store(y_ptrs, out, mask=gl.expand_dims(live, 1) & gl.expand_dims(cs < N, 0))
-                acc = zero
-                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
-                                                 128, GROUP_M, E_PAD, LANES)
-
-    @gluon.jit
-    def _coop_gemm1(half: gl.constexpr, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr,
-                    expert_end_ptr, N, K, E, stride_as, stride_we, stride_wn, stride_act,
-                    BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                    E_PAD: gl.constexpr):
-        """Rows half * 64 .. + 63 of each item of block_gemm1_kernel's schedule, on one warpgroup."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [4], [0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN, 32])
-        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, 128, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-        p_a = 0
-        p_w = 0
-        for i in gl.static_range(NUM_BUF - 1):
-            p_a, p_w = _coop_refill(i, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n, tile_end, row_base,
-                                    ends, 2 * N, N, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, BN, BK,
-                                    GROUP_M, NUM_BUF, E_PAD, LANES, True)
-        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, 128, GROUP_M,
-                                         E_PAD, LANES)
-        zero = gl.zeros([64, BN], gl.float32, ACC)
-        acc_g = zero
-        acc_u = zero
-        t1g = zero
-        t1u = zero
-        s1g = gl.zeros([64], gl.float32, ROWS)
-        s1u = s1g
-        for s in range(0, steps, 2):
-            kk = s % KT
-            t0g = _coop_issue(s, half, a_bufs, g_bufs, ready, zero, NUM_BUF, True)
-            t0u = _coop_issue(s, half, a_bufs, u_bufs, ready, zero, NUM_BUF, False)
-            t1g, t1u, t0g, t0u = warpgroup_mma_wait(2, deps=(t1g, t1u, t0g, t0u))  # step s - 1 done
-            if kk > 0:
-                mbarrier.arrive(empty.index((s - 1) % NUM_BUF), count=1)
-            p_a, p_w = _coop_refill(s + NUM_BUF - 1, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n,
-                                    tile_end, row_base, ends, 2 * N, N, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready,
-                                    empty, BN, BK, GROUP_M, NUM_BUF, E_PAD, LANES, True)
-            if kk > 0:
-                acc_g = acc_g + t1g * gl.expand_dims(s1g, 1)
-                acc_u = acc_u + t1u * gl.expand_dims(s1u, 1)
-            s0 = _row_scales(as_ptr, c_row + half * 64, kk, stride_as, 64, ROWS)
-            w_s = ws_ptr + c_e * stride_we + kk
-            s0g = s0 * gl.load(w_s + ((c_nt * BN) // 128) * stride_wn)
-            s0u = s0 * gl.load(w_s + ((N + c_nt * BN) // 128) * stride_wn)
-            t1g = _coop_issue(s + 1, half, a_bufs, g_bufs, ready, zero, NUM_BUF, True)
-            t1u = _coop_issue(s + 1, half, a_bufs, u_bufs, ready, zero, NUM_BUF, False)
-            t0g, t0u, t1g, t1u = warpgroup_mma_wait(2, deps=(t0g, t0u, t1g, t1u))  # step s done
-            mbarrier.arrive(empty.index(s % NUM_BUF), count=1)
-            p_a, p_w = _coop_refill(s + NUM_BUF, steps, KT, p_a, p_w, half, pid, programs, num_m, num_n, tile_end,
-                                    row_base, ends, 2 * N, N, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
-                                    BN, BK, GROUP_M, NUM_BUF, E_PAD, LANES, True)
-            acc_g = acc_g + t0g * gl.expand_dims(s0g, 1)
-            acc_u = acc_u + t0u * gl.expand_dims(s0u, 1)
-            s1 = _row_scales(as_ptr, c_row + half * 64, kk + 1, stride_as, 64, ROWS)
-            s1g = s1 * gl.load(w_s + 1 + ((c_nt * BN) // 128) * stride_wn)
-            s1u = s1 * gl.load(w_s + 1 + ((N + c_nt * BN) // 128) * stride_wn)
-            if kk + 2 == KT:
-                t1g, t1u = warpgroup_mma_wait(0, deps=(t1g, t1u))
-                mbarrier.arrive(empty.index((s + 1) % NUM_BUF), count=1)
-                acc_g = acc_g + t1g * gl.expand_dims(s1g, 1)
-                acc_u = acc_u + t1u * gl.expand_dims(s1u, 1)
-                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-                out = gl.convert_layout(h.to(act_ptr.dtype.element_ty), STORE)
-                rs = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE))
-                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
-                ptrs = act_ptr + gl.expand_dims((c_row + rs).to(gl.int64) * stride_act, 1) + gl.expand_dims(cs, 0)
-                gl.store(ptrs, out, mask=gl.expand_dims(rs < c_rows, 1) & gl.expand_dims(cs < N, 0))
-                acc_g = zero
-                acc_u = zero
-                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
-                                                 128, GROUP_M, E_PAD, LANES)
-
-    @gluon.jit
-    def _coop_barriers(NUM_BUF: gl.constexpr):
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=2)  # one expect a warpgroup
-            mbarrier.init(empty.index(i), count=2)  # one release a warpgroup
-        return ready, empty
-
-    @gluon.jit
-    def coop_gemm2_kernel(a_desc, w_desc, as_ptr, ws_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_end_ptr,
-                          N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym,
-                          BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                          E_PAD: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, 128, BK], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        ready, empty = _coop_barriers(NUM_BUF)
-        gl.warp_specialize([
-            (_coop_gemm2, (0, a_desc, w_desc, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, topk_w_ptr,
-                           sorted_ptr, expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym, BN, BK,
-                           GROUP_M, NUM_BUF, E_PAD)),
-            (_coop_gemm2, (1, a_desc, w_desc, a_bufs, w_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, topk_w_ptr,
-                           sorted_ptr, expert_end_ptr, N, K, TK, E, stride_as, stride_we, stride_wn, stride_ym, BN, BK,
-                           GROUP_M, NUM_BUF, E_PAD)),
-        ], [4], [REGS])
-
-    @gluon.jit
-    def coop_gemm1_kernel(a_desc, w_desc, as_ptr, ws_ptr, act_ptr, expert_end_ptr,
-                          N, K, E, stride_as, stride_we, stride_wn, stride_act,
-                          BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                          E_PAD: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, 128, BK], a_desc.layout)
-        g_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        u_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        ready, empty = _coop_barriers(NUM_BUF)
-        gl.warp_specialize([
-            (_coop_gemm1, (0, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr,
-                           expert_end_ptr, N, K, E, stride_as, stride_we, stride_wn, stride_act, BN, BK, GROUP_M,
-                           NUM_BUF, E_PAD)),
-            (_coop_gemm1, (1, a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, as_ptr, ws_ptr, act_ptr,
-                           expert_end_ptr, N, K, E, stride_as, stride_we, stride_wn, stride_act, BN, BK, GROUP_M,
-                           NUM_BUF, E_PAD)),
-        ], [4], [REGS])
-
-
 def _descriptor(t: torch.Tensor, block):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block),
                             gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv))
@@ -637,43 +491,34 @@ def _e_pad(E: int) -> int:
 
 def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, act: torch.Tensor,
           expert_end: torch.Tensor, rows: int, programs: Optional[int] = None,
-          num_buf: Optional[int] = None, coop: Optional[bool] = None) -> None:
+          num_buf: Optional[int] = None) -> None:
     """act [R, I] (x's dtype) = silu(gate) * up of the sorted rows a1s [R, H] fp8 (scales a1s_s
     [R, H / 128]) through w13 [E, 2I, H] fp8 (scales w13_s [E, 2I / 128, H / 128]); rows past the
     last expert's padded end are left unwritten."""
     R, H = a1s.shape
     E, I2, _ = w13.shape
-    coop = (COOP if coop is None else coop) and rows == 128
-    a_desc = _descriptor(a1s, (64 if coop else rows, 128))
+    a_desc = _descriptor(a1s, (rows, 128))
     w_desc = _descriptor(w13.view(E * I2, H), (GEMM1_COLS, 128))
     grid = _grid(R, rows, E, I2 // 2 // GEMM1_COLS, programs, a1s.device)
     args = (a_desc, w_desc, a1s_s, w13_s, act, expert_end, I2 // 2, H, E, a1s_s.stride(0), w13_s.stride(0),
             w13_s.stride(1), act.stride(0))
-    if coop:
-        coop_gemm1_kernel[grid](*args, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
-                                E_PAD=_e_pad(E), REGS=COOP_REGS, num_warps=4)
-        return
-    block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
-                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
+    kernel = block_gemm1_one_kernel if GEMM1_ONE else block_gemm1_kernel
+    kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E),
+                 num_warps=ROW_TILES[rows])
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
           topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, rows: int,
-          programs: Optional[int] = None, num_buf: Optional[int] = None, coop: Optional[bool] = None) -> None:
+          programs: Optional[int] = None, num_buf: Optional[int] = None) -> None:
     """y [T * k, H] (x's dtype) at each sorted row's assignment: the row a2 [R, I] fp8 (scales a2_s
     [R, I / 128]) through w2 [E, H, I] fp8 (scales w2_s [E, H / 128, I / 128]) times its routed
     weight; rows of assignments without a local expert are left unwritten."""
     R, I = a2.shape
     E, H, _ = w2.shape
-    coop = (COOP if coop is None else coop) and rows == 128
-    a_desc = _descriptor(a2, (64 if coop else rows, 128))
-    w_desc = _descriptor(w2.view(E * H, I), (64 if coop else GEMM2_COLS, 128))
+    a_desc = _descriptor(a2, (rows, 128))
+    w_desc = _descriptor(w2.view(E * H, I), (GEMM2_COLS, 128))
     grid = _grid(R, rows, E, H // GEMM2_COLS, programs, a2.device)
     args = (a_desc, w_desc, a2_s, w2_s, y, topk_weights, sorted_ids, expert_end, H, I, y.shape[0], E, a2_s.stride(0),
             w2_s.stride(0), w2_s.stride(1), y.stride(0))
-    if coop:
-        coop_gemm2_kernel[grid](*args, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
-                                E_PAD=_e_pad(E), REGS=COOP_REGS, num_warps=4)
-        return
     block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
                              E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
