@@ -55,7 +55,6 @@ ROW_TILES = {64: 4, 128: 8}
 NUM_BUF = 4  # shared-memory stages: 32 KB each (GEMM1: x block + gate and up blocks; GEMM2: 128-row blocks)
 GEMM1_COLS = 64  # activation columns an item of GEMM1 (gate and up: 128 weight rows)
 GEMM2_COLS = 128  # output columns an item of GEMM2 (one weight scale block)
-GEMM1_ONE = False  # GEMM1 as one product a step over the gate and up blocks (block_gemm1_one_kernel)
 
 
 def default_rows(T: int, E: int, k: int, scheme) -> int:
@@ -166,7 +165,7 @@ if GLUON_MISSING is None:
 
     @gluon.jit
     def _load_step(s, a_row, w_row, w2_row, KT, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BK: gl.constexpr,
-                   NUM_BUF: gl.constexpr, TWO: gl.constexpr, pred, SPLIT: gl.constexpr = False):
+                   NUM_BUF: gl.constexpr, TWO: gl.constexpr, pred):
         """TMA loads of step s (K step s % KT of the item at a_row / w_row, and w2_row when TWO
         weight blocks) into stage s % NUM_BUF."""
         k0 = (s % KT) * BK
@@ -177,14 +176,9 @@ if GLUON_MISSING is None:
         else:
             mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
         _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(stage), pred)
-        if SPLIT:  # both weight blocks into the two halves of one stage (one product over both)
-            HALF: gl.constexpr = w_desc.block_type.shape[0]
-            _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage).slice(0, HALF), pred)
-            _tma_load(w_desc, [w2_row, k0], bar, w_bufs.index(stage).slice(HALF, HALF), pred)
-        else:
-            _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage), pred)
-            if TWO:
-                _tma_load(w_desc, [w2_row, k0], bar, w2_bufs.index(stage), pred)
+        _tma_load(w_desc, [w_row, k0], bar, w_bufs.index(stage), pred)
+        if TWO:
+            _tma_load(w_desc, [w2_row, k0], bar, w2_bufs.index(stage), pred)
 
     @gluon.jit
     def _issue(s, a_bufs, w_bufs, bars, zero, NUM_BUF: gl.constexpr):
@@ -205,7 +199,7 @@ if GLUON_MISSING is None:
     def _refill(nxt, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base, ends, w_rows, up_off,
                 a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BM: gl.constexpr, BN: gl.constexpr,
                 BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, E_PAD: gl.constexpr,
-                LANES: gl.constexpr, TWO: gl.constexpr, SPLIT: gl.constexpr = False):
+                LANES: gl.constexpr, TWO: gl.constexpr):
         """Loads of step nxt into its stage (freed by the product just waited for); the producer's
         item rows, recomputed when nxt enters an item. An item's weight rows start at
         e * w_rows + column tile * BN (and + up_off for the second block)."""
@@ -215,7 +209,7 @@ if GLUON_MISSING is None:
             p_a = row0
             p_w = e * w_rows + nt * BN
         _load_step(nxt, p_a, p_w, p_w + up_off, KT, a_desc, w_desc, a_bufs, w_bufs, w2_bufs, bars, BK, NUM_BUF,
-                   TWO, nxt < steps, SPLIT)
+                   TWO, nxt < steps)
         return p_a, p_w
 
     @gluon.jit
@@ -305,94 +299,6 @@ if GLUON_MISSING is None:
                 gl.store(ptrs, out, mask=gl.expand_dims(rs < c_rows, 1) & gl.expand_dims(cs < N, 0))
                 acc_g = zero
                 acc_u = zero
-                c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
-                                                 BM, GROUP_M, E_PAD, LANES)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.invalidate(bars.index(i))
-
-    @gluon.jit
-    def _promote_halves(acc_g, acc_u, t, s_row, s_gate, s_up):
-        """acc_g / acc_u plus the gate / up halves of product t [BM, 128], scaled by the row scales
-        and the halves' weight scales (the halves split out of the registers holding them)."""
-        t = t * gl.expand_dims(s_row, 1)
-        t_g, t_u = t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute((0, 2, 1)).split()
-        return acc_g + t_g * s_gate, acc_u + t_u * s_up
-
-    @gluon.jit
-    def block_gemm1_one_kernel(a_desc, w_desc, as_ptr, ws_ptr, act_ptr, expert_end_ptr,
-                               N, K, E, stride_as, stride_we, stride_wn, stride_act,
-                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                               NUM_BUF: gl.constexpr, E_PAD: gl.constexpr, num_warps: gl.constexpr):
-        """block_gemm1_kernel with one product a step: the gate and the up block (BN = 64 rows each)
-        in the two halves of one [2 BN, BK] stage, one [BM, 2 BN] product, its halves promoted into
-        the gate and up accumulators."""
-        LANES: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [num_warps], [0])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 2 * BN, 32])
-        ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-        STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
-
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BM, BK], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, 2 * BN, BK], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(bars.index(i), count=1)
-        p_a = 0
-        p_w = 0
-        for i in gl.static_range(NUM_BUF - 1):
-            p_a, p_w = _refill(i, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base, ends, 2 * N,
-                               N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK, GROUP_M, NUM_BUF, E_PAD,
-                               LANES, True, True)
-        c_e, c_row, c_rows, c_nt = _item(0, pid, programs, num_m, num_n, tile_end, row_base, ends, BM, GROUP_M,
-                                         E_PAD, LANES)
-
-        zero = gl.zeros([BM, 2 * BN], gl.float32, ACC)
-        zero_g, zero_u = _promote_halves(0.0, 0.0, zero, gl.zeros([BM], gl.float32, ROWS), 0.0, 0.0)
-        acc_g = zero_g
-        acc_u = zero_u
-        t1 = zero
-        s1 = gl.zeros([BM], gl.float32, ROWS)
-        g1 = 0.0
-        u1 = 0.0
-        for s in range(0, steps, 2):
-            kk = s % KT
-            t0 = _issue(s, a_bufs, w_bufs, bars, zero, NUM_BUF)
-            t1, t0 = warpgroup_mma_wait(1, deps=(t1, t0))  # step s - 1 done
-            p_a, p_w = _refill(s + NUM_BUF - 1, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end,
-                               row_base, ends, 2 * N, N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK,
-                               GROUP_M, NUM_BUF, E_PAD, LANES, True, True)
-            if kk > 0:  # promote step s - 1 while step s multiplies
-                acc_g, acc_u = _promote_halves(acc_g, acc_u, t1, s1, g1, u1)
-            s0 = _row_scales(as_ptr, c_row, kk, stride_as, BM, ROWS)
-            w_s = ws_ptr + c_e * stride_we + kk
-            g0 = gl.load(w_s + ((c_nt * BN) // 128) * stride_wn)
-            u0 = gl.load(w_s + ((N + c_nt * BN) // 128) * stride_wn)
-            t1 = _issue(s + 1, a_bufs, w_bufs, bars, zero, NUM_BUF)
-            t0, t1 = warpgroup_mma_wait(1, deps=(t0, t1))  # step s done
-            p_a, p_w = _refill(s + NUM_BUF, steps, KT, p_a, p_w, pid, programs, num_m, num_n, tile_end, row_base,
-                               ends, 2 * N, N, a_desc, w_desc, a_bufs, w_bufs, w_bufs, bars, BM, BN, BK, GROUP_M,
-                               NUM_BUF, E_PAD, LANES, True, True)
-            acc_g, acc_u = _promote_halves(acc_g, acc_u, t0, s0, g0, u0)
-            s1 = _row_scales(as_ptr, c_row, kk + 1, stride_as, BM, ROWS)
-            g1 = gl.load(w_s + 1 + ((c_nt * BN) // 128) * stride_wn)
-            u1 = gl.load(w_s + 1 + ((N + c_nt * BN) // 128) * stride_wn)
-            if kk + 2 == KT:  # the item's last step: finish it, apply the activation, store its rows
-                t1 = warpgroup_mma_wait(0, deps=(t1,))
-                acc_g, acc_u = _promote_halves(acc_g, acc_u, t1, s1, g1, u1)
-                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-                out = gl.convert_layout(h.to(act_ptr.dtype.element_ty), STORE)
-                rs = gl.arange(0, BM, layout=gl.SliceLayout(1, STORE))
-                cs = c_nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE))
-                ptrs = act_ptr + gl.expand_dims((c_row + rs).to(gl.int64) * stride_act, 1) + gl.expand_dims(cs, 0)
-                gl.store(ptrs, out, mask=gl.expand_dims(rs < c_rows, 1) & gl.expand_dims(cs < N, 0))
-                acc_g = zero_g
-                acc_u = zero_u
                 c_e, c_row, c_rows, c_nt = _item(s // KT + 1, pid, programs, num_m, num_n, tile_end, row_base, ends,
                                                  BM, GROUP_M, E_PAD, LANES)
         for i in gl.static_range(NUM_BUF):
@@ -502,9 +408,8 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     grid = _grid(R, rows, E, I2 // 2 // GEMM1_COLS, programs, a1s.device)
     args = (a_desc, w_desc, a1s_s, w13_s, act, expert_end, I2 // 2, H, E, a1s_s.stride(0), w13_s.stride(0),
             w13_s.stride(1), act.stride(0))
-    kernel = block_gemm1_one_kernel if GEMM1_ONE else block_gemm1_kernel
-    kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E),
-                 num_warps=ROW_TILES[rows])
+    block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
+                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
