@@ -43,16 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp8_gemm_probe_h200 as tl_probe  # noqa: E402 (the Triton kernel, operands and reference)
 from moekit.benchmarks.gpu import eager_time_us  # noqa: E402
 
-try:  # Gluon's Hopper module (triton >= 3.5)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    # TMA loads into shared memory: async_load from triton 3.7, async_copy_global_to_shared before
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    GLUON = None
-except ImportError as err:  # pragma: no cover - depends on the installed triton
-    GLUON = f"{type(err).__name__}: {err}"
+from moekit.kernels import gluon_block  # noqa: E402 (Gluon's Hopper names, the TMA step and the product issue)
+
+GLUON = gluon_block.GLUON_MISSING
+if GLUON is None:
+    from moekit.kernels.gluon_block import (  # noqa: E402
+        TensorDescriptor, _issue, _load_step, _ring_barriers, gl, gluon, mbarrier, warpgroup_mma_wait,
+    )
 
 
 if GLUON is None:
@@ -67,31 +64,14 @@ if GLUON is None:
         return (first_m + (t % per_group) % rows_g) * BM, ((t % per_group) // rows_g) * BN
 
     @gluon.jit
-    def _load_step(s, a_row, b_row, KT, a_desc, b_desc, a_bufs, b_bufs, bars, BK: gl.constexpr,
-                   NUM_BUF: gl.constexpr, pred):
-        """TMA loads of step s (K step s % KT of the tile at a_row / b_row) into stage s % NUM_BUF."""
-        k0 = (s % KT) * BK
-        bar = bars.index(s % NUM_BUF)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(s % NUM_BUF), pred)
-        _tma_load(b_desc, [b_row, k0], bar, b_bufs.index(s % NUM_BUF), pred)
-
-    @gluon.jit
-    def _issue(s, a_bufs, b_bufs, bars, zero, NUM_BUF: gl.constexpr):
-        """Wait for step s's operands and issue its product into a fresh accumulator (asynchronous)."""
-        stage = s % NUM_BUF
-        mbarrier.wait(bars.index(stage), (s // NUM_BUF) & 1)
-        return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
-
-    @gluon.jit
     def _refill(nxt, steps, KT, p_a, p_b, pid, programs, num_m, num_n, a_desc, b_desc, a_bufs, b_bufs, bars,
                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr):
         """Loads of step nxt into its stage (freed by the product just waited for); the producer's
         tile coordinates, recomputed when nxt enters a tile."""
         if nxt % KT == 0:
             p_a, p_b = _coords(nxt // KT, pid, programs, num_m, num_n, BM, BN, GROUP_M)
-        _load_step(nxt, p_a, p_b, KT, a_desc, b_desc, a_bufs, b_bufs, bars, BK, NUM_BUF, nxt < steps)
+        _load_step(nxt, p_a, p_b, 0, KT, a_desc, b_desc, a_bufs, b_bufs, b_bufs, bars, BK, NUM_BUF, False,
+                   nxt < steps)
         return p_a, p_b
 
     @gluon.jit
@@ -118,12 +98,11 @@ if GLUON is None:
 
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF, BN, BK], b_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(bars.index(i), count=1)
+        bars = _ring_barriers(NUM_BUF)
         for i in gl.static_range(NUM_BUF - 1):
             a_row, b_row = _coords(i // KT, pid, programs, num_m, num_n, BM, BN, GROUP_M)
-            _load_step(i, a_row, b_row, KT, a_desc, b_desc, a_bufs, b_bufs, bars, BK, NUM_BUF, i < steps)
+            _load_step(i, a_row, b_row, 0, KT, a_desc, b_desc, a_bufs, b_bufs, b_bufs, bars, BK, NUM_BUF, False,
+                       i < steps)
         # the producer's tile, recomputed when it crosses into the next tile
         p_a, p_b = _coords((NUM_BUF - 1) // KT, pid, programs, num_m, num_n, BM, BN, GROUP_M)
         c_a, c_b = _coords(0, pid, programs, num_m, num_n, BM, BN, GROUP_M)  # the tile being multiplied

@@ -147,6 +147,27 @@ if GLUON_MISSING is None:
         return tile_end, starts - (tile_end - tiles) * BM, ends, gl.sum(tiles, axis=0)
 
     @gluon.jit
+    def _program(expert_end_ptr, E, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_PAD: gl.constexpr,
+                 LANES: gl.constexpr):
+        """This program's place in the persistent grid and its work: (pid, programs, the expert
+        schedule of _schedule, row tiles, column tiles, K steps an item, this program's steps)."""
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
+        num_n = N // BN
+        KT = K // BK
+        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
+        return pid, programs, tile_end, row_base, ends, num_m, num_n, KT, steps
+
+    @gluon.jit
+    def _ring_barriers(NUM_BUF: gl.constexpr):
+        """One mbarrier a stage of the ring: its TMA loads landed."""
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(bars.index(i), count=1)
+        return bars
+
+    @gluon.jit
     def _item(q, pid, programs, num_m, num_n, tile_end, row_base, ends,
               BM: gl.constexpr, GROUP_M: gl.constexpr, E_PAD: gl.constexpr, LANES: gl.constexpr):
         """This program's q-th item: (expert, first row, rows, column tile); row tiles grouped by
@@ -232,19 +253,13 @@ if GLUON_MISSING is None:
                                                       instr_shape=[16, BN, 32])
         ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
+        pid, programs, tile_end, row_base, ends, num_m, num_n, KT, steps = _program(expert_end_ptr, E, N, K, BM, BN,
+                                                                                    BK, E_PAD, LANES)
 
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BM, BK], a_desc.layout)
         g_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
         u_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(bars.index(i), count=1)
+        bars = _ring_barriers(NUM_BUF)
         p_a = 0
         p_w = 0
         for i in gl.static_range(NUM_BUF - 1):
@@ -316,18 +331,12 @@ if GLUON_MISSING is None:
                                                       instr_shape=[16, BN, 32])
         ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD, LANES)
-        num_n = N // BN
-        KT = K // BK
-        steps = gl.maximum(gl.cdiv(num_m * num_n - pid, programs), 0) * KT
+        pid, programs, tile_end, row_base, ends, num_m, num_n, KT, steps = _program(expert_end_ptr, E, N, K, BM, BN,
+                                                                                    BK, E_PAD, LANES)
 
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BM, BK], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BN, BK], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(bars.index(i), count=1)
+        bars = _ring_barriers(NUM_BUF)
         p_a = 0
         p_w = 0
         for i in gl.static_range(NUM_BUF - 1):
