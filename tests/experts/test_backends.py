@@ -70,6 +70,21 @@ def test_fp16_on_cpu_backend(gen):
     check("cpu", x, weights, w, ids, torch.float16)
 
 
+def test_cpu_backend_under_inference_mode_then_outside(gen, monkeypatch):
+    # its reused weight-block buffers, first made under torch.inference_mode, must not be
+    # written in place outside it (an inference tensor cannot be)
+    from moekit.experts import cpu  # noqa: PLC0415
+
+    monkeypatch.setattr(cpu, "_BUFFERS", cpu._BlockBuffers())  # none made yet
+    x, weights, w, ids = make_problem(40, 8, 32, 16, 2, torch.bfloat16, gen)
+    with torch.inference_mode():
+        inside = fused_experts(x, weights, None, w, ids, backend="cpu")
+    with torch.no_grad():
+        outside = fused_experts(x, weights, None, w, ids, backend="cpu")
+    assert torch.equal(inside, outside)
+    check("cpu", x, weights, w, ids, torch.bfloat16)
+
+
 def test_grouped_mm_refuses_fp16_on_cpu(gen):
     x, weights, w, ids = make_problem(4, 4, 16, 8, 1, torch.float16, gen)
     with pytest.raises(ValueError, match="float32 or bfloat16"):

@@ -73,7 +73,9 @@ class _BlockBuffers:
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(name)
         numel = shape[0] * shape[1]
-        if buf is None or buf.numel() < numel:
+        # A buffer made under torch.inference_mode cannot be written outside it: a new one then.
+        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+        if buf is None or buf.numel() < numel or stale:
             buf = bufs[name] = torch.empty(numel, dtype=torch.float32)
         return buf[:numel].view(shape)
 
