@@ -52,6 +52,7 @@ __all__ = ["ROW_TILES", "GLUON_MISSING", "default_rows", "refusal", "gather_rows
 
 # Row tile -> warps (one 16-row slice of the tile a warp).
 ROW_TILES = {64: 4, 128: 8}
+GROUP_M = 8  # row tiles that take a column tile in turn (the weight block read once from DRAM for them)
 NUM_BUF = 4  # shared-memory stages: 32 KB each (GEMM1: x block + gate and up blocks; GEMM2: 128-row blocks)
 GEMM1_COLS = 64  # activation columns an item of GEMM1 (gate and up: 128 weight rows)
 GEMM2_COLS = 128  # output columns an item of GEMM2 (one weight scale block)
@@ -417,8 +418,8 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     grid = _grid(R, rows, E, I2 // 2 // GEMM1_COLS, programs, a1s.device)
     args = (a_desc, w_desc, a1s_s, w13_s, act, expert_end, I2 // 2, H, E, a1s_s.stride(0), w13_s.stride(0),
             w13_s.stride(1), act.stride(0))
-    block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
-                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
+    block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=GROUP_M,
+                             NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
@@ -434,5 +435,5 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
     grid = _grid(R, rows, E, H // GEMM2_COLS, programs, a2.device)
     args = (a_desc, w_desc, a2_s, w2_s, y, topk_weights, sorted_ids, expert_end, H, I, y.shape[0], E, a2_s.stride(0),
             w2_s.stride(0), w2_s.stride(1), y.stride(0))
-    block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=8, NUM_BUF=num_buf or NUM_BUF,
-                             E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
+    block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=GROUP_M,
+                             NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
