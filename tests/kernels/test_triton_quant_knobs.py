@@ -48,17 +48,24 @@ if not IN_INTERPRETER:
             with pytest.raises(ValueError, match="gluon must be 0"):
                 QuantKnobs(gluon=bad)
 
-    def test_untuned_block_calls_take_the_gluon_kernels_by_rows_per_expert():
+    def test_untuned_block_calls_take_the_gluon_kernels_by_rows_per_expert(monkeypatch):
         from moekit.kernels import gluon_block  # noqa: PLC0415
 
         block, tensor = get_scheme("fp8_w8a8_block128"), get_scheme("fp8_w8a8")
+        rows = lambda T, H=2048, I=768, scheme=block, dev="NVIDIA_H200": gluon_block.default_rows(  # noqa: E731
+            T, 128, 8, H, I, scheme, dev)
+        assert rows(16384, dev=None) == 0  # CPU: no tables, no Gluon
+        monkeypatch.setattr(gluon_block, "GLUON_MISSING", None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
         # rows an expert: T * k / E
-        assert [gluon_block.default_rows(T, 128, 8, block) for T in (1, 256, 512, 1023, 1024, 16384)] == \
-            [0, 0, 64, 64, 128, 128]
-        assert gluon_block.default_rows(16384, 128, 8, tensor) == 0
-        # an untuned table on a device: the quantized tiles plus the Gluon row tile
+        assert [rows(T) for T in (1, 256, 512, 1023, 1024, 16384)] == [0, 0, 64, 64, 128, 128]
+        assert rows(16384, scheme=tensor) == 0 and rows(16384, I=2880) == 0 and rows(16384, dev=None) == 0
+        # an untuned table on a Hopper device: the quantized tiles plus the Gluon row tile
         cfg, knobs = quant_tiles(4096, 128, 8, 2048, 768, torch.bfloat16, "NO_SUCH_GPU", block, modes_of(block))
         assert knobs.gluon == 128 and cfg.gemm1.BLOCK_SIZE_K == 128
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+        assert rows(16384) == 0  # not Hopper
 
     @pytest.mark.parametrize("scheme,kw,match", [
         ("fp8_w8a8_block128", dict(rows=96), "row tile must be one of"),

@@ -58,12 +58,16 @@ GEMM1_COLS = 64  # activation columns an item of GEMM1 (gate and up: 128 weight 
 GEMM2_COLS = 128  # output columns an item of GEMM2 (one weight scale block)
 
 
-def default_rows(T: int, E: int, k: int, scheme) -> int:
+def default_rows(T: int, E: int, k: int, H: int, I: int, scheme, device: Optional[str]) -> int:
     """The row tile of an untuned call of the 128 x 128 block scheme (0: the Triton tiles), by rows
     an expert: none below 32 (weight streaming, where the Triton decode tiles are as fast or
     faster), 64 from 32, 128 from 64 (bench/results/h200-gluon-block-ab-shapes.json and
-    h200-gluon-block-ab-edges.json: five shapes, M = 64 to 16384)."""
-    if scheme.weight_granularity != "block" or tuple(scheme.weight_block) != (128, 128):
+    h200-gluon-block-ab-edges.json: five shapes, M = 64 to 16384). None off Hopper (device: the
+    CUDA device's table name, None on CPU), or where the shapes do not fit the kernels."""
+    if (device is None or GLUON_MISSING or not torch.cuda.is_available()
+            or torch.cuda.get_device_capability()[0] != 9 or H % 256 or I % 256
+            or scheme.weight_granularity != "block" or tuple(scheme.weight_block) != (128, 128)
+            or scheme.activation_granularity != "group"):
         return 0
     rows_per_expert = T * k / E
     return 0 if rows_per_expert < 32 else 64 if rows_per_expert < 64 else 128

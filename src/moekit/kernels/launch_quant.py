@@ -222,7 +222,7 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
         check_tiles(cfg, modes)
         return cfg, knobs
     return quant_config(get_config(T, E, k, H, I, dtype, device), modes), \
-        QuantKnobs(gluon=gluon_block.default_rows(T, E, k, scheme))
+        QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
 
 
 def _tile_kwargs(t: TileConfig):
