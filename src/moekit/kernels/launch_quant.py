@@ -16,7 +16,9 @@ fp8 weights and activations with static per-tensor scales run on triton_prefill'
 instead (TMA tiles, persistent grid, tail tiles, gate and up in one product, GEMM2 warp-
 specialized; the scales applied after the K loop, GEMM2's fp8 input stored by GEMM1) when the
 config carries prefill knobs, or the tuned entry's knobs carry static_prefill; an explicit
-prefill config that a call cannot take is refused with the reason.
+prefill config that a call cannot take is refused with the reason. 128 x 128 fp8 blocks on
+Hopper run kernels/gluon_block.py's GEMMs (the promotion of each K block overlapped with the
+next product) when the knobs carry gluon: tuned entries, or gluon_block.default_rows untuned.
 """
 
 from __future__ import annotations
