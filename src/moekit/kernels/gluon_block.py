@@ -410,8 +410,7 @@ def _e_pad(E: int) -> int:
 
 
 def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, act: torch.Tensor,
-          expert_end: torch.Tensor, rows: int, programs: Optional[int] = None,
-          num_buf: Optional[int] = None) -> None:
+          expert_end: torch.Tensor, rows: int, programs: Optional[int] = None) -> None:
     """act [R, I] (x's dtype) = silu(gate) * up of the sorted rows a1s [R, H] fp8 (scales a1s_s
     [R, H / 128]) through w13 [E, 2I, H] fp8 (scales w13_s [E, 2I / 128, H / 128]); rows past the
     last expert's padded end are left unwritten."""
@@ -423,12 +422,12 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     args = (a_desc, w_desc, a1s_s, w13_s, act, expert_end, I2 // 2, H, E, a1s_s.stride(0), w13_s.stride(0),
             w13_s.stride(1), act.stride(0))
     block_gemm1_kernel[grid](*args, BM=rows, BN=GEMM1_COLS, BK=128, GROUP_M=GROUP_M,
-                             NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
+                             NUM_BUF=NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
           topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, rows: int,
-          programs: Optional[int] = None, num_buf: Optional[int] = None) -> None:
+          programs: Optional[int] = None) -> None:
     """y [T * k, H] (x's dtype) at each sorted row's assignment: the row a2 [R, I] fp8 (scales a2_s
     [R, I / 128]) through w2 [E, H, I] fp8 (scales w2_s [E, H / 128, I / 128]) times its routed
     weight; rows of assignments without a local expert are left unwritten."""
@@ -440,4 +439,4 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
     args = (a_desc, w_desc, a2_s, w2_s, y, topk_weights, sorted_ids, expert_end, H, I, y.shape[0], E, a2_s.stride(0),
             w2_s.stride(0), w2_s.stride(1), y.stride(0))
     block_gemm2_kernel[grid](*args, BM=rows, BN=GEMM2_COLS, BK=128, GROUP_M=GROUP_M,
-                             NUM_BUF=num_buf or NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
+                             NUM_BUF=NUM_BUF, E_PAD=_e_pad(E), num_warps=ROW_TILES[rows])
