@@ -5,8 +5,9 @@ interleaved over --rounds.
     PYTHONPATH=src python bench/quant_entry_ab_h200.py --point qwen3-30b-a3b:fp8_w8a8:s:256 \\
         --entry '{"BLOCK_SIZE_M": 32, ..., "quant": {"swap1": true}}' [--entry ...] [--out FILE]
 
-An entry is a tuned table's M entry (tiles, "gemm2", "quant" knobs). `--device cpu` is a dry run
-under TRITON_INTERPRET=1 on a tiny shape.
+An entry is a tuned table's M entry (tiles, "gemm2", "quant" knobs). `--bf16` also times the
+unquantized Triton call on the same routing (the ratio each variant reaches over it). `--device cpu`
+is a dry run under TRITON_INTERPRET=1 on a tiny shape.
 """
 
 import json
@@ -16,13 +17,15 @@ import torch
 
 from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_time_us, entry_ab_args, parse_quant_entry, quant_entry,
                                   quantized_weights, routing_sets, write_ab_result)
+from moekit.kernels.launch import fused_moe
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
 from moekit.quant import get_scheme
 
 
 def main() -> None:
-    args, cuda, dev, shapes = entry_ab_args(__doc__, "quant_entry_ab.json", "SHAPE:SCHEME:s|d:M")
+    args, cuda, dev, shapes = entry_ab_args(__doc__, "quant_entry_ab.json", "SHAPE:SCHEME:s|d:M",
+                                            flags=("--bf16",))
     dtype = torch.bfloat16 if cuda else torch.float16
     entries = [parse_quant_entry(json.loads(e)) for e in args.entry]
     rows = []
@@ -52,11 +55,20 @@ def main() -> None:
                 if "failed" not in v:
                     v["rounds_us"].append(ab_time_us(lambda *s, c=cfg, n=kn: _quant_call(wts, *s, config=c, knobs=n),
                                                      sets, cuda, replays=10))
+        bf16_us = None
+        if args.bf16:
+            w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5
+            w2 = torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5
+            bf16_us = row["bf16_us"] = ab_time_us(
+                lambda x, w, i: fused_moe(x, w13, w2, None, None, w, i, None, "silu", out_dtype=x.dtype),
+                sets, cuda, replays=10)
+            del w13, w2
         for name, v in row["variants"].items():
             if "failed" in v:
                 continue
             v["us"] = statistics.median(v["rounds_us"])
-            print(f"{point:34s} {name} {v['us']:8.1f} us  x{row['variants']['A']['us'] / v['us']:.3f} vs A  "
+            vs_bf16 = f"x{bf16_us / v['us']:.3f} vs bf16  " if bf16_us else ""
+            print(f"{point:34s} {name} {v['us']:8.1f} us  x{row['variants']['A']['us'] / v['us']:.3f} vs A  {vs_bf16}"
                   f"rel err vs A {v['rel_err_vs_A']:.1e}  {json.dumps(v['entry'])}", flush=True)
         rows.append(row)
         del wts

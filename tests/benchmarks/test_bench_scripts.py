@@ -56,10 +56,12 @@ def test_entry_ab_dry_run(tmp_path):
 
 
 def test_quant_entry_ab_dry_run(tmp_path):
-    result = _dry_run("quant_entry_ab_h200.py", ["--point", "tiny:fp8_w8a8:s:5", "--entry", TINY_ENTRY], tmp_path)
+    result = _dry_run("quant_entry_ab_h200.py", ["--point", "tiny:fp8_w8a8:s:5", "--entry", TINY_ENTRY, "--bf16"],
+                      tmp_path)
     variants = result["rows"][0]["variants"]
     assert set(variants) == {"A", "B"}
     assert all(v["rel_err_vs_A"] < 0.05 and v["us"] > 0 for v in variants.values())
+    assert result["rows"][0]["bf16_us"] > 0
 
 
 def test_ncu_summary_maps_kernels_to_their_points(tmp_path):

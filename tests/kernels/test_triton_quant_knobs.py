@@ -18,7 +18,7 @@ from triton_child import IN_INTERPRETER, run_in_interpreter
 pytest.importorskip("triton")
 
 from moekit.kernels import quant_tuning, tuning  # noqa: E402
-from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles, quant_tiles  # noqa: E402
+from moekit.kernels.launch_quant import _k_splits, _sum_block, check_tiles, quant_config, quant_tiles  # noqa: E402
 from moekit.kernels.quant_rows import modes_of  # noqa: E402
 from moekit.kernels.quant_tuning import (QuantKnobs, lookup_quant_config, parse_quant_configs,  # noqa: E402
                                          quant_file_name, quant_search_space)
@@ -66,6 +66,39 @@ if not IN_INTERPRETER:
         assert knobs.gluon == 128 and cfg.gemm1.BLOCK_SIZE_K == 128
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
         assert rows(16384) == 0  # not Hopper
+
+    def test_untuned_8bit_calls_on_hopper_take_the_measured_rule(monkeypatch):
+        from moekit.kernels.quant_tuning import _FP8_STATIC_PREFILL, _W8A8_LARGE, _W8A8_MID  # noqa: PLC0415
+
+        def tiles(T, scheme, E=64, k=8, H=2048, I=1024):  # an untuned shape: no table of any dtype
+            sch = get_scheme(scheme)
+            return quant_tiles(T, E, k, H, I, torch.bfloat16, "NO_SUCH_GPU", sch, modes_of(sch))
+
+        off_hopper = {s: [tiles(T, s) for T in (256, 512, 1024)] for s in ("fp8_w8a8", "int8_w8a8")}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        for scheme in ("fp8_w8a8", "fp8_w8a8_channel", "int8_w8a8"):
+            prefill = _FP8_STATIC_PREFILL if scheme == "fp8_w8a8" else None  # fp8 per-tensor activations only
+            for T, cfg in ((512, _W8A8_MID), (1023, _W8A8_MID), (1024, _W8A8_LARGE), (16384, _W8A8_LARGE)):
+                assert tiles(T, scheme) == (cfg, QuantKnobs(gate_up=True, fuse_x_quant=False, static_prefill=prefill))
+            assert tiles(511, scheme)[1] == QuantKnobs()  # below 64 rows an expert: the fitted tiles
+        # schemes with scales along K and weight-only ones keep their rules
+        assert tiles(4096, "fp8_w8a8_block128")[1] == QuantKnobs(gluon=128)
+        assert tiles(4096, "int4_w4a16")[1] == QuantKnobs()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+        assert {s: [tiles(T, s) for T in (256, 512, 1024)] for s in off_hopper} == off_hopper
+
+    @pytest.mark.parametrize("scheme", ["fp8_w8a8", "fp8_w8a8_channel", "int8_w8a8", "fp8_w8a8_block128"])
+    def test_fitted_8bit_tiles_hold_at_most_128_accumulator_registers(scheme):
+        sch = get_scheme(scheme)
+        for _, E, k, H, I in (("mixtral", 8, 2, 4096, 14336), ("olmoe", 64, 8, 2048, 1024), ("gpt-oss", 32, 4, 2880, 2880),
+                              ("dsv3", 256, 8, 7168, 2048), ("odd", 12, 3, 1000, 333)):
+            for T in (1, 16, 64, 256, 1024, 4096, 16384):
+                for device in (None, "NVIDIA_H200"):
+                    cfg = quant_config(tuning.get_config(T, E, k, H, I, torch.bfloat16, device), modes_of(sch))
+                    for t, accumulators in ((cfg.gemm1, 2), (cfg.gemm2, 1)):
+                        regs = accumulators * t.BLOCK_SIZE_M * t.BLOCK_SIZE_N / (32 * t.num_warps)
+                        assert regs <= 128, (scheme, E, T, device, t)
 
     @pytest.mark.parametrize("scheme,kw,match", [
         ("fp8_w8a8_block128", dict(rows=96), "row tile must be one of"),

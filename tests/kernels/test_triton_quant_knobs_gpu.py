@@ -113,3 +113,29 @@ def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, c
         ids.copy_(new_ids)
         graph.replay()
         assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
+
+
+@pytest.mark.parametrize("scheme,opts", [("fp8_w8a8", {"static": True}), ("fp8_w8a8", {}),
+                                         ("fp8_w8a8_channel", {}), ("int8_w8a8", {})])
+@pytest.mark.parametrize("T", [256, 512, 1031], ids=["32-rows", "64-rows", "129-rows"])
+def test_untuned_8bit_calls_match_emulated_reference(scheme, opts, T, cuda_gen):
+    """An untuned shape through the call's own tile choice (on Hopper quant_tuning.untuned_w8a8:
+    64-row and 128-row gate-and-up tiles, the prefill kernels for static fp8) with experts
+    left without tokens."""
+    from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415
+    from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
+    from moekit.kernels.quant_tuning import untuned_w8a8  # noqa: PLC0415
+    from moekit.kernels.tuning import device_name  # noqa: PLC0415
+
+    E, k, H, I = 24, 3, 768, 640
+    wts = _weights(scheme, opts, E, H, I, cuda_gen)
+    w, ids = _routing(T, E - 2, k, cuda_gen)  # the last two experts get no tokens
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    sch = get_scheme(scheme)
+    picked = quant_tiles(T, E, k, H, I, x.dtype, device_name(), sch, modes_of(sch))
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert picked == (untuned_w8a8(T, E, k, scheme == "fp8_w8a8") or picked)
+    out = _run(wts, x, w, ids)
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOLERANCE[sch.precision]

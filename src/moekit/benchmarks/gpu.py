@@ -98,11 +98,14 @@ def ab_device(args) -> Tuple[bool, torch.device]:
     return cuda, torch.device(args.device)
 
 
-def entry_ab_args(doc: str, out_name: str, point_help: str):
+def entry_ab_args(doc: str, out_name: str, point_help: str, flags: Sequence[str] = ()):
     """The arguments of an A/B between table entries (--point and --entry, repeatable, with
-    ab_arg_parser's): (args, on CUDA, device, {shape name: (name, E, k, H, I)})."""
+    ab_arg_parser's, and the script's own on/off `flags`): (args, on CUDA, device, {shape name:
+    (name, E, k, H, I)})."""
     p = ab_arg_parser(doc, out_name)
     p.add_argument("--point", action="append", required=True, help=point_help + " (repeatable)")
+    for flag in flags:
+        p.add_argument(flag, action="store_true")
     p.add_argument("--entry", action="append", required=True, help="a table entry as JSON (repeatable)")
     args = p.parse_args()
     cuda, dev = ab_device(args)

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import on_hopper
+
 try:  # Gluon's Hopper module (triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -64,8 +66,7 @@ def default_rows(T: int, E: int, k: int, H: int, I: int, scheme, device: Optiona
     faster), 64 from 32, 128 from 64 (bench/results/h200-gluon-block-ab-shapes.json and
     h200-gluon-block-ab-edges.json: five shapes, M = 64 to 16384). None off Hopper (device: the
     CUDA device's table name, None on CPU), or where the shapes do not fit the kernels."""
-    if (device is None or GLUON_MISSING or not torch.cuda.is_available()
-            or torch.cuda.get_device_capability()[0] != 9 or H % 256 or I % 256
+    if (not on_hopper(device) or GLUON_MISSING or H % 256 or I % 256
             or scheme.weight_granularity != "block" or tuple(scheme.weight_block) != (128, 128)
             or scheme.activation_granularity != "group"):
         return 0

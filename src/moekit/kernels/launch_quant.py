@@ -38,8 +38,8 @@ from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
 from .launch import _check, _pow2, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
-from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits
-from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config
+from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits, untuned_w8a8
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config, on_hopper
 
 __all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "fused_moe_quant",
            "quant_unsupported", "MAX_INT8_K"]
@@ -84,7 +84,11 @@ def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
     - weight-only tiles hold at most 64 x 64 converted weights per accumulator and thread
       group of 4 warps (the conversion happens in registers; wider tiles spill);
     - 8-bit GEMM1 compute tiles (two accumulators, and with per-K-group scales a partial
-      product) keep BLOCK_SIZE_N <= 64: 128 x 128 spills registers with K tiles of 128.
+      product) keep BLOCK_SIZE_N <= 64: 128 x 128 spills registers with K tiles of 128;
+    - 8-bit GEMM2 tiles hold at most 128 accumulator registers a thread (BLOCK_SIZE_M *
+      BLOCK_SIZE_N <= 4096 * num_warps): 128 x 256 on 4 warps took all 255 registers and 2.4x
+      the instructions of the same tile on 8 warps (sm_90a), and ran its calls at 0.65x the
+      bf16 kernel (gpt-oss M = 4096, bench/results/h200-quant-default-ab-1.json).
     """
     def fit(t: TileConfig, gemm1: bool) -> TileConfig:
         bk, bn = t.BLOCK_SIZE_K, t.BLOCK_SIZE_N
@@ -99,6 +103,9 @@ def quant_config(config: MoEConfig, modes: QuantModes) -> MoEConfig:
                 bn //= 2
         elif gemm1 and t.BLOCK_SIZE_M >= 64:
             bn = min(bn, 64)
+        else:
+            while t.BLOCK_SIZE_M * bn > 4096 * t.num_warps:
+                bn //= 2
         # Only the tiles carry over: the unquantized kernels' other knobs are not these kernels'.
         return TileConfig(t.BLOCK_SIZE_M, bn, bk, t.GROUP_SIZE_M, t.num_warps, t.num_stages)
 
@@ -207,7 +214,8 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
                 scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs]:
     """Tiles and knobs of a call: the tuned quantized entry of the nearest M (its K tiles cut to
     the scheme's scale groups: a weight-only table is named by the dtype alone, whatever the
-    group size), else the unquantized config fitted by quant_config with default knobs (and the
+    group size), else on Hopper for 8-bit activations with scales constant along K the untuned
+    rule (quant_tuning.untuned_w8a8), else the unquantized config fitted by quant_config with default knobs (and the
     Gluon kernels for 128 x 128 fp8 blocks where they pay: gluon_block.default_rows; calls they
     cannot run keep the tiles).
 
@@ -223,6 +231,10 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
                           gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
         check_tiles(cfg, modes)
         return cfg, knobs
+    if on_hopper(device) and modes.act_dtype is not None and not (modes.kgroup or modes.a_kscale or modes.w_kscale):
+        untuned = untuned_w8a8(T, E, k, prefill_modes(modes))
+        if untuned is not None:
+            return untuned
     return quant_config(get_config(T, E, k, H, I, dtype, device), modes), \
         QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
 

@@ -5,8 +5,8 @@ File format: kernels/tuning.py's, named by the quantization as the large engines
 (one file for every fp8 scheme of a block shape, and per weight-only dtype whatever its group
 size). An M entry's tiles are the quantized kernels' own (no fitting), and it may carry
 "quant": {the QuantKnobs fields that differ from their defaults}; a call uses the entry of
-the nearest M. Lookup: MOEKIT_TUNED_CONFIG_DIR, then the shipped files, then the unquantized
-table fitted by quant_config with default knobs.
+the nearest M. Lookup: MOEKIT_TUNED_CONFIG_DIR, then the shipped files, then on Hopper the untuned rule for 8-bit activations (untuned_w8a8), then
+the unquantized table fitted by quant_config with default knobs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .tuning import (FP8_MIN_TILE_ROWS, MoEConfig, PrefillConfig, TileConfig, co
                      use_direct)
 
 __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
-           "lookup_quant_config", "quant_search_space", "fp8_prefill_space"]
+           "lookup_quant_config", "quant_search_space", "fp8_prefill_space", "untuned_w8a8"]
 
 # The int4 weight conversions, by the kernels' CONVERT code.
 W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2}
@@ -300,3 +300,29 @@ def fp8_prefill_space(T: int, E: int, k: int) -> List[MoEConfig]:
             out += [MoEConfig(g1, w2, PrefillConfig(2, 1, 1, flatten=flatten, act_tma=1, x_tma=x_tma, ws=1, gu1=gu1))
                     for w2 in _FP8_WS_GEMM2 for x_tma, flatten in ((0, 0), (1, 0), (0, 1)) for gu1 in (0, 1)]
     return out
+
+
+# Untuned calls with 8-bit activations on Hopper, by rows an expert (bench/results/h200-quant-default-ab-1.json
+# and -2.json: OLMoE, gpt-oss and DeepSeek-V3 shapes, fp8 static and per-channel, int8, M = 256 to 16384):
+# gate and up in one product on 64-row tiles from 64 rows an expert, on 128 x 128 tiles from 128, and for
+# fp8 with static per-tensor scales the prefill kernels from 64.
+_W8A8_MID = MoEConfig(TileConfig(64, 256, 128, 8, 8, 3), TileConfig(64, 128, 128, 8, 4, 3))
+_W8A8_LARGE = MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 8, 3))
+_FP8_STATIC_PREFILL = MoEConfig(TileConfig(128, 128, 128, 8, 8, 3), TileConfig(128, 256, 128, 8, 4, 3),
+                                PrefillConfig(tma=2, programs_per_sm=1, tail=1, flatten=1, act_tma=1, ws=1, gu1=1))
+
+
+def untuned_w8a8(T: int, E: int, k: int, fp8_tensor: bool) -> Optional[Tuple[MoEConfig, QuantKnobs]]:
+    """Tiles and knobs of an untuned Hopper call with 8-bit activations and scales constant
+    along K (fp8 per tensor or channel, int8), or None below 64 rows an expert (there the
+    unquantized table's fitted tiles stream the weights as fast: 0.99-1.03x at 32 rows).
+
+    From 64 rows an expert these were 1.2-2.5x the fitted tiles, and 1.2-2.0x the bf16 kernel
+    where the fitted tiles had fallen to 0.6-0.7x of it. fp8_tensor: per-tensor fp8 activations,
+    whose calls with static scales take the prefill kernels (QuantKnobs.static_prefill)."""
+    per_expert = T * k / E
+    if per_expert < 64:
+        return None
+    cfg = _W8A8_LARGE if per_expert >= 128 else _W8A8_MID
+    return cfg, QuantKnobs(gate_up=True, fuse_x_quant=False,
+                           static_prefill=_FP8_STATIC_PREFILL if fp8_tensor else None)

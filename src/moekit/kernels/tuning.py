@@ -272,6 +272,12 @@ def device_name(device: Optional[torch.device] = None) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
+def on_hopper(device: Optional[str]) -> bool:
+    """Whether a call runs on a Hopper GPU (compute capability 9.x), where the untuned rules that
+    were measured on an H200 apply; device: the call's device_name(), None off CUDA."""
+    return device is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def config_dtype(dtype: torch.dtype) -> Optional[str]:
     """The dtype part of a config file name: None for bf16/fp16, "float32" for fp32."""
     return "float32" if dtype == torch.float32 else None
