@@ -6,7 +6,8 @@ quant_entry_ab_h200.py.
     PYTHONPATH=src python bench/entry_ab_h200.py --point mixtral-8x7b:256 \\
         --entry '{"BLOCK_SIZE_M": 64, ..., "gemm2": {...}}' [--entry ...] [--out FILE]
 
-`--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape.
+`--default` adds the heuristic tiles of a shape without a tuned table (tuning.default_config) as
+a variant. `--device cpu` is a dry run under TRITON_INTERPRET=1 on a tiny shape.
 """
 
 import json
@@ -18,11 +19,11 @@ from moekit.benchmarks.gpu import AB_TIMING, ab_time_us, entry_ab_args, routing_
 from moekit.experts.base import ExpertWeights
 from moekit.experts.reference import reference_experts
 from moekit.kernels.launch import fused_moe
-from moekit.kernels.tuning import MoEConfig, get_config
+from moekit.kernels.tuning import MoEConfig, default_config, get_config
 
 
 def main() -> None:
-    args, cuda, dev, shapes = entry_ab_args(__doc__, "entry_ab.json", "SHAPE:M")
+    args, cuda, dev, shapes = entry_ab_args(__doc__, "entry_ab.json", "SHAPE:M", flags=("--default",))
     dtype = torch.bfloat16 if cuda else torch.float32
     entries = [MoEConfig.from_json(json.loads(e), f"--entry {i}") for i, e in enumerate(args.entry)]
     rows = []
@@ -35,6 +36,8 @@ def main() -> None:
         sets = routing_sets(M, E, k, H, 8 if cuda else 2, dtype, dev)
         shipped = get_config(M, E, k, H, I, dtype, "NVIDIA_H200" if cuda else None)
         variants = [("A", shipped)] + [(chr(ord("B") + i), c) for i, c in enumerate(entries)]
+        if args.default:
+            variants.append(("default", default_config(M, E, k, H, I, torch.finfo(dtype).bits // 8)))
 
         def call(c, x, w, ids):
             return fused_moe(x, w13, w2, None, None, w, ids, None, "silu", config=c, direct=False, out_dtype=x.dtype)

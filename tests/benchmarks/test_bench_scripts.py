@@ -48,9 +48,9 @@ TINY_ENTRY = json.dumps({"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K":
 
 
 def test_entry_ab_dry_run(tmp_path):
-    result = _dry_run("entry_ab_h200.py", ["--point", "tiny:16", "--entry", TINY_ENTRY], tmp_path)
+    result = _dry_run("entry_ab_h200.py", ["--point", "tiny:16", "--entry", TINY_ENTRY, "--default"], tmp_path)
     variants = result["rows"][0]["variants"]
-    assert set(variants) == {"A", "B"}
+    assert set(variants) == {"A", "B", "default"}
     for v in variants.values():
         assert v["within_bf16_bound"] and v["us"] > 0
 

@@ -110,6 +110,29 @@ def test_heuristics_and_search_space_fit_the_gpu(T):
         assert {c.BLOCK_SIZE_M for c in g1} <= set(g2)
 
 
+def test_untuned_16bit_calls_on_hopper_take_the_prefill_kernels(monkeypatch):
+    # rows an expert T * k / E on an untuned shape (E = 64, k = 8: T / 8 rows)
+    cfg = lambda T, dtype=torch.bfloat16, H=2048, I=1408, dev="NO_SUCH_GPU", **kw: get_config(  # noqa: E731
+        T, 64, 8, H, I, dtype, dev, **kw)
+    off_hopper = [cfg(T) for T in (64, 128, 512, 4096)]
+    assert off_hopper == [default_config(T, 64, 8, 2048, 1408) for T in (64, 128, 512, 4096)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    mid, large = tuning._HOPPER_MID, tuning._HOPPER_LARGE
+    assert [cfg(T) for T in (64, 127, 128, 511, 512, 4096)] == [
+        default_config(64, 64, 8, 2048, 1408), default_config(127, 64, 8, 2048, 1408), mid, mid, large, large]
+    assert cfg(4096, dtype=torch.float16) == large
+    assert cfg(4096, dtype=torch.float32) == default_config(4096, 64, 8, 2048, 1408, 4)  # fp32: no rule
+    assert cfg(4096, I=1404) == default_config(4096, 64, 8, 2048, 1404)  # rows TMA cannot read
+    assert cfg(4096, dev=None) == default_config(4096, 64, 8, 2048, 1408)  # no CUDA device name
+    assert cfg(4096, untuned_prefill=False) == default_config(4096, 64, 8, 2048, 1408)  # the quantized kernels
+    # a tuned table wins
+    assert get_config(4096, 8, 2, 4096, 14336, torch.bfloat16, "NVIDIA_H200") == \
+        tuning.load_configs(8, 14336, "NVIDIA_H200", None)[4096]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert [cfg(T) for T in (64, 128, 512, 4096)] == off_hopper
+
+
 def test_backend_says_why_not_on_cpu_without_interpreter():
     p = ExpertsProblem("cpu", torch.float32, torch.float32, "silu", False, False, False, 8, 64, 32, 2)
     reason = TritonBackend().unsupported(p)

@@ -95,6 +95,28 @@ def test_random_shapes(seed):
     _check(x, wts, w, ids, emap, activation, on_input=k == 1 and rng.random() < 0.5)
 
 
+@pytest.mark.parametrize("activation,bias,k,n_remote,on_input", [
+    ("silu", False, 4, 0, False), ("gelu", True, 4, 3, False), ("swigluoai", True, 1, 0, True)])
+@pytest.mark.parametrize("rows", [16, 64, 129])
+def test_untuned_shapes_by_rows_per_expert(rows, activation, bias, k, n_remote, on_input, cuda_gen):
+    """An untuned shape at the rows an expert where Hopper's rule (tuning.hopper_default) changes
+    tiles; then the same call on weights TMA cannot read (an odd start), which take pointer tiles."""
+    from moekit.kernels.tuning import device_name, get_config, hopper_default  # noqa: PLC0415
+
+    E, H, I = 24, 1000, 328
+    T = rows * E // k
+    wts = _weights(E, H, I, torch.bfloat16, cuda_gen, activation, bias)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert get_config(T, E, k, H, I, torch.bfloat16, device_name()) == hopper_default(T, E, k, H, I)
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    _check(x, wts, w, ids, emap, activation, on_input)
+    odd = [torch.empty(t.numel() + 1, device="cuda", dtype=t.dtype)[1:].view(t.shape).copy_(t) for t in (wts.w13, wts.w2)]
+    assert odd[0].data_ptr() % 16
+    _check(x, ExpertWeights(*odd, wts.b13, wts.b2), w, ids, emap, activation, on_input)
+
+
 @pytest.mark.parametrize("T", [1, 300])
 def test_float32_exact_dots(T, cuda_gen):
     wts = _weights(6, 96, 80, torch.float32, cuda_gen, bias=True)

@@ -25,7 +25,7 @@ from . import triton_decode as dec
 from . import triton_moe as moe
 from .triton_moe import pow2 as _pow2
 from . import triton_prefill as prefill
-from .tuning import MoEConfig, TileConfig, device_name, get_config, use_direct
+from .tuning import MoEConfig, TileConfig, default_config, device_name, get_config, use_direct
 
 __all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX"]
 
@@ -106,6 +106,11 @@ def place_chunks(al: Alignment, hist: torch.Tensor, keys: torch.Tensor, TK: int,
     nc = hist.shape[0]
     align.align_place_kernel[(nc,)](hist, keys, al.sorted_ids, al.expert_end, TK, E, nc, BM=al.block_m, N=n,
                                     E_PAD=e_pad, CB=min(_pow2(nc), max(1, 4096 // e_pad)), num_warps=4)
+
+
+def _tma_readable(*weights: torch.Tensor) -> bool:
+    """Whether TMA can read these weights' rows: 16-byte aligned starts and row lengths."""
+    return all(w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 for w in weights)
 
 
 def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=None) -> None:
@@ -189,6 +194,8 @@ def fused_moe(
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
         config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
+        if config.prefill is not None and config.prefill.tma and not _tma_readable(w13, w2):
+            config = default_config(T, E, k, H, I, x.element_size())  # weights TMA cannot read: pointer tiles
     if config.prefill is not None and not direct:
         al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX)
         return prefill.fused_moe_prefill(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,

@@ -235,7 +235,7 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
         untuned = untuned_w8a8(T, E, k, prefill_modes(modes))
         if untuned is not None:
             return untuned
-    return quant_config(get_config(T, E, k, H, I, dtype, device), modes), \
+    return quant_config(get_config(T, E, k, H, I, dtype, device, untuned_prefill=False), modes), \
         QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
 
 

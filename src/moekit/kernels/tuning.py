@@ -39,6 +39,8 @@ __all__ = [
     "read_table",
     "parse_table",
     "default_config",
+    "hopper_default",
+    "on_hopper",
     "get_config",
     "use_direct",
     "search_space",
@@ -370,18 +372,51 @@ def default_config(T: int, E: int, k: int, H: int, I: int, elem_bytes: int = 2) 
     return MoEConfig(g1, g2)
 
 
-def get_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str]) -> MoEConfig:
-    """The config for a call: the tuned entry of the nearest M, else the heuristic default.
+# Untuned 16-bit calls on Hopper, by rows an expert (bench/results/h200-bf16-default-ab-1.json and -2.json:
+# the five shapes of PERF.md at 4 to 2048 rows an expert, against their tuned entries and default_config):
+# the prefill kernels' 64-row tiles from 16 rows an expert, their 128-row tiles, GEMM2 warp-specialized, from 64.
+_HOPPER_MID = MoEConfig(TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 256, 64, 8, 4, 4),
+                        PrefillConfig(tma=2, tail=1, flatten=1, act_tma=1, gu1=1))
+_HOPPER_LARGE = MoEConfig(TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 4, 4),
+                          PrefillConfig(tma=2, tail=1, flatten=1, act_tma=1, ws=1, gu1=1))
+
+
+def hopper_default(T: int, E: int, k: int, H: int, I: int, elem_bytes: int = 2) -> Optional[MoEConfig]:
+    """The tiles of an untuned 16-bit call on Hopper from 16 rows an expert, or None (fewer rows:
+    default_config's weight-streaming tiles, within 1 % of the tuned entries there; fp32; rows
+    of H or I that TMA cannot read, not a multiple of 16 bytes).
+
+    On the five shapes of PERF.md (M = 64 to 16384) these ran 1.07-1.42x default_config's tiles and
+    0.95-1.15x the tuned entries (default_config: 0.72-1.0x of those)."""
+    if elem_bytes != 2 or (H * elem_bytes) % 16 or (I * elem_bytes) % 16:
+        return None
+    per_expert = T * k / E
+    if per_expert < 16:
+        return None
+    return _HOPPER_LARGE if per_expert >= 64 else _HOPPER_MID
+
+
+def get_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
+               untuned_prefill: bool = True) -> MoEConfig:
+    """The config for a call: the tuned entry of the nearest M, else on Hopper hopper_default,
+    else the heuristic default.
 
     Args:
         T: tokens.  E: local experts.  k: slots per token.  H, I: hidden and intermediate sizes.
         dtype: activation/weight dtype.  device: device_name() or None (no tuned files).
+        untuned_prefill: whether a call without a table may take hopper_default (False: the
+            quantized kernels, which fit their tiles from these and run no prefill knobs).
     """
+    elem_bytes = torch.finfo(dtype).bits // 8
     if device is not None:
         table = load_configs(E, I, device, config_dtype(dtype))
         if table:
             return table[min(table, key=lambda M: (abs(M - T), M))]
-    return default_config(T, E, k, H, I, torch.finfo(dtype).bits // 8)
+        if untuned_prefill and on_hopper(device):
+            config = hopper_default(T, E, k, H, I, elem_bytes)
+            if config is not None:
+                return config
+    return default_config(T, E, k, H, I, elem_bytes)
 
 
 # Up to this many tokens search_space adds the decode knobs; the split counts it tries.
