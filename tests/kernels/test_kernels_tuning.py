@@ -110,6 +110,15 @@ def test_heuristics_and_search_space_fit_the_gpu(T):
         assert {c.BLOCK_SIZE_M for c in g1} <= set(g2)
 
 
+def test_a_missing_table_is_said_once_at_info(caplog):
+    tuning.load_configs.cache_clear()
+    with caplog.at_level("INFO", logger="moekit"):
+        for _ in range(3):
+            assert get_config(256, 6, 2, 512, 300, torch.bfloat16, "NO_SUCH_GPU") == default_config(256, 6, 2, 512, 300)
+    said = [r.getMessage() for r in caplog.records if "no tuned Triton table" in r.getMessage()]
+    assert len(said) == 1 and config_file_name(6, 300, "NO_SUCH_GPU") in said[0] and "moekit tune" in said[0]
+
+
 def test_untuned_16bit_calls_on_hopper_take_the_prefill_kernels(monkeypatch):
     # rows an expert T * k / E on an untuned shape (E = 64, k = 8: T / 8 rows)
     cfg = lambda T, dtype=torch.bfloat16, H=2048, I=1408, dev="NO_SUCH_GPU", **kw: get_config(  # noqa: E731

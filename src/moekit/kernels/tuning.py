@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, Optional, Tuple
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "configs")
+logger = logging.getLogger("moekit")
 _KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 # Shared memory one program may use on SM90 (227 KB) less room for the compiler's own use.
 _SMEM_LIMIT = 220 * 1024
@@ -320,14 +322,17 @@ def parse_configs(text: str, where: str) -> Dict[int, MoEConfig]:
 
 
 def read_table(name: str, parse):
-    """parse(text, path) of the tuned file `name`: the user folder first, then the shipped files (None: neither has it)."""
-    for folder in (settings.tuned_config_dir, SHIPPED_DIR):
-        if folder is None:
-            continue
+    """parse(text, path) of the tuned file `name`: the user folder first, then the shipped files
+    (None: neither has it, said at INFO on the "moekit" logger; the loaders cache the answer, so
+    once a table)."""
+    folders = [f for f in (settings.tuned_config_dir, SHIPPED_DIR) if f is not None]
+    for folder in folders:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
                 return parse(fh.read(), path)
+    logger.info("moekit: no tuned Triton table %s in %s: the untuned rules pick the tiles (`moekit tune` "
+                "writes one; MOEKIT_TUNED_CONFIG_DIR points at a folder of them)", name, " or ".join(folders))
     return None
 
 
