@@ -110,6 +110,20 @@ def test_heuristics_and_search_space_fit_the_gpu(T):
         assert {c.BLOCK_SIZE_M for c in g1} <= set(g2)
 
 
+def test_the_rules_follow_the_capability_of_the_named_gpu(monkeypatch):
+    names, caps = ["NVIDIA A100-SXM4-80GB", "NVIDIA H200"], [(8, 0), (9, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[i or 0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i or 0])  # current: the A100
+    tuning._index_of.cache_clear()
+    try:
+        assert tuning.on_hopper("NVIDIA_H200") and not tuning.on_hopper("NVIDIA_A100-SXM4-80GB")
+        assert not tuning.on_hopper("NO_SUCH_GPU") and not tuning.on_hopper(None)  # unknown name: the current GPU
+    finally:
+        tuning._index_of.cache_clear()
+
+
 def test_a_missing_table_is_said_once_at_info(caplog):
     tuning.load_configs.cache_clear()
     with caplog.at_level("INFO", logger="moekit"):

@@ -278,8 +278,18 @@ def device_name(device: Optional[torch.device] = None) -> str:
 
 def on_hopper(device: Optional[str]) -> bool:
     """Whether a call runs on a Hopper GPU (compute capability 9.x), where the untuned rules that
-    were measured on an H200 apply; device: the call's device_name(), None off CUDA."""
-    return device is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    were measured on an H200 apply; device: the call's device_name(), None off CUDA. The
+    capability is that of a visible GPU of that name (the current one if none has it)."""
+    if device is None or not torch.cuda.is_available():
+        return False
+    index = _index_of(device)
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _index_of(device: str) -> Optional[int]:
+    """The first visible CUDA device named `device` (device_name()), or None."""
+    return next((i for i in range(torch.cuda.device_count()) if device_name(i) == device), None)
 
 
 def config_dtype(dtype: torch.dtype) -> Optional[str]:
