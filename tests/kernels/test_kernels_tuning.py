@@ -20,6 +20,7 @@ from moekit.kernels.tuning import (  # noqa: E402
     use_direct,
 )
 from moekit.oracle import PRIORITIES, explain  # noqa: E402
+from moekit.quant import get_scheme  # noqa: E402
 
 ENTRY = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
 
@@ -122,6 +123,40 @@ def test_the_rules_follow_the_capability_of_the_named_gpu(monkeypatch):
         assert not tuning.on_hopper("NO_SUCH_GPU") and not tuning.on_hopper(None)  # unknown name: the current GPU
     finally:
         tuning._index_of.cache_clear()
+
+
+def test_expert_parallel_calls_look_tiles_up_by_their_share_of_the_tokens(monkeypatch):
+    from moekit.kernels import launch, launch_quant  # noqa: PLC0415
+    from moekit.kernels.launch import config_tokens  # noqa: PLC0415
+    from moekit.quant import quantize_experts  # noqa: PLC0415
+
+    emap = torch.full((64,), -1, dtype=torch.int32)
+    emap[8:16] = torch.arange(8, dtype=torch.int32)  # 8 of 64 experts local
+    assert config_tokens(4096, 8, None) == 4096 and config_tokens(4096, 8, emap) == 512
+    assert config_tokens(3, 8, emap) == 1 and config_tokens(4096, 64, torch.arange(64, dtype=torch.int32)) == 4096
+
+    class Looked(Exception):
+        pass
+
+    def spy(T, *args, **kwargs):
+        raise Looked(T)
+
+    monkeypatch.setattr(launch, "get_config", spy)
+    monkeypatch.setattr(launch_quant, "quant_tiles", spy)
+    T, H, I = 1024, 64, 32
+    x, w = torch.randn(T, H, dtype=torch.bfloat16), torch.rand(T, 4)
+    ids = torch.randint(0, 64, (T, 4), dtype=torch.int32)
+    w13, w2 = torch.randn(8, 2 * I, H), torch.randn(8, H, I)
+    for emap_arg, expected in ((None, T), (emap, T // 8)):
+        with pytest.raises(Looked) as got:
+            launch.fused_moe(x, w13.bfloat16(), w2.bfloat16(), None, None, w, ids, emap_arg, "silu")
+        assert got.value.args[0] == expected
+        q = quantize_experts(w13, w2, "fp8_w8a8")
+        with pytest.raises(Looked) as got:
+            launch_quant.fused_moe_quant(x, q.w13, q.w2, None, None, q.scales["w13_scale"], q.scales["w2_scale"], None,
+                                         None, None, None, w, ids, emap_arg, get_scheme("fp8_w8a8"), "silu",
+                                         out_dtype=x.dtype)
+        assert got.value.args[0] == expected
 
 
 def test_a_missing_table_is_said_once_at_info(caplog):

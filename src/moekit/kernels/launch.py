@@ -27,7 +27,8 @@ from .triton_moe import pow2 as _pow2
 from . import triton_prefill as prefill
 from .tuning import MoEConfig, TileConfig, default_config, device_name, get_config, use_direct
 
-__all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "ALIGN_SMALL_MAX"]
+__all__ = ["Alignment", "alignment_buffers", "moe_align", "place_chunks", "fused_moe", "config_tokens",
+           "ALIGN_SMALL_MAX"]
 
 # Up to this many assignments one launch aligns them (a program per expert); above, two.
 ALIGN_SMALL_MAX = align.SMALL
@@ -106,6 +107,16 @@ def place_chunks(al: Alignment, hist: torch.Tensor, keys: torch.Tensor, TK: int,
     nc = hist.shape[0]
     align.align_place_kernel[(nc,)](hist, keys, al.sorted_ids, al.expert_end, TK, E, nc, BM=al.block_m, N=n,
                                     E_PAD=e_pad, CB=min(_pow2(nc), max(1, 4096 // e_pad)), num_warps=4)
+
+
+def config_tokens(T: int, E: int, expert_map: Optional[torch.Tensor]) -> int:
+    """The tokens a call's tiles are looked up by: T, or with an expert map (E of its
+    expert_map.numel() experts local) the tokens whose assignments these E experts get under
+    uniform routing, T * E / E_global (at least 1). Tables and rules are keyed by rows an
+    expert as if every assignment were local; a rank of 8 in expert parallelism gets an eighth."""
+    if expert_map is None:
+        return T
+    return max(1, T * E // expert_map.numel())
 
 
 def _tma_readable(*weights: torch.Tensor) -> bool:
@@ -193,9 +204,10 @@ def fused_moe(
     if direct and k > moe.MAX_TOP_K:
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
-        config = get_config(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
+        T_cfg = config_tokens(T, E, expert_map)
+        config = get_config(T_cfg, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None)
         if config.prefill is not None and config.prefill.tma and not _tma_readable(w13, w2):
-            config = default_config(T, E, k, H, I, x.element_size())  # weights TMA cannot read: pointer tiles
+            config = default_config(T_cfg, E, k, H, I, x.element_size())  # weights TMA cannot read: pointer tiles
     if config.prefill is not None and not direct:
         al = moe_align(topk_ids, expert_map, E, config.row_granule, small_max=ALIGN_SMALL_MAX)
         return prefill.fused_moe_prefill(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, al.sorted_ids,

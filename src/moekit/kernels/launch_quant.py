@@ -36,7 +36,7 @@ from . import triton_moe as moe
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
-from .launch import _check, _pow2, moe_align
+from .launch import _check, _pow2, config_tokens, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
 from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits, untuned_w8a8
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config, on_hopper
@@ -355,7 +355,8 @@ def fused_moe_quant(
     explicit = config is not None
     tuned_knobs = knobs is None and not explicit
     if config is None:
-        config, tuned = quant_tiles(T, E, k, H, I, x.dtype, device_name(dev) if dev.type == "cuda" else None,
+        config, tuned = quant_tiles(config_tokens(T, E, expert_map), E, k, H, I, x.dtype,
+                                    device_name(dev) if dev.type == "cuda" else None,
                                     scheme, modes)
         knobs = knobs if knobs is not None else tuned
     else:
