@@ -1,4 +1,8 @@
-"""`moekit info` lists every backend and the oracle's pick with reasons."""
+"""`moekit info` lists every backend and the oracle's pick with reasons, and with --tiles the
+Triton tiles of a shape at each M with where they come from."""
+
+import pytest
+import torch
 
 from moekit.cli.main import main
 
@@ -19,3 +23,35 @@ def test_info_shows_refusals(capsys):
 
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
+
+
+def test_info_says_where_each_m_takes_its_tiles_from(capsys, monkeypatch):
+    pytest.importorskip("triton")
+    assert main(["info", "--tiles", "mixtral-8x7b", "--device-name", "NVIDIA_H200", "--M", "1", "128", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "E=8, k=2, H=4096, I=14336, bfloat16 on NVIDIA_H200" in out
+    for m, entry in ((1, 1), (128, 128), (300, 256)):  # nearest M
+        assert f"E=8,N=14336,device_name=NVIDIA_H200.json, entry M = {entry}" in out.split(f"M={m:6d}")[1].split("\n")[0]
+    # an untuned shape: the heuristic off Hopper, the H200 rules on one
+    assert main(["info", "--tiles", "64,6,2048,1408", "--quant", "fp8_w8a8", "--M", "4096"]) == 0
+    assert "quant_config of default_config" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    from moekit.cli import info  # noqa: PLC0415
+
+    info.print_tiles("64,6,2048,1408", [16, 4096], torch.bfloat16, None, "NO_SUCH_GPU")
+    out = capsys.readouterr().out
+    assert "default_config" in out.split("M=    16")[1].split("M=")[0] and "hopper_default" in out.split("M=  4096")[1]
+    from moekit.quant import get_scheme  # noqa: PLC0415
+
+    info.print_tiles("64,6,2048,1408", [4096], torch.bfloat16, get_scheme("int8_w8a8"), "NO_SUCH_GPU")
+    assert "untuned_w8a8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [(["--tiles", "3,4,5,6"], "k <= E"), (["--tiles", "8,2,x,4"], "four integers"),
+                                        (["--tiles", "no-such-model"], "shape must be one of"),
+                                        (["--tiles", "8,2,64,64", "--M", "0"], "--M must be >= 1")])
+def test_info_tiles_refuses_bad_shapes(argv, match, capsys):
+    assert main(["info", *argv]) == 2
+    assert match in capsys.readouterr().out

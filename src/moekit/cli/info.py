@@ -1,5 +1,7 @@
 """`moekit info`: the machine, every backend, whether it can run here and why not, and what
-the oracle would pick for a sample problem on each device."""
+the oracle would pick for a sample problem on each device; with --tiles SHAPE, the Triton
+tiles a call of that shape takes at each M and where they come from (a tuned table's entry, a
+rule measured on the H200, the heuristic)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,49 @@ def add_parser(sub) -> None:
                    help="activation/weight dtype of the sample problem (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quant", default=None, help="quantization scheme of the sample problem")
     p.add_argument("--activation", default="silu")
+    p.add_argument("--tiles", default=None, metavar="SHAPE",
+                   help="print the Triton tiles of SHAPE (a PERF.md shape name, or E,k,H,I) at each --M and where "
+                        "they come from")
+    p.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 16384], help="tokens, for --tiles")
+    p.add_argument("--device-name", default=None,
+                   help="for --tiles: the tables of this GPU (e.g. NVIDIA_H200; default: this machine's GPU)")
     p.set_defaults(func=run)
+
+
+def _tiles_shape(text: str):
+    from moekit.benchmarks.gpu import shape_by_name  # noqa: PLC0415
+
+    if "," not in text:
+        return shape_by_name(text)[1:]
+    try:
+        E, k, H, I = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tiles must be a shape name or E,k,H,I (four integers), got {text!r}") from None
+    if min(E, k, H, I) < 1 or k > E:
+        raise ValueError(f"--tiles needs E, k, H, I >= 1 and k <= E, got {text!r}")
+    return E, k, H, I
+
+
+def print_tiles(text: str, Ms, dtype: torch.dtype, scheme, device) -> None:
+    """The tiles of a call of shape `text` at each M on `device` (a device_name(), None: no GPU)."""
+    from moekit.kernels.tuning import on_hopper, pick_config  # noqa: PLC0415
+
+    E, k, H, I = _tiles_shape(text)
+    where = device or "no CUDA device (the heuristic; --device-name reads a GPU's tables)"
+    rules = "" if device is None or on_hopper(device) else " (no Hopper GPU here: without a table, no H200 rule)"
+    print(f"\nTriton tiles for E={E}, k={k}, H={H}, I={I}, {str(dtype).replace('torch.', '')}"
+          f"{', ' + scheme.name if scheme else ''} on {where}{rules}:")
+    for M in Ms:
+        if scheme is None:
+            config, source = pick_config(M, E, k, H, I, dtype, device)
+            extra = ""
+        else:
+            from moekit.kernels.launch_quant import pick_quant_tiles  # noqa: PLC0415
+            from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
+
+            config, knobs, source = pick_quant_tiles(M, E, k, H, I, dtype, device, scheme, modes_of(scheme))
+            extra = f" knobs {knobs.to_json()}" if knobs.to_json() else ""
+        print(f"  M={M:6d} ({M * k / E:8.1f} rows an expert): {source}\n      {config.to_json()}{extra}")
 
 
 def _devices():
@@ -37,6 +81,9 @@ def run(args) -> int:
         except ValueError as err:
             print(f"moekit info: {err}")
             return 2
+    if args.tiles is not None and min(args.M) < 1:
+        print(f"moekit info: --M must be >= 1, got {args.M}")
+        return 2
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     if torch.cuda.is_available():
@@ -71,4 +118,13 @@ def run(args) -> int:
                 b = moekit.BACKENDS[name]
                 reason = b.available() or b.unsupported(problem)
                 print(f"     {name}: {'could run but is not listed' if reason is None else 'refused: ' + reason}")
+    if args.tiles is not None:
+        from moekit.kernels.tuning import device_name  # noqa: PLC0415
+
+        device = args.device_name or (device_name() if torch.cuda.is_available() else None)
+        try:
+            print_tiles(args.tiles, args.M, getattr(torch, args.dtype) if args.dtype else torch.bfloat16, scheme, device)
+        except ValueError as err:
+            print(f"moekit info: {err}")
+            return 2
     return 0

@@ -38,10 +38,10 @@ from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
 from .launch import _check, _pow2, config_tokens, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
-from .quant_tuning import W_CONVERT, QuantKnobs, lookup_quant_config, swap_fits, untuned_w8a8
-from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, device_name, get_config, on_hopper
+from .quant_tuning import W_CONVERT, QuantKnobs, load_quant_configs, quant_file_dtype, swap_fits, untuned_w8a8
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, device_name, on_hopper, pick_config
 
-__all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "fused_moe_quant",
+__all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "pick_quant_tiles", "fused_moe_quant",
            "quant_unsupported", "MAX_INT8_K"]
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
@@ -223,20 +223,30 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
         T: tokens.  E: local experts.  k: slots per token.  H, I: hidden and intermediate sizes.
         dtype: of the activations.  device: device_name() or None (no tuned files).
     """
-    tuned = lookup_quant_config(T, E, I, device, scheme)
-    if tuned is not None:
-        cfg, knobs = tuned
+    return pick_quant_tiles(T, E, k, H, I, dtype, device, scheme, modes)[:2]
+
+
+def pick_quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
+                     scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs, str]:
+    """quant_tiles' tiles and knobs and where they came from, as words."""
+    file_dtype, block = quant_file_dtype(scheme)
+    table = load_quant_configs(E, I, device, file_dtype, block) if device is not None else None
+    if table:
+        m = min(table, key=lambda M: (abs(M - T), M))
+        cfg, knobs = table[m]
         if modes.kgroup:  # one table serves every group size of its dtype: K tiles within this one's groups
             cfg = replace(cfg, gemm1=replace(cfg.gemm1, BLOCK_SIZE_K=min(cfg.gemm1.BLOCK_SIZE_K, modes.kgroup)),
                           gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
         check_tiles(cfg, modes)
-        return cfg, knobs
+        return cfg, knobs, f"table {config_file_name(E, I, device, file_dtype, block)}, entry M = {m}"
     if on_hopper(device) and modes.act_dtype is not None and not (modes.kgroup or modes.a_kscale or modes.w_kscale):
         untuned = untuned_w8a8(T, E, k, prefill_modes(modes))
         if untuned is not None:
-            return untuned
-    return quant_config(get_config(T, E, k, H, I, dtype, device, untuned_prefill=False), modes), \
-        QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
+            return (*untuned, "untuned_w8a8")
+    config, source = pick_config(T, E, k, H, I, dtype, device, untuned_prefill=False)
+    knobs = QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
+    return quant_config(config, modes), knobs, f"quant_config of {source}" + (
+        f", Gluon kernels of {knobs.gluon}-row tiles (gluon_block.default_rows)" if knobs.gluon else "")
 
 
 def _tile_kwargs(t: TileConfig):

@@ -43,6 +43,7 @@ __all__ = [
     "hopper_default",
     "on_hopper",
     "get_config",
+    "pick_config",
     "use_direct",
     "search_space",
     "late_variants",
@@ -422,16 +423,24 @@ def get_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devic
         untuned_prefill: whether a call without a table may take hopper_default (False: the
             quantized kernels, which fit their tiles from these and run no prefill knobs).
     """
+    return pick_config(T, E, k, H, I, dtype, device, untuned_prefill)[0]
+
+
+def pick_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
+                untuned_prefill: bool = True) -> Tuple[MoEConfig, str]:
+    """get_config's config and where it came from, as words ("table FILE, entry M = m",
+    "hopper_default", "default_config")."""
     elem_bytes = torch.finfo(dtype).bits // 8
     if device is not None:
         table = load_configs(E, I, device, config_dtype(dtype))
         if table:
-            return table[min(table, key=lambda M: (abs(M - T), M))]
+            m = min(table, key=lambda M: (abs(M - T), M))
+            return table[m], f"table {config_file_name(E, I, device, config_dtype(dtype))}, entry M = {m}"
         if untuned_prefill and on_hopper(device):
             config = hopper_default(T, E, k, H, I, elem_bytes)
             if config is not None:
-                return config
-    return default_config(T, E, k, H, I, elem_bytes)
+                return config, "hopper_default"
+    return default_config(T, E, k, H, I, elem_bytes), "default_config"
 
 
 # Up to this many tokens search_space adds the decode knobs; the split counts it tries.
