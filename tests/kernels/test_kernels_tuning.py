@@ -251,6 +251,17 @@ def test_budgeted_timings_measure_each_candidate_once_within_the_budget():
     assert spent("x") == 1.0 and spent("y") == float("inf")  # the first always times; then out of budget
 
 
+def test_tune_times_the_tiles_calls_take_now_as_its_baseline():
+    from moekit.cli.tune import plan_shape
+
+    plans, jobs = plan_shape(8, 2, 4096, 14336, torch.bfloat16, (128, 4096), device="NVIDIA_H200")
+    table = tuning.load_configs(8, 14336, "NVIDIA_H200", None)
+    for M in (128, 4096):
+        current, stage1, _ = plans[M]
+        assert current == table[M] and stage1[0] == default_config(M, 8, 2, 4096, 14336)
+        assert current.to_json() in [job[-1] for job in jobs]  # compiled with the candidates
+
+
 def test_tune_search_dry_run_off_the_gpu_keeps_the_heuristic():
     from moekit.cli.tune import plan_shape, search_shape
 

@@ -76,13 +76,18 @@ def _shape(args) -> Tuple[int, int, int, int]:
     return given
 
 
-def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int]) -> Tuple[Dict, list]:
+def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int],
+               device: Optional[str] = None) -> Tuple[Dict, list]:
     """The candidates of each M and the compile jobs they need (see benchmarks.gpu.precompile).
 
-    Returns ({M: (default MoEConfig, stage-1 candidates, {BLOCK_SIZE_M: gemm2 tiles})}, jobs).
+    device: the GPU's device_name(): each M's baseline is then the tiles its calls take now (a
+    table's entry or an untuned rule, tuning.get_config; timed too, so it stays if nothing beats
+    it); None: the heuristic.
+    Returns ({M: (baseline MoEConfig, stage-1 candidates, {BLOCK_SIZE_M: gemm2 tiles})}, jobs).
     """
     from moekit.kernels.tuning import (  # noqa: PLC0415
-        MoEConfig, compile_variant, default_config, late_variants, prefill_space, search_space, use_direct,
+        MoEConfig, compile_variant, default_config, get_config, late_variants, prefill_space, search_space,
+        use_direct,
     )
 
     def compiled(cfgs, M):
@@ -98,7 +103,10 @@ def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[
         g1s, g2s = search_space(M, E, k, elem)
         stage1 = [default] + [MoEConfig(g1, replace(default.gemm2, BLOCK_SIZE_M=g1.BLOCK_SIZE_M)) for g1 in g1s]
         stage1 += prefill_space(M, E, k, elem)  # complete configs on the prefill kernels
-        plans[M] = (default, stage1, g2s)
+        current = get_config(M, E, k, H, I, dtype, device) if device else default
+        plans[M] = (current, stage1, g2s)
+        if current != default:
+            jobs.append((H, I, dname, "silu", use_direct(M, k, E), current.to_json()))
         direct = use_direct(M, k, E)
         jobs += [(H, I, dname, "silu", direct, c.to_json()) for c in compiled(stage1, M)]
         for bm, cands in g2s.items():
@@ -166,7 +174,7 @@ def search_shape(
         budget_s: timing seconds per M (None: every candidate).  step: told each timing as a line.
         device: where to time ("cuda"; "cpu" only as a dry run under the Triton interpreter).
     Returns:
-        ({M: best MoEConfig}, {M: {"us": best (its median), "default_us": the heuristic's time, "tried": n,
+        ({M: best MoEConfig}, {M: {"us": best (its median), "default_us": the current tiles' time, "tried": n,
         "timings": {config JSON: us (inf: failed or out of budget)}, "confirm": {config JSON:
         [us, ...]} (confirm_fastest's timings)}}).
     """
@@ -264,7 +272,7 @@ def run(args) -> int:
         from moekit.cli.tune_quant import run_quant  # noqa: PLC0415
 
         return run_quant(args, E, k, H, I, Ms, dtype, folder, _progress)
-    plans, jobs = plan_shape(E, k, H, I, dtype, Ms)
+    plans, jobs = plan_shape(E, k, H, I, dtype, Ms, device_name())
     print(f"compiling {len(jobs)} candidate configs in {args.workers} processes ...")
     failures = precompile(jobs, args.workers)
     if failures:
@@ -275,6 +283,6 @@ def run(args) -> int:
     path = write_configs(table, E, I, device_name(), dtype, folder)
     for M in sorted(info):
         i = info[M]
-        print(f"M={M:6d}: {i['us']:9.1f} us (heuristic {i['default_us']:9.1f} us, {i['tried']} tried)  {table[M].to_json()}")
+        print(f"M={M:6d}: {i['us']:9.1f} us (current {i['default_us']:9.1f} us, {i['tried']} tried)  {table[M].to_json()}")
     print(f"wrote {path}")
     return 0
