@@ -39,7 +39,7 @@ from . import triton_quant_rows as qr
 from .launch import _check, _pow2, config_tokens, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
 from .quant_tuning import W_CONVERT, QuantKnobs, load_quant_configs, quant_file_dtype, swap_fits, untuned_w8a8
-from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, device_name, on_hopper, pick_config
+from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, device_name, nearest_m, on_hopper, pick_config
 
 __all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "pick_quant_tiles", "fused_moe_quant",
            "quant_unsupported", "MAX_INT8_K"]
@@ -232,7 +232,7 @@ def pick_quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype,
     file_dtype, block = quant_file_dtype(scheme)
     table = load_quant_configs(E, I, device, file_dtype, block) if device is not None else None
     if table:
-        m = min(table, key=lambda M: (abs(M - T), M))
+        m = nearest_m(table, T)
         cfg, knobs = table[m]
         if modes.kgroup:  # one table serves every group size of its dtype: K tiles within this one's groups
             cfg = replace(cfg, gemm1=replace(cfg.gemm1, BLOCK_SIZE_K=min(cfg.gemm1.BLOCK_SIZE_K, modes.kgroup)),

@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
-from .tuning import (FP8_MIN_TILE_ROWS, MoEConfig, PrefillConfig, TileConfig, config_file_name, parse_table, read_table,
-                     use_direct)
+from .tuning import (FP8_MIN_TILE_ROWS, MoEConfig, PrefillConfig, TileConfig, config_file_name, nearest_m, parse_table,
+                     read_table, use_direct)
 
 __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space", "fp8_prefill_space", "untuned_w8a8"]
@@ -155,7 +155,7 @@ def lookup_quant_config(T: int, E: int, I: int, device: Optional[str],
     table = load_quant_configs(E, I, device, dtype, block)
     if not table:
         return None
-    return table[min(table, key=lambda M: (abs(M - T), M))]
+    return table[nearest_m(table, T)]
 
 
 # Candidate tiles (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages), most promising first.

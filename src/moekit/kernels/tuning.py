@@ -44,6 +44,7 @@ __all__ = [
     "on_hopper",
     "get_config",
     "pick_config",
+    "nearest_m",
     "use_direct",
     "search_space",
     "late_variants",
@@ -426,6 +427,11 @@ def get_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devic
     return pick_config(T, E, k, H, I, dtype, device, untuned_prefill)[0]
 
 
+def nearest_m(table: Dict[int, object], T: int) -> int:
+    """The key of a tuned table that serves T tokens: the nearest M, the smaller of two as near."""
+    return min(table, key=lambda M: (abs(M - T), M))
+
+
 def pick_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: Optional[str],
                 untuned_prefill: bool = True) -> Tuple[MoEConfig, str]:
     """get_config's config and where it came from, as words ("table FILE, entry M = m",
@@ -434,7 +440,7 @@ def pick_config(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
     if device is not None:
         table = load_configs(E, I, device, config_dtype(dtype))
         if table:
-            m = min(table, key=lambda M: (abs(M - T), M))
+            m = nearest_m(table, T)
             return table[m], f"table {config_file_name(E, I, device, config_dtype(dtype))}, entry M = {m}"
         if untuned_prefill and on_hopper(device):
             config = hopper_default(T, E, k, H, I, elem_bytes)
