@@ -44,6 +44,7 @@ if not IN_INTERPRETER:
         with pytest.raises(ValueError, match="quant"):
             QuantKnobs.from_json({"split": 2})
         assert QuantKnobs.from_json({"gluon": 128}) == QuantKnobs(gluon=128)
+        assert QuantKnobs.from_json({"fold_w": True}) == QuantKnobs(fold_w=True)
         for bad in (96, True, "128"):
             with pytest.raises(ValueError, match="gluon must be 0"):
                 QuantKnobs(gluon=bad)
@@ -82,11 +83,32 @@ if not IN_INTERPRETER:
             for T, cfg in ((512, _W8A8_MID), (1023, _W8A8_MID), (1024, _W8A8_LARGE), (16384, _W8A8_LARGE)):
                 assert tiles(T, scheme) == (cfg, QuantKnobs(gate_up=True, fuse_x_quant=False, static_prefill=prefill))
             assert tiles(511, scheme)[1] == QuantKnobs()  # below 64 rows an expert: the fitted tiles
-        # schemes with scales along K and weight-only ones keep their rules
+        # schemes with scales along K keep theirs; weight-only ones take untuned_weight_only
         assert tiles(4096, "fp8_w8a8_block128")[1] == QuantKnobs(gluon=128)
-        assert tiles(4096, "int4_w4a16")[1] == QuantKnobs()
+        assert tiles(4096, "int4_w4a16")[1] == QuantKnobs(gate_up=True, fold_w=True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
         assert {s: [tiles(T, s) for T in (256, 512, 1024)] for s in off_hopper} == off_hopper
+
+    def test_untuned_weight_only_calls_on_hopper_fold_their_scales(monkeypatch):
+        from moekit.kernels.quant_tuning import _WO_LARGE, _WO_MID  # noqa: PLC0415
+
+        def tiles(T, scheme, **opts):  # an untuned shape: no table of any dtype
+            sch = get_scheme(scheme, **opts)
+            return quant_tiles(T, 64, 8, 2048, 1024, torch.bfloat16, "NO_SUCH_GPU", sch, modes_of(sch))
+
+        off_hopper = [tiles(T, "int4_w4a16") for T in (128, 512, 4096)]
+        assert all(not knobs.fold_w for _, knobs in off_hopper)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        folded = QuantKnobs(gate_up=True, fold_w=True)
+        for scheme in ("int4_w4a16", "int8_w8a16"):
+            for T, cfg in ((128, _WO_MID), (511, _WO_MID), (512, _WO_LARGE), (16384, _WO_LARGE)):
+                assert tiles(T, scheme) == (cfg, folded)
+            assert not tiles(127, scheme)[1].fold_w  # below 16 rows an expert: the fitted tiles
+        cfg, knobs = tiles(4096, "int4_w4a16", group_size=32)  # K tiles within the groups
+        assert knobs == folded and cfg.gemm1.BLOCK_SIZE_K == cfg.gemm2.BLOCK_SIZE_K == 32
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+        assert [tiles(T, "int4_w4a16") for T in (128, 512, 4096)] == off_hopper
 
     @pytest.mark.parametrize("scheme", ["fp8_w8a8", "fp8_w8a8_channel", "int8_w8a8", "fp8_w8a8_block128"])
     def test_fitted_8bit_tiles_hold_at_most_128_accumulator_registers(scheme):
@@ -322,6 +344,13 @@ else:
         ("int8_w8a16", {"group_size": 32}, 64, 64, (16, 32, 32, 16, 32), dict(prefetch1=True, split_k=2)),
         ("int8_w8a16", {"group_size": 32, "symmetric": False}, 64, 32, (16, 16, 32, 32, 32),
          dict(gate_up=True, prefetch2=True)),
+        # weight-only weights dequantized with their group scales before the product
+        ("int4_w4a16", {"group_size": 32, "symmetric": False}, 64, 64, (16, 32, 32, 16, 32),
+         dict(fold_w=True, gate_up=True, split_k=2)),
+        ("int4_w4a16", {"group_size": 64}, 128, 64, (32, 32, 64, 32, 64), dict(fold_w=True, prefetch1=True)),
+        ("int8_w8a16", {"group_size": 32, "symmetric": False}, 64, 64, (16, 32, 32, 16, 32),
+         dict(fold_w=True, prefetch2=True)),
+        ("int8_w8a16", {"group_size": 64}, 128, 64, (32, 32, 64, 32, 64), dict(fold_w=True, gate_up=True)),
         ("fp8_w8a8_block128", {}, 128, 128, (16, 32, 64, 32, 64), dict(gate_up=True, split_k=2)),
         ("fp8_w8a8_block128", {}, 256, 128, (16, 64, 128, 256, 128), dict(fuse_x_quant=False)),  # 2 blocks a tile
         ("fp8_w8a8", {"static": True}, 48, 40, (16, 16, 32, 16, 32), dict(gate_up=True, split_k=2)),  # K masks
@@ -345,6 +374,20 @@ else:
         monkeypatch.setattr(launch, "ALIGN_SMALL_MAX", 0)  # two-launch alignment, x in its first
         _case(scheme, opts, 128, 128, 19, 5, 3, _tiles(16, 32, 64, 32, 64), QuantKnobs(split_k=2), gen, 2)
 
+    @pytest.mark.parametrize("scheme", ["int4_w4a16", "int8_w8a16"])
+    def test_folded_weight_scales_round_the_weights_once(scheme, gen):
+        # fold_w multiplies weights rounded to x's dtype: other bits than the scaled integer
+        # products, both within the scheme's bound
+        wts = _weights(scheme, {"group_size": 32}, 4, 64, 64, gen)
+        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)]).to(torch.int32)
+        w, x = torch.rand(9, 2, generator=gen) + 0.05, torch.randn(9, 64, generator=gen).half()
+        tiles = _tiles(16, 32, 32, 16, 32)
+        ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+        outs = [_run(wts, x, w, ids, None, tiles, QuantKnobs(fold_w=f)) for f in (False, True)]
+        assert not torch.equal(outs[0], outs[1])
+        for out in outs:
+            assert rel_err(out, ref) <= TOLERANCE[get_scheme(scheme).precision]
+
     def test_knob_misuse_is_refused(gen):
         wts = _weights("fp8_w8a8_block128", {}, 2, 128, 128, gen)
         x, w, ids = torch.randn(2, 128).half(), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32)
@@ -352,6 +395,8 @@ else:
             _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="bits"))
         with pytest.raises(ValueError, match="int4"):
             _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))
+        with pytest.raises(ValueError, match="knobs.fold_w dequantizes the weights of weight-only schemes"):
+            _run(wts, x, w, ids, None, None, QuantKnobs(fold_w=True))
         int4 = _weights("int4_w4a16", {}, 2, 128, 128, gen)
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             _run(int4, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))

@@ -139,3 +139,28 @@ def test_untuned_8bit_calls_match_emulated_reference(scheme, opts, T, cuda_gen):
     ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
     assert out.dtype == x.dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOLERANCE[sch.precision]
+
+
+@pytest.mark.parametrize("scheme,opts", [("int4_w4a16", {}), ("int4_w4a16", {"group_size": 64, "symmetric": False}),
+                                         ("int8_w8a16", {}), ("int8_w8a16", {"group_size": 32, "symmetric": False})])
+@pytest.mark.parametrize("T", [200, 1031], ids=["25-rows", "129-rows"])
+def test_untuned_weight_only_calls_match_emulated_reference(scheme, opts, T, cuda_gen):
+    """An untuned weight-only shape through the call's own tile choice (on Hopper
+    quant_tuning.untuned_weight_only: the weights dequantized with their group scales before the
+    product) with experts left without tokens."""
+    from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415
+    from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
+    from moekit.kernels.tuning import device_name  # noqa: PLC0415
+
+    E, k, H, I = 24, 3, 768, 640
+    wts = _weights(scheme, opts, E, H, I, cuda_gen)
+    w, ids = _routing(T, E - 2, k, cuda_gen)  # the last two experts get no tokens
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    sch = get_scheme(scheme, **opts)
+    _, knobs = quant_tiles(T, E, k, H, I, x.dtype, device_name(), sch, modes_of(sch))
+    assert knobs.fold_w == (torch.cuda.get_device_capability()[0] == 9)
+    out = _run(wts, x, w, ids)
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    assert out.dtype == x.dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOLERANCE[sch.precision]
+

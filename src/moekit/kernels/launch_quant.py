@@ -38,7 +38,8 @@ from . import triton_prefill as prefill
 from . import triton_quant_rows as qr
 from .launch import _check, _pow2, config_tokens, moe_align
 from .quant_rows import GRAN, QuantModes, align_and_quantize, modes_of, quant_rows, quantize_rows, tensor_scale
-from .quant_tuning import W_CONVERT, QuantKnobs, load_quant_configs, quant_file_dtype, swap_fits, untuned_w8a8
+from .quant_tuning import (W_CONVERT, QuantKnobs, load_quant_configs, quant_file_dtype, swap_fits, untuned_w8a8,
+                           untuned_weight_only)
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig, config_file_name, device_name, nearest_m, on_hopper, pick_config
 
 __all__ = ["quant_config", "check_tiles", "check_knobs", "fit_knobs", "quant_tiles", "pick_quant_tiles", "fused_moe_quant",
@@ -164,6 +165,8 @@ def _knob_problems(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, mo
     if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
         out.append(("w_convert", f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, "
                                  f"got quant={scheme.name!r}"))
+    if knobs.fold_w and modes.act_dtype is not None:
+        out.append(("fold_w", f"knobs.fold_w dequantizes the weights of weight-only schemes, got quant={scheme.name!r}"))
     g1, g2 = config.gemm1, config.gemm2
     for flag, t, gemm, pair in ((knobs.swap1, g1, "gemm1", gate_up), (knobs.swap2, g2, "gemm2", False)):
         if not flag:
@@ -214,8 +217,9 @@ def quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, devi
                 scheme: QuantScheme, modes: QuantModes) -> Tuple[MoEConfig, QuantKnobs]:
     """Tiles and knobs of a call: the tuned quantized entry of the nearest M (its K tiles cut to
     the scheme's scale groups: a weight-only table is named by the dtype alone, whatever the
-    group size), else on Hopper for 8-bit activations with scales constant along K the untuned
-    rule (quant_tuning.untuned_w8a8), else the unquantized config fitted by quant_config with default knobs (and the
+    group size), else on Hopper the untuned rules (8-bit activations with scales constant along
+    K: quant_tuning.untuned_w8a8; weight-only: quant_tuning.untuned_weight_only, K tiles cut to
+    the groups too), else the unquantized config fitted by quant_config with default knobs (and the
     Gluon kernels for 128 x 128 fp8 blocks where they pay: gluon_block.default_rows; calls they
     cannot run keep the tiles).
 
@@ -234,19 +238,29 @@ def pick_quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype,
     if table:
         m = nearest_m(table, T)
         cfg, knobs = table[m]
-        if modes.kgroup:  # one table serves every group size of its dtype: K tiles within this one's groups
-            cfg = replace(cfg, gemm1=replace(cfg.gemm1, BLOCK_SIZE_K=min(cfg.gemm1.BLOCK_SIZE_K, modes.kgroup)),
-                          gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
+        cfg = _within_groups(cfg, modes)  # one table serves every group size of its dtype
         check_tiles(cfg, modes)
         return cfg, knobs, f"table {config_file_name(E, I, device, file_dtype, block)}, entry M = {m}"
     if on_hopper(device) and modes.act_dtype is not None and not (modes.kgroup or modes.a_kscale or modes.w_kscale):
         untuned = untuned_w8a8(T, E, k, prefill_modes(modes))
         if untuned is not None:
             return (*untuned, "untuned_w8a8")
+    if on_hopper(device) and modes.act_dtype is None:
+        untuned = untuned_weight_only(T, E, k)
+        if untuned is not None:
+            return _within_groups(untuned[0], modes), untuned[1], "untuned_weight_only"
     config, source = pick_config(T, E, k, H, I, dtype, device, untuned_prefill=False)
     knobs = QuantKnobs(gluon=gluon_block.default_rows(T, E, k, H, I, scheme, device))
     return quant_config(config, modes), knobs, f"quant_config of {source}" + (
         f", Gluon kernels of {knobs.gluon}-row tiles (gluon_block.default_rows)" if knobs.gluon else "")
+
+
+def _within_groups(cfg: MoEConfig, modes: QuantModes) -> MoEConfig:
+    """cfg with K tiles no wider than the scheme's scale groups (K tiles never straddle two)."""
+    if not modes.kgroup:
+        return cfg
+    return replace(cfg, gemm1=replace(cfg.gemm1, BLOCK_SIZE_K=min(cfg.gemm1.BLOCK_SIZE_K, modes.kgroup)),
+                   gemm2=replace(cfg.gemm2, BLOCK_SIZE_K=min(cfg.gemm2.BLOCK_SIZE_K, modes.kgroup)))
 
 
 def _tile_kwargs(t: TileConfig):
@@ -264,10 +278,11 @@ def _weight_args(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
 
 
 def _convert(modes: QuantModes, knobs: QuantKnobs, dtype: torch.dtype) -> dict:
-    """The int4 weight conversion's constexprs: CONVERT code, bit pattern and its value."""
+    """The weight conversion's constexprs: the int4 CONVERT code, bit pattern and its value, and
+    FOLD_W (weight-only weights dequantized with their scales before the product)."""
     code = W_CONVERT[knobs.w_convert] if modes.w_int4 else 0
     magic, value = (qk.MAGIC_BF16 if dtype == torch.bfloat16 else qk.MAGIC_FP16) if code else (0, 0.0)
-    return dict(CONVERT=code, MAGIC=magic, MAGIC_V=value)
+    return dict(CONVERT=code, MAGIC=magic, MAGIC_V=value, FOLD_W=knobs.fold_w and modes.act_dtype is None)
 
 
 def _k_splits(K: int, bk: int, split_k: int) -> Tuple[int, int]:

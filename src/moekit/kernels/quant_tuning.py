@@ -58,6 +58,10 @@ class QuantKnobs:
         kernels with it instead of these tiles; other calls of the same table (dynamic scales,
         per-channel weights) keep the tiles. Its tiles hold at least 64 rows
         (BLOCK_SIZE_M / prefill tail; tuning.FP8_MIN_TILE_ROWS).
+    fold_w: weight-only schemes: each K tile's weights are dequantized with their group's scales
+        into x's dtype before the product, so the products accumulate in the MMA instead of
+        each K tile's product being scaled and added after it finishes (prefill tiles: many
+        rows share each dequantized weight; the weights are rounded to x's dtype once).
     gluon: 0, or the row tile (64 or 128) of the Gluon kernels of the 128 x 128 block-scaled fp8
         scheme on Hopper (kernels/gluon_block.py: each K block's promotion overlapped with the
         next product), which then run GEMM1 and GEMM2 instead of these tiles; a tuned entry's
@@ -75,6 +79,7 @@ class QuantKnobs:
     swap2: bool = False
     static_prefill: Optional[MoEConfig] = None
     gluon: int = 0
+    fold_w: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -326,3 +331,25 @@ def untuned_w8a8(T: int, E: int, k: int, fp8_tensor: bool) -> Optional[Tuple[MoE
     cfg = _W8A8_LARGE if per_expert >= 128 else _W8A8_MID
     return cfg, QuantKnobs(gate_up=True, fuse_x_quant=False,
                            static_prefill=_FP8_STATIC_PREFILL if fp8_tensor else None)
+
+
+# Untuned weight-only calls on Hopper, by rows an expert (bench/results/h200-weight-only-fold-sweep.json:
+# int4 and int8 weights, Qwen3, Mixtral, OLMoE and DeepSeek-V3 shapes, M = 256 to 16384): the weights
+# dequantized with their group scales before the product (QuantKnobs.fold_w), gate and up in one product,
+# 4-warp tiles of 64 rows from 16 rows an expert and of 128 rows from 64.
+_WO_MID = MoEConfig(TileConfig(64, 64, 64, 8, 4, 4), TileConfig(64, 64, 64, 8, 4, 4))
+_WO_LARGE = MoEConfig(TileConfig(128, 64, 64, 8, 4, 4), TileConfig(128, 64, 64, 8, 4, 4))
+
+
+def untuned_weight_only(T: int, E: int, k: int) -> Optional[Tuple[MoEConfig, QuantKnobs]]:
+    """Tiles and knobs of an untuned Hopper call with int4 or int8 weights and float activations,
+    or None below 16 rows an expert (weight streaming: the unquantized table's fitted tiles).
+
+    The fitted tiles scale each K tile's product after it finishes, which held the large-M calls
+    at 0.14-0.23x the bf16 kernel; with the weights dequantized before the product these tiles
+    were 1.1-1.9x the fitted ones at 16-32 rows an expert and 2.9-3.6x from 128."""
+    per_expert = T * k / E
+    if per_expert < 16:
+        return None
+    return (_WO_LARGE if per_expert >= 64 else _WO_MID), QuantKnobs(gate_up=True, fold_w=True)
+

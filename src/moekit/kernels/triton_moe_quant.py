@@ -34,6 +34,11 @@ Modes (constexpr):
               32-bit registers (_nibbles_ptx_source: eight weights in 12 instructions; CUDA
               only, not the interpreter). 8-bit weights are always cast (int8 takes
               Triton's bit-operation conversion; uint8 with zero points, int16 arithmetic).
+    FOLD_W    weight-only schemes: each K tile's weights are dequantized to x's dtype with their
+              group's scales ((q - zero) * s, one rounding) before the product, which then
+              accumulates in the MMA; without it the product of the integer weights is scaled
+              after it, which makes every K tile's product finish before the next one starts
+              (the prefill regime's cost: bench/NOTES-triton.md, "Weight-only schemes at large M").
     PREFETCH  the next K tile's weights and activations are loaded before the current tile
               is multiplied (register double buffering; needs EVEN_K).
     PDL       programmatic dependent launch (SM90+): wait for the previous kernel first, let the
@@ -131,50 +136,68 @@ def _cast_weights(q, zero, HAS_ZERO: tl.constexpr, OFFSET: tl.constexpr, NARROW:
 
 
 @triton.jit
-def _weight_only_product(a, a_odd, q, zero, W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                         CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr):
-    """a [BM, BK'] @ (q - zero or offset) [BK', BN] in fp32 for integer weights q (CONVERT:
-    the module docstring)."""
-    dt = a.dtype
+def _weight_only_tiles(q, zero, W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, CONVERT: tl.constexpr,
+                       MAGIC: tl.constexpr, MAGIC_V: tl.constexpr, dt: tl.constexpr):
+    """Integer weights q minus their zero point (or offset) as dt floats, exact: (tile, tile) for
+    8-bit weights [BK, BN]; for int4 bytes [BK/2, BN] (the low nibbles, the high nibbles): the
+    even and the odd K rows (CONVERT: the module docstring)."""
     if not W_INT4:
-        part = tl.dot(a, _cast_weights(q, zero, HAS_ZERO, 0, not HAS_ZERO, dt))
+        lo = _cast_weights(q, zero, HAS_ZERO, 0, not HAS_ZERO, dt)
+        hi = lo
     elif CONVERT == 0:
-        part = tl.dot(a, _cast_weights(q & 15, zero, HAS_ZERO, 8, True, dt))
-        part = tl.dot(a_odd, _cast_weights(q >> 4, zero, HAS_ZERO, 8, True, dt), part)
+        lo = _cast_weights(q & 15, zero, HAS_ZERO, 8, True, dt)
+        hi = _cast_weights(q >> 4, zero, HAS_ZERO, 8, True, dt)
     elif CONVERT == 2:
         lo, hi = _nibbles_ptx(q, not HAS_ZERO, dt)
         if HAS_ZERO:
             sub = _bits(zero.to(tl.int16), MAGIC, dt)[None, :]  # MAGIC_V + z
             lo, hi = lo - sub, hi - sub
-        part = tl.dot(a, lo)
-        part = tl.dot(a_odd, hi, part)
     else:
         # MAGIC_V + u from bits, then the offset or zero point subtracted in 16 bits (exact: small integers).
         if HAS_ZERO:
             sub = _bits(zero.to(tl.int16), MAGIC, dt)[None, :]  # MAGIC_V + z
         else:
             sub = tl.full([], MAGIC_V + 8.0, dt)
-        part = tl.dot(a, _bits((q & 15).to(tl.int16), MAGIC, dt) - sub)
-        part = tl.dot(a_odd, _bits((q >> 4).to(tl.int16), MAGIC, dt) - sub, part)
-    return part
+        lo = _bits((q & 15).to(tl.int16), MAGIC, dt) - sub
+        hi = _bits((q >> 4).to(tl.int16), MAGIC, dt) - sub
+    return lo, hi
+
+
+@triton.jit
+def _weight_only_product(acc, a, a_odd, q, zero, ws, W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
+                         CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr, FOLD_W: tl.constexpr):
+    """acc + a [BM, BK'] @ ((q - zero or offset) * ws) [BK', BN] in fp32 for integer weights q and
+    their K group's scales ws [1, BN]. FOLD_W: the scaled weights rounded to a's dtype, multiplied
+    into acc; else the integer weights' product, scaled in fp32 and added."""
+    dt = a.dtype
+    lo, hi = _weight_only_tiles(q, zero, W_INT4, HAS_ZERO, CONVERT, MAGIC, MAGIC_V, dt)
+    if FOLD_W:
+        out = tl.dot(a, (lo * ws).to(dt), acc)
+        if W_INT4:
+            out = tl.dot(a_odd, (hi * ws).to(dt), out)
+    else:
+        part = tl.dot(a, lo)
+        if W_INT4:
+            part = tl.dot(a_odd, hi, part)
+        out = acc + part * ws
+    return out
 
 
 @triton.jit
 def _k_step(acc, a, a_odd, q, zero, ws, a_s,
             A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_INT4: tl.constexpr,
             HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr,
-            MAGIC_V: tl.constexpr, SWAP: tl.constexpr):
+            MAGIC_V: tl.constexpr, SWAP: tl.constexpr, FOLD_W: tl.constexpr):
     """acc + a [BM, BK] @ W tile (the tile's K-group scales ws [1, BN] or one for the tile, a_s [BM]
     applied to its product).
 
     W_INT4: a holds the even and a_odd the odd columns of the K tile [BM, BK/2]; the tile's
     bytes [BK/2, BN] hold the matching low and high nibbles.
     """
-    if A_KSCALE or W_KSCALE:  # every weight-only scheme has weight groups
-        if A_QUANT == 0:
-            part = _weight_only_product(a, a_odd, q, zero, W_INT4, HAS_ZERO, CONVERT, MAGIC, MAGIC_V)
-        else:
-            part = tl.dot(a, q)
+    if A_QUANT == 0 and W_KSCALE:  # every weight-only scheme has weight groups
+        out = _weight_only_product(acc, a, a_odd, q, zero, ws, W_INT4, HAS_ZERO, CONVERT, MAGIC, MAGIC_V, FOLD_W)
+    elif A_KSCALE or W_KSCALE:
+        part = tl.dot(a, q)
         if W_KSCALE:
             part = part * ws
         if A_KSCALE:
@@ -221,7 +244,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
               A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
               W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
               EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr):
+              PREFETCH: tl.constexpr, INTERLEAVED: tl.constexpr, SWAP: tl.constexpr, FOLD_W: tl.constexpr):
     """Dequantized products over K columns [k_lo, k_hi) of rows a with one expert's weight rows
     `wrows` (and, GATED, rows wrows + up_off): returns (gate, up), fp32 [BM, BN] each (up = gate
     when not GATED).
@@ -316,7 +339,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
         if HAS_ZERO:
             zero = tl.load(wz_g + kb)
         acc_g = _k_step(acc_g, a, a_odd, q_g, zero, ws, a_s, A_QUANT, A_KSCALE, W_KSCALE, W_INT4, HAS_ZERO, INT_DOT,
-                        CONVERT, MAGIC, MAGIC_V, SWAP)
+                        CONVERT, MAGIC, MAGIC_V, SWAP, FOLD_W)
         if GATED:
             if W_KSCALE:
                 if W_SROWS == 1 or BN > W_SROWS:
@@ -326,7 +349,7 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
             if HAS_ZERO:
                 zero = tl.load(wz_u + kb)
             acc_u = _k_step(acc_u, a, a_odd, q_u, zero, ws, a_s, A_QUANT, A_KSCALE, W_KSCALE, W_INT4, HAS_ZERO, INT_DOT,
-                            CONVERT, MAGIC, MAGIC_V, SWAP)
+                            CONVERT, MAGIC, MAGIC_V, SWAP, FOLD_W)
         a_ptrs += BK
         if W_INT4:
             w_ptrs += BK // 2
@@ -358,7 +381,7 @@ def gemm1_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     A_BY_ASSIGN: tl.constexpr, OUT_STATIC: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, FOLD_W: tl.constexpr,
     OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(dequant(a[token] W13[e]^T) + b13[e])[n] for n < N (= I).
@@ -401,13 +424,13 @@ def gemm1_quant_kernel(
         wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
         acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
                            stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
-                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP)
+                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP, FOLD_W)
         gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
     else:
         gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0), pid_n * BN, N,
                              0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
                              W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, False,
-                             SWAP)
+                             SWAP, FOLD_W)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if ON_INPUT and A_QUANT == 0:
@@ -437,7 +460,7 @@ def gemm2_quant_kernel(
     A_QUANT: tl.constexpr, A_KSCALE: tl.constexpr, W_KSCALE: tl.constexpr, W_SROWS: tl.constexpr,
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, FOLD_W: tl.constexpr,
     OUT_POLICY: tl.constexpr = "",
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
@@ -468,7 +491,7 @@ def gemm2_quant_kernel(
         w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
         pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
         A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-        False, SWAP)
+        False, SWAP, FOLD_W)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
