@@ -56,3 +56,13 @@ def test_gpu_bench_gets_the_implementations_and_the_warm_up(monkeypatch):
     assert main(["bench", "--device", "cuda", "--shapes", "olmoe-1b-7b", "--M", "1", "--impls", "moekit_triton",
                  "--warm-ms", "50"]) == 0
     assert seen == {"shapes": ["olmoe-1b-7b"], "Ms": [1], "impls": ["moekit_triton"], "warm_ms": 50.0}
+
+
+def test_quant_bench_skips_a_shape_the_scheme_cannot_quantize_and_says_why():
+    pytest.importorskip("triton")
+    said = []
+    result = gpu.run_quant_bench(None, cases=(("gpt-oss-20b", "int8_w8a16", False, (16, 4096)),), device="cpu",
+                                 progress=said.append)
+    assert [r["M"] for r in result["records"]] == [16, 4096]
+    assert all("multiples of 128" in r["skipped"] and "group_size=64" in r["skipped"] for r in result["records"])
+    assert len(said) == 1 and said[0].startswith("gpt-oss-20b int8_w8a16: skipped:")

@@ -536,6 +536,7 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
     from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
     from moekit.kernels.tuning import device_name  # noqa: PLC0415
     from moekit.quant import emulated_experts, get_scheme  # noqa: PLC0415
+    from moekit.quant.quantize import check_fits  # noqa: PLC0415
 
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_end = time.monotonic() + deadline_s
@@ -556,6 +557,13 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
         _, E, k, H, I = shape_by_name(name)
         sch = get_scheme(scheme)
         bf16 = None
+        try:
+            check_fits(sch, H, I)
+        except ValueError as err:  # a shape the scheme's groups do not divide: said and recorded, not fatal
+            say(f"{name} {scheme}: skipped: {err}")
+            result["records"] += [{"shape": name, "E": E, "k": k, "H": H, "I": I, "scheme": scheme,
+                                   "static_act_scales": static, "M": M, "skipped": str(err)} for M in Ms]
+            continue
         wts = quantized_weights(scheme, E, H, I, static, dev)
         bpw, fscale = quant_floor_terms(scheme)
         for M in Ms:
