@@ -243,8 +243,12 @@ if not IN_INTERPRETER:
         for T, bms in ((16, {16}), (1024, {32, 64})):  # 1 and 64 rows per expert
             g1, g2 = quant_search_space(T, 128, 8, 0, False, False, False)
             assert {t.BLOCK_SIZE_M for t, _ in g1} == bms == set(g2)
-        g1, _ = quant_search_space(256, 128, 8, 128, True, True, True)  # weight-only: no 64-row tiles
-        assert {t.BLOCK_SIZE_M for t, _ in g1} == {16, 32}
+        # weight-only at 16 rows per expert: 64-row tiles too, for the weights dequantized before the product
+        g1, _ = quant_search_space(256, 128, 8, 128, True, True, True)
+        assert {t.BLOCK_SIZE_M for t, _ in g1} == {16, 32, 64}
+        assert any(kn.get("fold_w") for t, kn in g1 if t.BLOCK_SIZE_M == 64)
+        g1, _ = quant_search_space(64, 128, 8, 128, True, True, True)  # 4 rows per expert: no folding
+        assert {t.BLOCK_SIZE_M for t, _ in g1} == {16} and not any(kn.get("fold_w") for _, kn in g1)
 
     @pytest.mark.parametrize("scheme, tiles, knobs, match", [
         ("int4_w4a16", (16, 64, 128), QuantKnobs(swap1=True), "multiplies fp8 activations with scales constant"),
@@ -284,7 +288,7 @@ if not IN_INTERPRETER:
         assert _sum_block(16, 2048) == 128  # 16 rows: narrow blocks, more programs
         assert _sum_block(1, 48) == 128
 
-    @pytest.mark.parametrize("T,E,k,scheme", [(16, 8, 2, "int4_w4a16"), (64, 128, 8, "int8_w8a16"),
+    @pytest.mark.parametrize("T,E,k,scheme", [(16, 8, 2, "int4_w4a16"), (64, 128, 8, "int8_w8a16"), (256, 64, 8, "int4_w4a16"),
                                               (16, 256, 8, "fp8_w8a8_block128"), (16384, 128, 8, "fp8_w8a8")])
     def test_search_space_fits_the_scheme(T, E, k, scheme):
         modes = modes_of(get_scheme(scheme))
@@ -297,6 +301,8 @@ if not IN_INTERPRETER:
         if modes.act_dtype is None:
             assert {"prefetch1": True} in [kn for _, kn in g1]
             assert max(kn.get("split_k", 1) for cands in g2.values() for _, kn in cands) == 8
+            folded = [t.BLOCK_SIZE_M for t, kn in g1 if kn.get("fold_w")]
+            assert (64 in folded) == (T * k / E >= 16) and bool(folded) == (T * k / E >= 16)
 
 else:
     import moekit.kernels.launch as launch

@@ -29,7 +29,7 @@ __all__ = ["plan_quant", "gemm1_candidate", "search_quant", "write_quant_configs
 
 # GEMM1 knobs a GEMM2 candidate keeps from the GEMM1 winner; GEMM2 knobs a GEMM1 candidate takes
 # from the current choice's GEMM2.
-GEMM1_KNOBS = ("gate_up", "prefetch1", "swap1", "w_convert")
+GEMM1_KNOBS = ("gate_up", "prefetch1", "swap1", "w_convert", "fold_w")  # fold_w: chosen with GEMM1, kept by both
 GEMM2_KNOBS = ("prefetch2", "split_k", "swap2")
 
 

@@ -227,10 +227,14 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
     elem = 1 if not weight_only else (0.5 if int4 else 1)
     r = _rows_per_expert(T, E, k)
     if weight_only:
-        plans = [(bm, _WEIGHT_ONLY_TILES,
-                  [{}, {"prefetch1": True}, {"gate_up": True}, {"gate_up": True, "prefetch1": True}],
+        knobs1 = [{}, {"prefetch1": True}, {"gate_up": True}, {"gate_up": True, "prefetch1": True}]
+        bms = _block_ms(T, E, k)
+        if r >= 16:  # weights dequantized before the product (both GEMMs; untuned_weight_only's tiles too)
+            knobs1 += [{"gate_up": True, "fold_w": True}, {"fold_w": True}]
+            bms += tuple(bm for bm in (64,) if bm not in bms)
+        plans = [(bm, _WEIGHT_ONLY_TILES, knobs1,
                   [{}, {"prefetch2": True}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
-                   {"split_k": 4, "prefetch2": True}]) for bm in _block_ms(T, E, k)]
+                   {"split_k": 4, "prefetch2": True}]) for bm in bms]
     else:
         bms = _block_ms(T, E, k)
         knobs1 = [{}, {"gate_up": True}]
