@@ -282,7 +282,7 @@ def _convert(modes: QuantModes, knobs: QuantKnobs, dtype: torch.dtype) -> dict:
     FOLD_W (weight-only weights dequantized with their scales before the product)."""
     code = W_CONVERT[knobs.w_convert] if modes.w_int4 else 0
     magic, value = (qk.MAGIC_BF16 if dtype == torch.bfloat16 else qk.MAGIC_FP16) if code else (0, 0.0)
-    return dict(CONVERT=code, MAGIC=magic, MAGIC_V=value, FOLD_W=knobs.fold_w and modes.act_dtype is None)
+    return dict(CONVERT=code, MAGIC=magic, MAGIC_V=value, FOLD_W=knobs.fold_w)  # check_knobs: weight-only only
 
 
 def _k_splits(K: int, bk: int, split_k: int) -> Tuple[int, int]:
