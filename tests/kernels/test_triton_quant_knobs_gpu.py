@@ -163,4 +163,3 @@ def test_untuned_weight_only_calls_match_emulated_reference(scheme, opts, T, cud
     ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
     assert out.dtype == x.dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOLERANCE[sch.precision]
-

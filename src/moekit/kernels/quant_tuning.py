@@ -356,4 +356,3 @@ def untuned_weight_only(T: int, E: int, k: int) -> Optional[Tuple[MoEConfig, Qua
     if per_expert < 16:
         return None
     return (_WO_LARGE if per_expert >= 64 else _WO_MID), QuantKnobs(gate_up=True, fold_w=True)
-
