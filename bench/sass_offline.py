@@ -88,9 +88,10 @@ def compile_only(arch: int = 90):
         driver._active = previous
 
 
-def point_launch(spec: str):
+def point_launch(spec: str, knobs_json: str = ""):
     """(fn of no arguments running the point's call on CPU tensors through the H200 tables,
-    [launch options dropped])."""
+    [launch options dropped]); knobs_json: QuantKnobs fields set over the table's (quantized
+    points)."""
     from moekit.kernels import launch  # noqa: PLC0415
     from moekit.kernels.tuning import get_config  # noqa: PLC0415
 
@@ -132,6 +133,8 @@ def point_launch(spec: str):
     # call; an explicit config (as here) does not, so that choice is made here.
     if knobs.static_prefill is not None and prefill_refusal(modes, static, False, args[4], args[5]) is None:
         cfg = knobs.static_prefill
+    if knobs_json:
+        knobs = dataclasses.replace(knobs, **json.loads(knobs_json))
     if knobs.pdl:
         knobs = dataclasses.replace(knobs, pdl=False)
         dropped.append("quant.pdl")
@@ -179,13 +182,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--point", action="append", required=True, help="shape:scheme:M[:static] (repeatable)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sass-offline"))
+    p.add_argument("--knobs", default="", help='QuantKnobs fields over the tables\', e.g. \'{"swap1": true}\'')
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     report = {"triton": triton.__version__, "arch": f"sm_{args.arch}a" if args.arch == 90 else f"sm_{args.arch}",
               "points": []}
     for spec in args.point:
-        fn, dropped = point_launch(spec)
+        fn, dropped = point_launch(spec, args.knobs)
         with compile_only(args.arch) as compiled:
             fn()
         stem = spec.replace(":", "_")
