@@ -91,7 +91,7 @@ def compile_only(arch: int = 90):
 def point_launch(spec: str, knobs_json: str = ""):
     """(fn of no arguments running the point's call on CPU tensors through the H200 tables,
     [launch options dropped]); knobs_json: QuantKnobs fields set over the table's (quantized
-    points)."""
+    points; "entry": a whole table entry instead of the table's)."""
     from moekit.kernels import launch  # noqa: PLC0415
     from moekit.kernels.tuning import get_config  # noqa: PLC0415
 
@@ -134,7 +134,12 @@ def point_launch(spec: str, knobs_json: str = ""):
     if knobs.static_prefill is not None and prefill_refusal(modes, static, False, args[4], args[5]) is None:
         cfg = knobs.static_prefill
     if knobs_json:
-        knobs = dataclasses.replace(knobs, **json.loads(knobs_json))
+        over = json.loads(knobs_json)
+        if "entry" in over:  # a whole table entry (tiles, "gemm2", "quant") instead of the table's
+            from moekit.benchmarks.gpu import parse_quant_entry  # noqa: PLC0415
+
+            cfg, knobs = parse_quant_entry(over.pop("entry"))
+        knobs = dataclasses.replace(knobs, **over)
     if knobs.pdl:
         knobs = dataclasses.replace(knobs, pdl=False)
         dropped.append("quant.pdl")
@@ -151,7 +156,7 @@ def _tool(name: str) -> str:
 
 def describe(kernel, sass_path: str) -> dict:
     """Registers, shared memory, warps, instruction count and order summary of a compiled kernel;
-    its SASS written to sass_path."""
+    its SASS written to sass_path, its TTGIR beside it (.ttgir)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -160,6 +165,8 @@ def describe(kernel, sass_path: str) -> dict:
                                check=True).stdout
     with open(sass_path, "w") as out:
         out.write(sass)
+    with open(os.path.splitext(sass_path)[0] + ".ttgir", "w") as out:  # the layouts Triton chose
+        out.write(kernel.asm["ttgir"])
     regs = re.search(r"REG:(\d+)", usage)
     spill = re.search(r"LOCAL:(\d+)", usage)
     instrs = []
@@ -182,7 +189,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--point", action="append", required=True, help="shape:scheme:M[:static] (repeatable)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sass-offline"))
-    p.add_argument("--knobs", default="", help='QuantKnobs fields over the tables\', e.g. \'{"swap1": true}\'')
+    p.add_argument("--knobs", default="", help='QuantKnobs fields over the tables\', e.g. \'{"swap1": true}\'; '
+                   '"entry": a table entry to run instead')
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

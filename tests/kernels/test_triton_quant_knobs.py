@@ -105,6 +105,16 @@ if not IN_INTERPRETER:
             for T, cfg in ((128, _WO_MID), (511, _WO_MID), (512, _WO_LARGE), (16384, _WO_LARGE)):
                 assert tiles(T, scheme) == (cfg, folded)
             assert not tiles(127, scheme)[1].fold_w  # below 16 rows an expert: the fitted tiles
+        # int4 from half a row to 16 rows an expert: the paired products; int8 and fewer rows not
+        pairs = QuantKnobs(gate_up=True, w_convert="pairs", pdl=True)
+        assert [tiles(T, "int4_w4a16")[1] == pairs for T in (3, 4, 16, 127, 128)] == [False, True, True, True, False]
+        assert tiles(16, "int8_w8a16")[1] == QuantKnobs()  # int8 at 0.5-16 rows an expert: the fitted tiles
+        # below half a row an expert: narrow GEMM1 tiles, GEMM2 split in two (int4 converted in PTX)
+        few = QuantKnobs(gate_up=True, split_k=2, pdl=True)
+        assert tiles(3, "int4_w4a16")[1] == replace(few, w_convert="ptx") and tiles(1, "int8_w8a16")[1] == few
+        assert tiles(1, "int4_w4a16", group_size=64)[0].gemm1.BLOCK_SIZE_K == 64
+        cfg, knobs = tiles(16, "int4_w4a16", group_size=32)
+        assert knobs == pairs and cfg.gemm1.BLOCK_SIZE_K == cfg.gemm2.BLOCK_SIZE_K == 32
         cfg, knobs = tiles(4096, "int4_w4a16", group_size=32)  # K tiles within the groups
         assert knobs == folded and cfg.gemm1.BLOCK_SIZE_K == cfg.gemm2.BLOCK_SIZE_K == 32
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
@@ -357,6 +367,14 @@ else:
         ("int8_w8a16", {"group_size": 32, "symmetric": False}, 64, 64, (16, 32, 32, 16, 32),
          dict(fold_w=True, prefetch2=True)),
         ("int8_w8a16", {"group_size": 64}, 128, 64, (32, 32, 64, 32, 64), dict(fold_w=True, gate_up=True)),
+        # paired int4 products (the bit-operation twin of the PTX): whole groups a K loop, the
+        # offsets corrected per group from the rows' sums; GEMM1's tiles wider and narrower
+        # than a group (sums of GEMM2's rows per group or per tile), split K over groups
+        ("int4_w4a16", {"group_size": 32}, 64, 64, (16, 64, 32, 16, 32), dict(w_convert="pairs_bits", gate_up=True)),
+        ("int4_w4a16", {"group_size": 64, "symmetric": False}, 64, 128, (16, 16, 32, 32, 32),
+         dict(w_convert="pairs_bits", split_k=2)),
+        ("int4_w4a16", {"group_size": 32, "symmetric": False}, 96, 64, (16, 32, 32, 32, 32),
+         dict(w_convert="pairs_bits", gate_up=True, split_k=3)),
         ("fp8_w8a8_block128", {}, 128, 128, (16, 32, 64, 32, 64), dict(gate_up=True, split_k=2)),
         ("fp8_w8a8_block128", {}, 256, 128, (16, 64, 128, 256, 128), dict(fuse_x_quant=False)),  # 2 blocks a tile
         ("fp8_w8a8", {"static": True}, 48, 40, (16, 16, 32, 16, 32), dict(gate_up=True, split_k=2)),  # K masks
@@ -403,9 +421,16 @@ else:
             _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))
         with pytest.raises(ValueError, match="knobs.fold_w dequantizes the weights of weight-only schemes"):
             _run(wts, x, w, ids, None, None, QuantKnobs(fold_w=True))
+        with pytest.raises(ValueError, match="int4"):
+            _run(wts, x, w, ids, None, None, QuantKnobs(w_convert="pairs_bits"))
         int4 = _weights("int4_w4a16", {}, 2, 128, 128, gen)
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             _run(int4, x, w, ids, None, None, QuantKnobs(w_convert="ptx"))
+        with pytest.raises(ValueError, match="needs a CUDA GPU.*'pairs_bits' computes the same values"):
+            _run(int4, x, w, ids, None, None, QuantKnobs(w_convert="pairs"))
+        for other in ("fold_w", "prefetch1", "prefetch2"):
+            with pytest.raises(ValueError, match=f"knobs.{other} does not combine with knobs.w_convert='pairs_bits'"):
+                _run(int4, x, w, ids, None, None, QuantKnobs(w_convert="pairs_bits", **{other: True}))
         wts = _weights("fp8_w8a8", {}, 2, 48, 40, gen)
         with pytest.raises(ValueError, match="prefetch1 needs K=48"):
             _run(wts, torch.randn(2, 48).half(), w, ids, None, _tiles(16, 16, 32, 16, 32), QuantKnobs(prefetch1=True))

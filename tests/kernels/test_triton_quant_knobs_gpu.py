@@ -53,6 +53,10 @@ VARIANTS = [
     ("int4_w4a16", {}, (16, 64, 128, 64, 128), dict(w_convert="ptx", gate_up=True, split_k=2, pdl=True)),
     ("int4_w4a16", {"group_size": 64, "symmetric": False}, (16, 32, 64, 128, 64), dict(w_convert="ptx")),
     ("int4_w4a16", {}, (64, 64, 128, 128, 128), dict(w_convert="ptx", prefetch1=True)),
+    # paired int4 products: x prepared in the alignment's launch, offsets corrected per group
+    ("int4_w4a16", {}, (16, 64, 64, 64, 128), dict(w_convert="pairs", gate_up=True, split_k=2, pdl=True)),
+    ("int4_w4a16", {"group_size": 64, "symmetric": False}, (16, 32, 64, 128, 32), dict(w_convert="pairs")),
+    ("int4_w4a16", {"group_size": 32}, (32, 128, 32, 64, 32), dict(w_convert="pairs_bits", gate_up=True)),
     ("int8_w8a16", {}, (16, 64, 128, 64, 128), dict(gate_up=True, prefetch1=True, split_k=3)),
     ("int8_w8a16", {"group_size": 64, "symmetric": False}, (16, 64, 64, 64, 64), dict(prefetch2=True)),
     ("fp8_w8a8_block128", {}, (16, 64, 128, 128, 128), dict(gate_up=True, split_k=2, pdl=True)),
@@ -115,6 +119,32 @@ def test_split_k_and_pdl_are_run_to_run_identical_and_graph_safe(scheme, opts, c
         assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=knobs))
 
 
+@pytest.mark.parametrize("opts", [{}, {"group_size": 64, "symmetric": False}], ids=["sym-128", "zero-64"])
+@pytest.mark.parametrize("T", [1, 16, 333])
+def test_paired_products_in_ptx_are_the_bit_operations_bits(opts, T, cuda_gen):
+    """w_convert "pairs" (inline PTX) and "pairs_bits" (bit operations) give every weight the same
+    value at the same place of the products (the PTX relies on each register holding four bytes
+    of one word of eight weights), so their outputs are the same bits; graph replays too."""
+    wts = _weights("int4_w4a16", opts, 16, 1024, 512, cuda_gen)
+    w, ids = _routing(T, 16, 4, cuda_gen)
+    x = torch.randn(T, 1024, device="cuda", generator=cuda_gen).bfloat16()
+    cfg = _tiles(16, 64, 64, 64, 64, stages=4)
+    outs = [_run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(w_convert=c, gate_up=True, split_k=2))
+            for c in ("pairs", "pairs_bits")]
+    assert torch.equal(outs[0], outs[1])
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    assert rel_err(outs[0], ref) <= TOLERANCE[get_scheme(wts.quant).precision]
+    knobs = QuantKnobs(w_convert="pairs", gate_up=True, split_k=2, pdl=True)
+    _run(wts, x, w, ids, config=cfg, knobs=knobs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(wts, x, w, ids, config=cfg, knobs=knobs)
+    x.copy_(torch.randn(T, 1024, device="cuda", generator=cuda_gen))
+    graph.replay()
+    assert torch.equal(out, _run(wts, x, w, ids, config=cfg, knobs=QuantKnobs(w_convert="pairs_bits", gate_up=True,
+                                                                              split_k=2)))
+
+
 @pytest.mark.parametrize("scheme,opts", [("fp8_w8a8", {"static": True}), ("fp8_w8a8", {}),
                                          ("fp8_w8a8_channel", {}), ("int8_w8a8", {})])
 @pytest.mark.parametrize("T", [256, 512, 1031], ids=["32-rows", "64-rows", "129-rows"])
@@ -143,10 +173,11 @@ def test_untuned_8bit_calls_match_emulated_reference(scheme, opts, T, cuda_gen):
 
 @pytest.mark.parametrize("scheme,opts", [("int4_w4a16", {}), ("int4_w4a16", {"group_size": 64, "symmetric": False}),
                                          ("int8_w8a16", {}), ("int8_w8a16", {"group_size": 32, "symmetric": False})])
-@pytest.mark.parametrize("T", [200, 1031], ids=["25-rows", "129-rows"])
+@pytest.mark.parametrize("T", [1, 3, 40, 200, 1031], ids=["1-token", "0.4-rows", "5-rows", "25-rows", "129-rows"])
 def test_untuned_weight_only_calls_match_emulated_reference(scheme, opts, T, cuda_gen):
     """An untuned weight-only shape through the call's own tile choice (on Hopper
-    quant_tuning.untuned_weight_only: the weights dequantized with their group scales before the
+    quant_tuning.untuned_weight_only: below half a row an expert narrow tiles, int4 up to 16 rows
+    the paired products, from 16 rows the weights dequantized with their group scales before the
     product) with experts left without tokens."""
     from moekit.kernels.launch_quant import quant_tiles  # noqa: PLC0415
     from moekit.kernels.quant_rows import modes_of  # noqa: PLC0415
@@ -158,7 +189,9 @@ def test_untuned_weight_only_calls_match_emulated_reference(scheme, opts, T, cud
     x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
     sch = get_scheme(scheme, **opts)
     _, knobs = quant_tiles(T, E, k, H, I, x.dtype, device_name(), sch, modes_of(sch))
-    assert knobs.fold_w == (torch.cuda.get_device_capability()[0] == 9)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert knobs.fold_w == (hopper and T * k >= 16 * E)
+    assert (knobs.w_convert == "pairs") == (hopper and sch.weight_dtype == "int4" and 0.5 * E <= T * k < 16 * E)
     out = _run(wts, x, w, ids)
     ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
     assert out.dtype == x.dtype and torch.isfinite(out).all()

@@ -102,12 +102,15 @@ def _as_called(cfg, knobs) -> Tuple:
 
 
 def _flips(scheme_name: str, knobs) -> List[Dict]:
-    """One knob flipped each: PDL; x quantized in its own launch (fp8); the other int4 conversions."""
+    """One knob flipped each: PDL; x quantized in its own launch (fp8); the other int4 conversions
+    (the paired products without the knobs they exclude)."""
     flips = [dict(pdl=not knobs.pdl)]
     if scheme_name.startswith("fp8"):
         flips.append(dict(fuse_x_quant=not knobs.fuse_x_quant))
     if scheme_name.startswith("int4"):
         flips += [dict(w_convert=c) for c in ("cast", "bits", "ptx") if c != knobs.w_convert]
+        if knobs.w_convert != "pairs" and not knobs.fold_w:
+            flips.append(dict(w_convert="pairs", prefetch1=False, prefetch2=False))
     return flips
 
 

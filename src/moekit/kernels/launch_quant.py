@@ -162,9 +162,13 @@ def _knob_problems(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, mo
     """(QuantKnobs field, why the call cannot take it) for every knob set that these tiles and
     this scheme cannot run (see check_knobs)."""
     out = []
-    if knobs.w_convert in ("bits", "ptx") and not modes.w_int4:
+    if knobs.w_convert in ("bits", "ptx", "pairs", "pairs_bits") and not modes.w_int4:
         out.append(("w_convert", f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, "
                                  f"got quant={scheme.name!r}"))
+    elif _pairs(modes, knobs) and (knobs.fold_w or knobs.prefetch1 or knobs.prefetch2):
+        other = "fold_w" if knobs.fold_w else "prefetch1" if knobs.prefetch1 else "prefetch2"
+        out.append((other, f"knobs.{other} does not combine with knobs.w_convert={knobs.w_convert!r} (paired "
+                           f"products load and correct whole weight groups themselves)"))
     if knobs.fold_w and modes.act_dtype is not None:
         out.append(("fold_w", f"knobs.fold_w dequantizes the weights of weight-only schemes, got quant={scheme.name!r}"))
     g1, g2 = config.gemm1, config.gemm2
@@ -184,6 +188,11 @@ def _knob_problems(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, mo
             out.append((f"prefetch{gemm[-1]}", f"knobs.prefetch{gemm[-1]} needs K={K} to be a multiple of "
                                                f"config.{gemm}.BLOCK_SIZE_K, got {t.BLOCK_SIZE_K}"))
     return out
+
+
+def _pairs(modes: QuantModes, knobs: QuantKnobs) -> bool:
+    """Whether the call runs paired int4 products (triton_moe_quant._mainloop_pairs)."""
+    return modes.w_int4 and modes.act_dtype is None and knobs.w_convert in ("pairs", "pairs_bits")
 
 
 def check_knobs(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, modes: QuantModes, gate_up: bool,
@@ -246,7 +255,7 @@ def pick_quant_tiles(T: int, E: int, k: int, H: int, I: int, dtype: torch.dtype,
         if untuned is not None:
             return (*untuned, "untuned_w8a8")
     if on_hopper(device) and modes.act_dtype is None:
-        untuned = untuned_weight_only(T, E, k)
+        untuned = untuned_weight_only(T, E, k, modes.w_int4)
         if untuned is not None:
             return _within_groups(untuned[0], modes), untuned[1], "untuned_weight_only"
     config, source = pick_config(T, E, k, H, I, dtype, device, untuned_prefill=False)
@@ -403,9 +412,11 @@ def fused_moe_quant(
     if tuned_knobs:
         knobs = fit_knobs(config, knobs, scheme, modes, gate_up, H, I)
     check_knobs(config, knobs, scheme, modes, gate_up, H, I)
-    if knobs.w_convert == "ptx" and dev.type != "cuda":
-        raise ValueError(f"knobs.w_convert='ptx' runs inline PTX: it needs a CUDA GPU, got {dev.type} "
-                         "(the Triton interpreter cannot run it)")
+    if knobs.w_convert in ("ptx", "pairs") and dev.type != "cuda":
+        twin = "bits" if knobs.w_convert == "ptx" else "pairs_bits"
+        raise ValueError(f"knobs.w_convert={knobs.w_convert!r} runs inline PTX: it needs a CUDA GPU, got {dev.type} "
+                         f"(the Triton interpreter cannot run it; {twin!r} computes the same values)")
+    pairs = _pairs(modes, knobs)
     gluon_rows = knobs.gluon
     if gluon_rows:
         why = gluon_block.refusal(scheme, x.dtype, dev, activation, b13 is not None or b2 is not None, on_input,
@@ -419,7 +430,13 @@ def fused_moe_quant(
     small_max = launch.ALIGN_SMALL_MAX
     w_in = topk_weights if on_input else None
     # Step 1: alignment and GEMM1's input (x quantized in the alignment's launch when it can be).
-    if modes.act_dtype is None:
+    if pairs:  # x copied in the paired order with its groups' sums, in the alignment's launch
+        a1 = torch.empty(T, H, dtype=x.dtype, device=dev)
+        a1_s = torch.empty(T, H // modes.kgroup, dtype=torch.float32, device=dev)
+        al = align_and_quantize(topk_ids, expert_map, E, granule, x, a1, a1_s, modes, 5, modes.kgroup, None, small_max,
+                                pdl=knobs.pdl)
+        a1_mode, a1_sm, a1_se = 0, a1_s.stride(0), 0
+    elif modes.act_dtype is None:
         al = moe_align(topk_ids, expert_map, E, granule, small_max=small_max)
         a1, a1_s, a1_mode, a1_sm, a1_se = x, x, 0, 0, 0
     else:
@@ -466,12 +483,14 @@ def fused_moe_quant(
     act = torch.empty(R, I, dtype=_FP8 if static else x.dtype, device=dev)
     q13, s13, z13, s13_e, s13_n = _weight_args(w13, w13_scale, w13_zero)
     bias13 = b13 if b13 is not None else x
+    sum_g = min(g1.BLOCK_SIZE_N, modes.kgroup) if pairs else 1  # columns an entry of the rows' sums for GEMM2
+    act_s = torch.empty(R, I // sum_g, dtype=torch.float32, device=dev) if pairs else None
     qk.gemm1_quant_kernel[(al.max_blocks * triton.cdiv(I, g1.BLOCK_SIZE_N),)](
-        a1, a1_s, q13, s13, z13, bias13, act, a2_scale if static else s13,
+        a1, a1_s, q13, s13, z13, bias13, act, act_s if pairs else a2_scale if static else s13,
         topk_weights, al.sorted_ids, al.expert_end, src if static else al.sorted_ids,
         I, H, TK, k, al.max_blocks, E,
         a1.stride(0), a1_sm, a1_se, q13.stride(0), q13.stride(1), s13_e, s13_n,
-        bias13.stride(0) if b13 is not None else 0, act.stride(0),
+        bias13.stride(0) if b13 is not None else 0, act.stride(0), act_s.stride(0) if pairs else 0,
         float(alpha), float(limit),
         GATED=gated, ACT=activation, HAS_BIAS=b13 is not None, ON_INPUT=on_input,
         A_QUANT=a1_mode, A_BY_ASSIGN=static, OUT_STATIC=static, EVEN_K=H % g1.BLOCK_SIZE_K == 0,
@@ -479,7 +498,9 @@ def fused_moe_quant(
         OUT_POLICY=moe.store_policy(act), **chain, **flags,
         **_tile_kwargs(g1))
     # Step 3: GEMM2 input.
-    if modes.act_dtype is None:
+    if pairs:
+        a2, a2_s, a2_mode, a2_sm, a2_se = act, act_s, 0, act_s.stride(0), 0
+    elif modes.act_dtype is None:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, act, 0, 0, 0
     elif static:
         a2, a2_s, a2_mode, a2_sm, a2_se = act, a2_scale, 1, 0, 1
@@ -492,7 +513,7 @@ def fused_moe_quant(
         a2_mode, a2_sm, a2_se = 1, (0 if modes.act_gran == "tensor" else a2_s.stride(0)), 0
     # Step 4: GEMM2 (+ bias, routed weight) into per-assignment rows (fp32 partials per K split),
     # then the sum over k and the splits.
-    splits, k_split = _k_splits(I, g2.BLOCK_SIZE_K, knobs.split_k)
+    splits, k_split = _k_splits(I, modes.kgroup if pairs else g2.BLOCK_SIZE_K, knobs.split_k)  # pairs: whole groups
     y = torch.empty(splits, TK, H, dtype=x.dtype if splits == 1 else torch.float32, device=dev)
     q2, s2, z2, s2_e, s2_n = _weight_args(w2, w2_scale, w2_zero)
     bias2 = b2 if b2 is not None else x
@@ -502,7 +523,7 @@ def fused_moe_quant(
         a2.stride(0), a2_sm, a2_se, q2.stride(0), q2.stride(1), s2_e, s2_n,
         bias2.stride(0) if b2 is not None else 0, y.stride(0), y.stride(1),
         HAS_BIAS=b2 is not None, ON_INPUT=on_input, A_QUANT=a2_mode, EVEN_K=I % g2.BLOCK_SIZE_K == 0,
-        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), **chain, **flags,
+        PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), SUM_G=sum_g, **chain, **flags,
         **_tile_kwargs(g2))
     return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
 

@@ -75,7 +75,7 @@ def _chunks(gran: int, K: int, group: int) -> Tuple[int, int]:
         return min(4096, _pow2(K)), 1
     # gran 4 (a program per token): whole rows up to 4096 columns, so each token's slot ids and
     # scales are read once.
-    block = group * max(1, 1024 // group) if gran == 3 else min(4096 if gran == 4 else 1024, _pow2(K))
+    block = group * max(1, 1024 // group) if gran in (3, 5) else min(4096 if gran == 4 else 1024, _pow2(K))
     return block, triton.cdiv(K, block)
 
 
@@ -87,7 +87,7 @@ def _quant_args(x, q, s, modes: QuantModes, gran: int, group: int, topk_weights,
     ids = topk_ids if topk_ids is not None else s
     args = (x, q, s, w, src if src is not None else s, ids, expert_map if expert_map is not None else ids)
     sizes = (x.shape[1], topk_ids.shape[1] if topk_ids is not None else 1, x.stride(0), q.stride(0),
-             s.stride(0) if gran in (2, 3) else 0)
+             s.stride(0) if gran in (2, 3, 5) else 0)
     meta = dict(BC=block, G=max(group, 1), GRAN=gran, QMAX=modes.qmax, INT8=modes.act_dtype == torch.int8,
                 ON_INPUT=topk_weights is not None, HAS_MAP=expert_map is not None)
     return args, sizes, meta, n_chunks
@@ -142,8 +142,8 @@ def _rows_per_program(gran: int, block: int) -> int:
 
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
                        group: int, topk_weights, small_max: int, pdl: bool = False, src=None) -> Alignment:
-    """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src) in the alignment's
-    first launch (pdl: its last launch lets a programmatic dependent start)."""
+    """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src; 5 copies x in the
+    paired order and sums its groups: triton_quant_rows) in the alignment's first launch (pdl: its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     emap = expert_map if expert_map is not None else topk_ids

@@ -24,7 +24,7 @@ __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_fi
            "lookup_quant_config", "quant_search_space", "fp8_prefill_space", "untuned_w8a8"]
 
 # The int4 weight conversions, by the kernels' CONVERT code.
-W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2}
+W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2, "pairs": 3, "pairs_bits": 4}
 # Shared memory one program may use on SM90 (227 KB) less room for the compiler's own use.
 _SMEM_LIMIT = 220 * 1024
 
@@ -43,6 +43,11 @@ class QuantKnobs:
     w_convert: how int4 weights become floats: "bits" (the nibble or-ed into a float's mantissa,
         the offset or zero point subtracted in 16 bits), "ptx" (the same in inline PTX on whole
         registers, four bytes at a time; CUDA only), "cast" (through int8), "auto" (bits);
+        "pairs" (paired products, int4 weight-only: x copied in a paired column order with its
+        groups' sums in the alignment's launch, eight weights converted by masks and shifts of
+        their word, the offset or zero point corrected once per group instead of subtracted per
+        weight; inline PTX, CUDA only; not with fold_w or prefetching), "pairs_bits" (the same
+        products through bit operations, any device);
         8-bit weights are always cast ("auto" or "cast").
     fuse_x_quant: x is quantized in the alignment's launch (dynamic per-token or per-group
         scales, or static per-expert ones).
@@ -343,16 +348,31 @@ def untuned_w8a8(T: int, E: int, k: int, fp8_tensor: bool) -> Optional[Tuple[MoE
 # 4-warp tiles of 64 rows from 16 rows an expert and of 128 rows from 64.
 _WO_MID = MoEConfig(TileConfig(64, 64, 64, 8, 4, 4), TileConfig(64, 64, 64, 8, 4, 4))
 _WO_LARGE = MoEConfig(TileConfig(128, 64, 64, 8, 4, 4), TileConfig(128, 64, 64, 8, 4, 4))
+# int4 from half a row to 16 rows an expert: the paired products (w_convert "pairs"), GEMM2 over
+# 128 columns (the shipped Qwen3 int4 entries at M = 16 and 64).
+_WO_PAIRS = MoEConfig(TileConfig(16, 64, 64, 8, 4, 3), TileConfig(16, 128, 64, 8, 4, 3))
+# Below half a row an expert (a token or two): narrow GEMM1 tiles over long K tiles, GEMM2 split in two.
+_WO_FEW = MoEConfig(TileConfig(16, 32, 128, 8, 4, 4), TileConfig(16, 64, 128, 8, 4, 4))
 
 
-def untuned_weight_only(T: int, E: int, k: int) -> Optional[Tuple[MoEConfig, QuantKnobs]]:
+def untuned_weight_only(T: int, E: int, k: int, int4: bool = False) -> Optional[Tuple[MoEConfig, QuantKnobs]]:
     """Tiles and knobs of an untuned Hopper call with int4 or int8 weights and float activations,
-    or None below 16 rows an expert (weight streaming: the unquantized table's fitted tiles).
+    or None where the unquantized table's fitted tiles serve (int8 from half a row to 16 rows an
+    expert).
 
     The fitted tiles scale each K tile's product after it finishes, which held the large-M calls
     at 0.14-0.23x the bf16 kernel; with the weights dequantized before the product these tiles
-    were 1.1-1.9x the fitted ones at 16-32 rows an expert and 2.9-3.6x from 128."""
+    were 1.1-1.9x the fitted ones at 16-32 rows an expert and 2.9-3.6x from 128. int4 with half
+    a row to 16 rows an expert runs the paired products: 1.30-1.43x the fitted tiles at OLMoE
+    M = 16 and 64 and DeepSeek-V3 M = 16 (bench/results/h200-int4-pairs-ab-untuned.json). Below
+    half a row the fitted tiles ran OLMoE M = 1 at 0.41x (int4) and 0.55x (int8) the bf16 kernel;
+    _WO_FEW's were 3.1x / 2.0x faster there, DeepSeek-V3 int4 M = 1 1.37x
+    (h200-int4-untuned-m1-ab.json, h200-int8-untuned-m1-ab.json)."""
     per_expert = T * k / E
+    if per_expert < 0.5:
+        return _WO_FEW, QuantKnobs(gate_up=True, split_k=2, pdl=True, w_convert="ptx" if int4 else "auto")
+    if int4 and per_expert < 16:
+        return _WO_PAIRS, QuantKnobs(gate_up=True, w_convert="pairs", pdl=True)
     if per_expert < 16:
         return None
     return (_WO_LARGE if per_expert >= 64 else _WO_MID), QuantKnobs(gate_up=True, fold_w=True)

@@ -34,6 +34,12 @@ Modes (constexpr):
               32-bit registers (_nibbles_ptx_source: eight weights in 12 instructions; CUDA
               only, not the interpreter). 8-bit weights are always cast (int8 takes
               Triton's bit-operation conversion; uint8 with zero points, int16 arithmetic).
+              3 and 4 ("pairs": inline PTX on CUDA / its bit-operation twin anywhere): paired
+              int4 products (_mainloop_pairs): the activation rows come in PAIRS_ORDER with
+              the sums of their weight groups (x prepared in the alignment's launch,
+              triton_quant_rows GRAN 5; GEMM2's rows by GEMM1's epilogue), a word of eight
+              weights converts with masks and shifts only, and no offset is subtracted per
+              weight (one correction per group and output).
     FOLD_W    weight-only schemes: each K tile's weights are dequantized to x's dtype with their
               group's scales ((q - zero) * s, one rounding) before the product, which then
               accumulates in the MMA; without it the product of the integer weights is scaled
@@ -66,7 +72,12 @@ import triton.language as tl
 from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _tile_ids
 from .triton_quant_rows import to_quant
 
-__all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16"]
+__all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16", "PAIRS_ORDER"]
+
+# The paired column order of the activation rows of CONVERT 3 / 4: position p of every group of
+# eight columns holds column PAIRS_ORDER[p] of the group; its first four positions are what the
+# first weight tiles of _pair_tiles multiply, the last four the second tiles'.
+PAIRS_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 # (bit pattern, its value): u | pattern is the float value + u for 0 <= u < 16.
 MAGIC_FP16 = (0x6400, 1024.0)
@@ -102,6 +113,25 @@ def _nibbles_ptx_source(bf16: bool, sub: bool) -> str:
             + " ".join(body) + " }")
 
 
+def _pairs_ptx_source(bf16: bool) -> str:
+    """PTX of CONVERT = 3 for four packed bytes $4, the eight weights of K columns 8j..8j+7 (byte b
+    holding columns 2b and 2b + 1): the word masked as it is puts the low nibbles of bytes 0 and 2
+    (columns 8j and 8j + 4) in the halves of a 2 x 16-bit register, and shifted by 4, 8 and 12
+    the next pairs, so no byte permutes: $0, $1 hold columns (0, 4), (1, 5) and $2, $3 columns
+    (2, 6), (3, 7), as floats MAGIC_V + u (the offset is not subtracted: _mainloop_pairs)."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    body = []
+    for shift, out in ((0, "$0"), (4, "$1"), (8, "$2"), (12, "$3")):
+        src = "$4"
+        if shift:
+            body.append(f"shr.u32 t, $4, {shift};")
+            src = "t"
+        body.append(f"lop3.b32 {out}, {src}, 0x000F000F, {magic}, 0xEA;")
+    return "{ .reg .b32 t; " + " ".join(body) + " }"
+
+
+_PAIRS_BF16: tl.constexpr = tl.constexpr(_pairs_ptx_source(True))
+_PAIRS_FP16: tl.constexpr = tl.constexpr(_pairs_ptx_source(False))
 _PTX_BF16: tl.constexpr = tl.constexpr(_nibbles_ptx_source(True, False))
 _PTX_BF16_SUB: tl.constexpr = tl.constexpr(_nibbles_ptx_source(True, True))
 _PTX_FP16: tl.constexpr = tl.constexpr(_nibbles_ptx_source(False, False))
@@ -118,6 +148,49 @@ def _nibbles_ptx(q, SUB: tl.constexpr, dtype: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_PTX_FP16_SUB if SUB else _PTX_FP16, "=r,=r,=r,=r,r", [q],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return lo, hi
+
+
+@triton.jit
+def _pair_tiles(w_ptrs, kb, CONVERT: tl.constexpr, MAGIC: tl.constexpr, dt: tl.constexpr):
+    """The int4 weights of a K tile as two dt tiles [BK/2, BN] of floats MAGIC_V + u (u the stored
+    nibble, exact), rows in the paired order: of K columns 8j..8j+7 the first tile holds (0, 4, 1,
+    5) at rows 4j..4j+3 and the second (2, 6, 3, 7). w_ptrs [BK/2, BN]: the tile's bytes (row kb
+    of the tile at w_ptrs[kb]).
+
+    CONVERT 3: the bytes loaded as they are and converted by inline PTX on whole registers
+    (_pairs_ptx_source; CUDA only). 4, the twin on any device: row 4j + i of the first tile is the
+    nibble i // 2 of byte 4j + 2 (i % 2), of the second of the byte after it, each loaded where
+    it is."""
+    if CONVERT == 3:
+        q = tl.load(w_ptrs)
+        if dt == tl.bfloat16:
+            first, second = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,=r,=r,=r,r", [q],
+                                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            first, second = tl.inline_asm_elementwise(_PAIRS_FP16, "=r,=r,=r,=r,r", [q],
+                                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        byte = (4 * (kb // 4) + 2 * (kb % 2) - kb)[:, None]  # the first tile's byte of row kb, from row kb's
+        shift = (4 * ((kb % 4) // 2))[:, None].to(tl.uint8)
+        first = _bits(((tl.load(w_ptrs + byte) >> shift) & 15).to(tl.int16), MAGIC, dt)
+        second = _bits(((tl.load(w_ptrs + byte + 1) >> shift) & 15).to(tl.int16), MAGIC, dt)
+    return first, second
+
+
+@triton.jit
+def _to_pairs_order(v, R: tl.constexpr, C: tl.constexpr):
+    """Rows v [R, C] (C a multiple of 8) with their columns in PAIRS_ORDER: natural column
+    8j + 4a + b goes to 8j + 2b + a."""
+    return tl.reshape(tl.permute(tl.reshape(v, [R, C // 8, 2, 4]), [0, 1, 3, 2]), [R, C])
+
+
+@triton.jit
+def _paired_halves(a, BM: tl.constexpr, BK: tl.constexpr):
+    """The halves of each group of eight columns of a [BM, BK] rows stored in PAIRS_ORDER: the first
+    (columns 0, 4, 1, 5 of the group) and the second (2, 6, 3, 7), _pair_tiles' weight rows.
+    In registers a thread holds the pairs of adjacent stored columns, so the split only picks
+    whole 32-bit registers (a row block's registers are regrouped for the products with moves)."""
+    return tl.split(tl.reshape(tl.permute(tl.reshape(a, [BM, BK // 8, 2, 4]), [0, 1, 3, 2]), [BM, BK // 2, 2]))
 
 
 @triton.jit
@@ -368,12 +441,77 @@ def _mainloop(a_row_ptrs, a_ok, a_s_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, row0, up
     return gate, up
 
 
+@triton.jit
+def _mainloop_pairs(a_row_ptrs, a_ok, sum_row_ptrs, w_ptr, ws_ptr, wz_ptr, wrows, k_lo, k_hi, stride_wn, stride_sn,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_ZERO: tl.constexpr,
+                    KGROUP: tl.constexpr, SUM_G: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr,
+                    MAGIC_V: tl.constexpr):
+    """The products of int4 weight-only schemes with CONVERT 3 / 4 (QuantKnobs.w_convert "pairs"),
+    fp32 [BM, BN], over K columns [k_lo, k_hi) (whole weight groups).
+
+    The activation rows a_row_ptrs [BM] are stored in the paired order (PAIRS_ORDER), so each K
+    tile splits into the halves _pair_tiles' weight rows need by whole registers; the weights enter the products as MAGIC_V + u, the stored nibble u with the float
+    bias left in, and each group's products, summed over its K tiles, are corrected once:
+    (sum a (MAGIC_V + u) - (MAGIC_V + z) sum a) * s, z the zero point (8 when symmetric), with
+    sum a the group's sums of the rows (sum_row_ptrs [BM]: SUM_G columns an entry). The
+    subtraction per weight goes; a row-by-column correction per group comes instead.
+    """
+    dt: tl.constexpr = a_row_ptrs.dtype.element_ty
+    a_ptrs = a_row_ptrs[:, None] + (k_lo + tl.arange(0, BK))[None, :]
+    kw = tl.arange(0, BK // 2)
+    w_ptrs = w_ptr + wrows[None, :].to(tl.int64) * stride_wn + (k_lo // 2 + kw)[:, None]
+    ws_ptrs = ws_ptr + wrows * stride_sn
+    wz_ptrs = wz_ptr + wrows * stride_sn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kg in range(k_lo, k_hi, KGROUP):
+        part = tl.zeros([BM, BN], dtype=tl.float32)
+        for _ in tl.static_range(KGROUP // BK):
+            a_first, a_second = _paired_halves(tl.load(a_ptrs, mask=a_ok[:, None], other=0.0), BM, BK)
+            w_first, w_second = _pair_tiles(w_ptrs, kw, CONVERT, MAGIC, dt)
+            part = tl.dot(a_first, w_first, part)
+            part = tl.dot(a_second, w_second, part)
+            a_ptrs += BK
+            w_ptrs += BK // 2
+        g = kg // KGROUP
+        ws = tl.load(ws_ptrs + g)
+        if HAS_ZERO:
+            bias = tl.load(wz_ptrs + g).to(tl.float32) + MAGIC_V
+        else:
+            bias = tl.full([BN], MAGIC_V + 8.0, tl.float32)
+        sums = tl.zeros([BM], dtype=tl.float32)
+        for i in tl.static_range(KGROUP // SUM_G):
+            sums += tl.load(sum_row_ptrs + g * (KGROUP // SUM_G) + i, mask=a_ok, other=0.0)
+        acc += (part - sums[:, None] * bias[None, :]) * ws[None, :]
+    return acc
+
+
+@triton.jit
+def _store_paired(out_ptr, sum_ptr, h, rows, pid_n, N, stride_om, stride_sum,
+                  BM: tl.constexpr, BN: tl.constexpr, KGROUP: tl.constexpr, OUT_POLICY: tl.constexpr):
+    """GEMM1's activation tile h [BM, BN] (buffer rows `rows`, columns pid_n * BN + ...; N a multiple
+    of 8) stored for a GEMM2 with paired products: in PAIRS_ORDER, and the sums of the stored
+    values in entries of min(BN, KGROUP) columns (sum_ptr: [rows, N / min(BN, KGROUP)] fp32)."""
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    hb = h.to(out_ptr.dtype.element_ty)
+    hs = tl.where(col_ok[None, :], hb.to(tl.float32), 0.0)
+    if BN > KGROUP:
+        entry = pid_n * (BN // KGROUP) + tl.arange(0, BN // KGROUP)
+        tl.store(sum_ptr + rows[:, None] * stride_sum + entry[None, :],
+                 tl.sum(tl.reshape(hs, [BM, BN // KGROUP, KGROUP]), axis=2), mask=(entry * KGROUP < N)[None, :])
+    else:
+        tl.store(sum_ptr + rows * stride_sum + pid_n, tl.sum(hs, axis=1))
+    # A group of eight columns lies wholly in or out of range (N % 8 == 0): the mask needs no reordering.
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _to_pairs_order(hb, BM, BN), mask=col_ok[None, :],
+             eviction_policy=OUT_POLICY)
+
+
 @triton.jit(do_not_specialize=["TK", "top_k", "NUM_M", "E"])
 def gemm1_quant_kernel(
     a_ptr, a_s_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, out_s_ptr,
     topk_w_ptr, sorted_ptr, expert_end_ptr, src_ptr,
     N, K, TK, top_k, NUM_M, E,
-    stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
+    stride_am, stride_asm, stride_ase, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om, stride_sum,
     alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr,
@@ -389,6 +527,9 @@ def gemm1_quant_kernel(
     a [T, K=H] (float, or quantized with a_s), or [T*k, K] rows of the assignments, assignment a
     reading row src[a] (A_BY_ASSIGN: static scales; triton_quant_rows, GRAN 4); w13 [E, 2N or N, K / pack]; b13 [E, 2N or N];
     out [R, N]: x's dtype, or fp8 quantized with the static scale out_s[e] (OUT_STATIC).
+    CONVERT 3 / 4 (paired int4 products): a holds x in PAIRS_ORDER and a_s the sums of its weight
+    groups [T, K / KGROUP]; out is written in PAIRS_ORDER and out_s [R, N / min(BN, KGROUP)] gets
+    the sums of its rows for GEMM2 (_store_paired).
     PDL: launched as a programmatic dependent: waits for the previous kernels before reading
     anything they wrote, and lets the next kernel launch once its products are done.
     """
@@ -418,7 +559,23 @@ def gemm1_quant_kernel(
     inv_out_s = 1.0
     if OUT_STATIC:  # one division a tile, a multiply per value
         inv_out_s = 1.0 / tl.load(out_s_ptr + e64)
-    if GATED and GATE_UP:
+    if CONVERT >= 3:  # paired int4 products
+        if GATED and GATE_UP:
+            c2 = tl.arange(0, 2 * BN)
+            n2 = pid_n * BN + c2 // 2
+            acc = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(n2 < N, n2, 0) + (c2 % 2) * N,
+                                  0, K, stride_wn, stride_sn, BM, 2 * BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC,
+                                  MAGIC_V)
+            gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
+        else:
+            wrows = tl.where(col_ok, cols, 0)
+            gate = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, 0, K, stride_wn, stride_sn,
+                                   BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
+            up = gate
+            if GATED:
+                up = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows + N, 0, K, stride_wn,
+                                     stride_sn, BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
+    elif GATED and GATE_UP:
         c2 = tl.arange(0, 2 * BN)
         n2 = pid_n * BN + c2 // 2
         wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
@@ -443,7 +600,10 @@ def gemm1_quant_kernel(
             up += b_up[None, :]
     h = _apply_act(gate, up, ACT, alpha, limit)
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
-    if OUT_STATIC:
+    if CONVERT >= 3:
+        _store_paired(out_ptr, out_s_ptr, h, (pid_m * BM + rows).to(tl.int64), pid_n, N, stride_om, stride_sum, BM, BN,
+                      KGROUP, OUT_POLICY)
+    elif OUT_STATIC:
         tl.store(o_ptrs, to_quant(h * inv_out_s, 448.0, False), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
@@ -461,13 +621,15 @@ def gemm2_quant_kernel(
     W_INT4: tl.constexpr, HAS_ZERO: tl.constexpr, INT_DOT: tl.constexpr, KGROUP: tl.constexpr,
     EVEN_K: tl.constexpr, CONVERT: tl.constexpr, MAGIC: tl.constexpr, MAGIC_V: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, FOLD_W: tl.constexpr,
-    OUT_POLICY: tl.constexpr = "",
+    OUT_POLICY: tl.constexpr = "", SUM_G: tl.constexpr = 1,
 ):
     """y[s, a, n] = w[a] * (dequant(act[row, Ks] W2[e, :, Ks]^T) + [s = 0] b2[e])[n] over split s's
     K columns Ks = [s K_SPLIT, (s + 1) K_SPLIT) (w left out when it went on the input).
 
     act [R, K=I] (float, or quantized with a_s indexed by row); w2 [E, N=H, K / pack];
     y [S, TK, N] (grid axis 1: the S splits). K_SPLIT is a multiple of BK. PDL: as GEMM1's.
+    CONVERT 3 / 4 (paired int4 products): act in PAIRS_ORDER, a_s its rows' sums in entries of
+    SUM_G columns (GEMM1's _store_paired); K_SPLIT a multiple of KGROUP.
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -486,12 +648,18 @@ def gemm2_quant_kernel(
     k_lo = pid_s * K_SPLIT
     bias, route_w = _gemm2_operands(b_ptr, e, cols, col_ok & (cols * 0 + pid_s == 0), stride_be, topk_w_ptr, assign,
                                     live, BM, BN, HAS_BIAS, ON_INPUT)
-    acc, _ = _mainloop(
-        a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
-        w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
-        pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
-        A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
-        False, SWAP, FOLD_W)
+    if CONVERT >= 3:  # paired int4 products
+        acc = _mainloop_pairs(a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + a_rows * stride_asm,
+                              w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se,
+                              tl.where(col_ok, cols, 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), stride_wn, stride_sn,
+                              BM, BN, BK, HAS_ZERO, KGROUP, SUM_G, CONVERT, MAGIC, MAGIC_V)
+    else:
+        acc, _ = _mainloop(
+            a_ptr + a_rows * stride_am, rows >= 0, a_s_ptr + e64 * stride_ase + a_rows * stride_asm,
+            w_ptr + e64 * stride_we, ws_ptr + e64 * stride_se, wz_ptr + e64 * stride_se, tl.where(col_ok, cols, 0),
+            pid_n * BN, 0, k_lo, tl.minimum(K, k_lo + K_SPLIT), K, stride_wn, stride_sn, BM, BN, BK, False, A_QUANT,
+            A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO, INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH,
+            False, SWAP, FOLD_W)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:

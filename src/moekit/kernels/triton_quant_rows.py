@@ -16,6 +16,9 @@ Modes of the quantized rows (GRAN):
        otherwise each local slot j gets its own row t * k + j. src[t * k + j] records the
        row slot j reads (non-local slots: left alone), so GEMM1 gathers rows through it.
        Either way a slot's row holds x[t] quantized with its expert's scale: the same bits.
+    5  no quantization: row r copied in the paired column order of the int4 products with
+       QuantKnobs.w_convert "pairs" (triton_moe_quant.PAIRS_ORDER, within groups of eight
+       columns), and the fp32 sum of each group of G columns written to s[r, g].
 
 Letters: T tokens, H hidden, E local experts, k slots per token, TK = T * k assignments,
 S splits of GEMM2's K range.
@@ -163,7 +166,7 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0,
                  stride_q, stride_s,
                  BC: tl.constexpr, G: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
                  ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr, ROWS: tl.constexpr):
-    """Quantize columns [c * BC, (c + 1) * BC) of rows r0 .. r0 + ROWS - 1 below n_rows (GRAN 3:
+    """Quantize columns [c * BC, (c + 1) * BC) of rows r0 .. r0 + ROWS - 1 below n_rows (GRAN 3 and 5:
     BC / G groups of G columns; GRAN 2: whole rows, c = 0, in chunks of BC; GRAN 4: r0 is a token,
     ROWS = 1). See the module docstring."""
     if GRAN == 4:
@@ -178,7 +181,17 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0,
         w_r = tl.full([ROWS, 1], 1.0, tl.float32)
         if ON_INPUT:
             w_r = tl.load(topk_w_ptr + rr, mask=row_ok, other=0.0)[:, None]
-        if GRAN == 3:
+        if GRAN == 5:
+            cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
+            ok = row_ok[:, None, None] & (cols < K)[None, :, :]
+            v = tl.load(row[:, :, None] + cols[None, :, :], mask=ok, other=0.0)
+            groups = c * (BC // G) + tl.arange(0, BC // G)
+            tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], tl.sum(v.to(tl.float32), axis=2),
+                     mask=row_ok[:, None] & (groups * G < K)[None, :])
+            ks = c * BC + tl.arange(0, BC)
+            paired = tl.permute(tl.reshape(v, [ROWS, BC // 8, 2, 4]), [0, 1, 3, 2])  # triton_moe_quant._to_pairs_order
+            tl.store(q_row + ks[None, :], tl.reshape(paired, [ROWS, BC]), mask=row_ok[:, None] & (ks < K)[None, :])
+        elif GRAN == 3:
             cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
             ok = row_ok[:, None, None] & (cols < K)[None, :, :]
             v = tl.load(row[:, :, None] + cols[None, :, :], mask=ok, other=0.0).to(tl.float32) * w_r[:, :, None]
