@@ -229,6 +229,29 @@ else:
         x[0] *= 100
         _check(x, wts, w, ids, emap)
 
+    @pytest.mark.parametrize("group,H,small_max", [(32, 96, 512), (64, 128, 0), (128, 1152, 512)],
+                             ids=["one-launch", "chunked", "two-chunks-a-row"])
+    def test_x_in_the_paired_order_with_group_sums(group, H, small_max, gen):
+        """GRAN 5 in the alignment's launch (int4 paired products): x copied with each group of
+        eight columns in PAIRS_ORDER, the fp32 sums of its weight groups beside it; the
+        alignment itself unchanged."""
+        from moekit.kernels.launch import moe_align  # noqa: PLC0415
+        from moekit.kernels.triton_moe_quant import PAIRS_ORDER  # noqa: PLC0415
+
+        T, E, k = 7, 6, 3
+        w, ids = _routing(T, E, k, gen)
+        x = torch.randn(T, H, generator=gen).half()
+        q = torch.full((T, H), float("nan"), dtype=x.dtype)
+        s = torch.full((T, H // group), float("nan"))
+        modes = modes_of(get_scheme("int4_w4a16", group_size=group))
+        al = align_and_quantize(ids, None, E, 16, x, q, s, modes, 5, group, None, small_max)
+        perm = torch.tensor([8 * j + p for j in range(H // 8) for p in PAIRS_ORDER])
+        assert torch.equal(q, x[:, perm])
+        torch.testing.assert_close(s, x.float().view(T, H // group, group).sum(-1), rtol=1e-6, atol=1e-6)
+        ref = moe_align(ids, None, E, 16, small_max=small_max)
+        used = int(ref.expert_end[-1])  # rows past the last expert's are never read
+        assert torch.equal(al.expert_end, ref.expert_end) and torch.equal(al.sorted_ids[:used], ref.sorted_ids[:used])
+
     def test_large_alignment_path_and_small_tiles(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
