@@ -171,7 +171,7 @@ def lookup_quant_config(T: int, E: int, I: int, device: Optional[str],
 # Candidate tiles (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages), most promising first.
 _WEIGHT_ONLY_TILES = ((32, 128, 4, 4), (64, 64, 4, 4), (32, 64, 4, 4), (64, 128, 4, 4), (16, 128, 4, 4),
                       (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (64, 128, 8, 4), (32, 128, 4, 5),
-                      (64, 64, 4, 5), (128, 128, 8, 3))
+                      (64, 64, 4, 5), (128, 128, 8, 3), (128, 64, 4, 3))
 _FP8_SMALL_TILES = ((64, 128, 4, 4), (128, 128, 4, 4), (32, 128, 4, 4), (32, 128, 4, 5), (64, 256, 4, 4),
                     (64, 128, 4, 5), (128, 128, 4, 3), (128, 256, 4, 3), (32, 256, 4, 5), (64, 128, 4, 3),
                     (128, 128, 8, 4), (256, 128, 4, 3), (32, 128, 4, 6))
@@ -237,6 +237,8 @@ def quant_search_space(T: int, E: int, k: int, kgroup: int, weight_only: bool, i
         if r >= 16:  # weights dequantized before the product (both GEMMs; untuned_weight_only's tiles too)
             knobs1 += [{"gate_up": True, "fold_w": True}, {"fold_w": True}]
             bms += tuple(bm for bm in (64,) if bm not in bms)
+        elif int4:  # paired products (both GEMMs: GEMM2's candidates run with GEMM1's winner)
+            knobs1 += [{"gate_up": True, "w_convert": "pairs"}]
         plans = [(bm, _WEIGHT_ONLY_TILES, knobs1,
                   [{}, {"prefetch2": True}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
                    {"split_k": 4, "prefetch2": True}]) for bm in bms]
