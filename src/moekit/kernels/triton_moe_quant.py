@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _tile_ids
-from .triton_quant_rows import to_quant
+from .triton_quant_rows import to_pairs_order, to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16", "PAIRS_ORDER"]
 
@@ -178,19 +178,13 @@ def _pair_tiles(w_ptrs, kb, CONVERT: tl.constexpr, MAGIC: tl.constexpr, dt: tl.c
 
 
 @triton.jit
-def _to_pairs_order(v, R: tl.constexpr, C: tl.constexpr):
-    """Rows v [R, C] (C a multiple of 8) with their columns in PAIRS_ORDER: natural column
-    8j + 4a + b goes to 8j + 2b + a."""
-    return tl.reshape(tl.permute(tl.reshape(v, [R, C // 8, 2, 4]), [0, 1, 3, 2]), [R, C])
-
-
-@triton.jit
 def _paired_halves(a, BM: tl.constexpr, BK: tl.constexpr):
     """The halves of each group of eight columns of a [BM, BK] rows stored in PAIRS_ORDER: the first
     (columns 0, 4, 1, 5 of the group) and the second (2, 6, 3, 7), _pair_tiles' weight rows.
-    In registers a thread holds the pairs of adjacent stored columns, so the split only picks
-    whole 32-bit registers (a row block's registers are regrouped for the products with moves)."""
-    return tl.split(tl.reshape(tl.permute(tl.reshape(a, [BM, BK // 8, 2, 4]), [0, 1, 3, 2]), [BM, BK // 2, 2]))
+    Reordered once more, stored position 4h + i lands at 2i + h: h is the minor index. In
+    registers a thread holds the pairs of adjacent stored columns, so the split only picks whole
+    32-bit registers (a row block's registers are regrouped for the products with moves)."""
+    return tl.split(tl.reshape(to_pairs_order(a, BM, BK), [BM, BK // 2, 2]))
 
 
 @triton.jit
@@ -450,8 +444,9 @@ def _mainloop_pairs(a_row_ptrs, a_ok, sum_row_ptrs, w_ptr, ws_ptr, wz_ptr, wrows
     fp32 [BM, BN], over K columns [k_lo, k_hi) (whole weight groups).
 
     The activation rows a_row_ptrs [BM] are stored in the paired order (PAIRS_ORDER), so each K
-    tile splits into the halves _pair_tiles' weight rows need by whole registers; the weights enter the products as MAGIC_V + u, the stored nibble u with the float
-    bias left in, and each group's products, summed over its K tiles, are corrected once:
+    tile splits into the halves _pair_tiles' weight rows need by whole registers; the weights
+    enter the products as MAGIC_V + u, the stored nibble u with the float bias left in, and each
+    group's products, summed over its K tiles, are corrected once:
     (sum a (MAGIC_V + u) - (MAGIC_V + z) sum a) * s, z the zero point (8 when symmetric), with
     sum a the group's sums of the rows (sum_row_ptrs [BM]: SUM_G columns an entry). The
     subtraction per weight goes; a row-by-column correction per group comes instead.
@@ -502,7 +497,7 @@ def _store_paired(out_ptr, sum_ptr, h, rows, pid_n, N, stride_om, stride_sum,
     else:
         tl.store(sum_ptr + rows * stride_sum + pid_n, tl.sum(hs, axis=1))
     # A group of eight columns lies wholly in or out of range (N % 8 == 0): the mask needs no reordering.
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _to_pairs_order(hb, BM, BN), mask=col_ok[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], to_pairs_order(hb, BM, BN), mask=col_ok[None, :],
              eviction_policy=OUT_POLICY)
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from . import triton_align as align
 from .triton_moe import INTERPRETED, MAX_TOP_K, _slot_mask
 
-__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
+__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
            "sum_slots_kernel"]
 
 FP8_MAX = 448.0
@@ -78,6 +78,13 @@ def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
     else:
         q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q
+
+
+@triton.jit
+def to_pairs_order(v, R: tl.constexpr, C: tl.constexpr):
+    """Rows v [R, C] (C a multiple of 8) with their columns in triton_moe_quant.PAIRS_ORDER:
+    column 8j + 4a + b goes to 8j + 2b + a."""
+    return tl.reshape(tl.permute(tl.reshape(v, [R, C // 8, 2, 4]), [0, 1, 3, 2]), [R, C])
 
 
 @triton.jit
@@ -189,8 +196,8 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0,
             tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], tl.sum(v.to(tl.float32), axis=2),
                      mask=row_ok[:, None] & (groups * G < K)[None, :])
             ks = c * BC + tl.arange(0, BC)
-            paired = tl.permute(tl.reshape(v, [ROWS, BC // 8, 2, 4]), [0, 1, 3, 2])  # triton_moe_quant._to_pairs_order
-            tl.store(q_row + ks[None, :], tl.reshape(paired, [ROWS, BC]), mask=row_ok[:, None] & (ks < K)[None, :])
+            tl.store(q_row + ks[None, :], to_pairs_order(tl.reshape(v, [ROWS, BC]), ROWS, BC),
+                     mask=row_ok[:, None] & (ks < K)[None, :])
         elif GRAN == 3:
             cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
             ok = row_ok[:, None, None] & (cols < K)[None, :, :]
