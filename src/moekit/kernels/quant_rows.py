@@ -143,7 +143,8 @@ def _rows_per_program(gran: int, block: int) -> int:
 def align_and_quantize(topk_ids, expert_map, num_experts: int, block_m: int, x, q, s, modes: QuantModes, gran: int,
                        group: int, topk_weights, small_max: int, pdl: bool = False, src=None) -> Alignment:
     """kernels.launch.moe_align with the quantization of x (gran 2-4; 4 needs src; 5 copies x in the
-    paired order and sums its groups: triton_quant_rows) in the alignment's first launch (pdl: its last launch lets a programmatic dependent start)."""
+    paired order and sums its groups: triton_quant_rows) in the alignment's first launch (pdl:
+    its last launch lets a programmatic dependent start)."""
     TK, E, dev = topk_ids.numel(), num_experts, topk_ids.device
     al, e_pad = alignment_buffers(topk_ids, E, block_m)
     emap = expert_map if expert_map is not None else topk_ids

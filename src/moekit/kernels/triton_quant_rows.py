@@ -32,8 +32,8 @@ import triton.language as tl
 from . import triton_align as align
 from .triton_moe import INTERPRETED, MAX_TOP_K, _slot_mask
 
-__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel", "align_quant_kernel",
-           "sum_slots_kernel"]
+__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel",
+           "align_quant_kernel", "sum_slots_kernel"]
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
