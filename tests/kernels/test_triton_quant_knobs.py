@@ -315,6 +315,10 @@ if not IN_INTERPRETER:
             assert (64 in folded) == (T * k / E >= 16) and bool(folded) == (T * k / E >= 16)
 
 else:
+    from hypothesis import given
+    from hypothesis import settings as hyp_settings
+    from hypothesis import strategies as st
+
     import moekit.kernels.launch as launch
     from moekit.kernels.launch_quant import fused_moe_quant
     from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of
@@ -385,6 +389,22 @@ else:
         # swapped products; 32 gate and 32 up columns in one 64-row product
         ("fp8_w8a8", {"static": True}, 64, 64, (32, 32, 32, 64, 32), dict(swap1=True, gate_up=True, swap2=True)),
     ]
+
+    @hyp_settings(max_examples=10, deadline=None)
+    @given(T=st.integers(1, 40), E=st.integers(1, 6), k=st.integers(1, 3), n_remote=st.integers(0, 2),
+           group=st.sampled_from([32, 64]), h_groups=st.integers(1, 3), i_groups=st.integers(1, 3),
+           symmetric=st.booleans(), bn1=st.sampled_from([16, 32, 64]), bn2=st.sampled_from([16, 32]),
+           bm=st.sampled_from([16, 32]), gate_up=st.booleans(), split_k=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+    def test_paired_products_property(T, E, k, n_remote, group, h_groups, i_groups, symmetric, bn1, bn2, bm, gate_up,
+                                      split_k, seed):
+        """Paired int4 products (the twin of the PTX) on any routing and shape the groups allow:
+        GEMM1 tiles wider or narrower than a group, K tiles of 32 within groups of 32 or 64,
+        experts without tokens, non-local slots, split K over whole groups."""
+        g = torch.Generator().manual_seed(seed)
+        k = min(k, E + n_remote)
+        knobs = dict(w_convert="pairs_bits", gate_up=gate_up, split_k=split_k)
+        _case("int4_w4a16", {"group_size": group, "symmetric": symmetric}, group * h_groups, group * i_groups, T, E, k,
+              _tiles(bm, bn1, 32, bn2, 32), QuantKnobs(**knobs), g, n_remote)
 
     @pytest.mark.parametrize("T,n_remote", [(1, 0), (7, 3)], ids=["T1", "T7-expert-map"])
     @pytest.mark.parametrize("scheme,opts,H,I,tiles,knobs", VARIANTS,
