@@ -162,7 +162,7 @@ def _knob_problems(config: MoEConfig, knobs: QuantKnobs, scheme: QuantScheme, mo
     """(QuantKnobs field, why the call cannot take it) for every knob set that these tiles and
     this scheme cannot run (see check_knobs)."""
     out = []
-    if knobs.w_convert in ("bits", "ptx", "pairs", "pairs_bits") and not modes.w_int4:
+    if knobs.w_convert not in ("auto", "cast") and not modes.w_int4:  # the int4-only conversions
         out.append(("w_convert", f"knobs.w_convert={knobs.w_convert!r} applies to int4 weights, "
                                  f"got quant={scheme.name!r}"))
     elif _pairs(modes, knobs) and (knobs.fold_w or knobs.prefetch1 or knobs.prefetch2):

@@ -554,30 +554,26 @@ def gemm1_quant_kernel(
     inv_out_s = 1.0
     if OUT_STATIC:  # one division a tile, a multiply per value
         inv_out_s = 1.0 / tl.load(out_s_ptr + e64)
-    if CONVERT >= 3:  # paired int4 products
-        if GATED and GATE_UP:
-            c2 = tl.arange(0, 2 * BN)
-            n2 = pid_n * BN + c2 // 2
-            acc = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(n2 < N, n2, 0) + (c2 % 2) * N,
-                                  0, K, stride_wn, stride_sn, BM, 2 * BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC,
-                                  MAGIC_V)
-            gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
-        else:
-            wrows = tl.where(col_ok, cols, 0)
-            gate = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, 0, K, stride_wn, stride_sn,
-                                   BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
-            up = gate
-            if GATED:
-                up = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows + N, 0, K, stride_wn,
-                                     stride_sn, BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
-    elif GATED and GATE_UP:
+    if GATED and GATE_UP:  # gate and up rows interleaved, one product
         c2 = tl.arange(0, 2 * BN)
         n2 = pid_n * BN + c2 // 2
         wrows = tl.where(n2 < N, n2, 0) + (c2 % 2) * N
-        acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
-                           stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
-                           INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP, FOLD_W)
+        if CONVERT >= 3:  # paired int4 products
+            acc = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, 0, K, stride_wn, stride_sn, BM,
+                                  2 * BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
+        else:
+            acc, _ = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, pid_n * BN, N, 0, K, K, stride_wn,
+                               stride_sn, BM, 2 * BN, BK, False, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS, W_INT4, HAS_ZERO,
+                               INT_DOT, KGROUP, EVEN_K, CONVERT, MAGIC, MAGIC_V, PREFETCH, True, SWAP, FOLD_W)
         gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
+    elif CONVERT >= 3:  # paired int4 products, gate and up apart
+        wrows = tl.where(col_ok, cols, 0)
+        gate = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows, 0, K, stride_wn, stride_sn,
+                               BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
+        up = gate
+        if GATED:
+            up = _mainloop_pairs(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, wrows + N, 0, K, stride_wn,
+                                 stride_sn, BM, BN, BK, HAS_ZERO, KGROUP, KGROUP, CONVERT, MAGIC, MAGIC_V)
     else:
         gate, up = _mainloop(a_row_ptrs, live, a_s_ptrs, w_e, ws_e, wz_e, tl.where(col_ok, cols, 0), pid_n * BN, N,
                              0, K, K, stride_wn, stride_sn, BM, BN, BK, GATED, A_QUANT, A_KSCALE, W_KSCALE, W_SROWS,
