@@ -7,6 +7,7 @@ and recorded), then both are timed in CUDA graphs, interleaved (A B A B ...), wi
 routing per call in the graph. Entries the knob cannot apply to are skipped.
 
     PYTHONPATH=src python bench/knob_ab_h200.py --knob flatten=1[,ws=1] [--out FILE] [--ms 1024,4096,16384] [--rounds 3]
+        [--fp8-only]
 
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny fp32 shapes (wall-clock times).
 """
@@ -29,7 +30,7 @@ from moekit.kernels.tuning import MoEConfig, PrefillConfig, TileConfig, get_conf
 from moekit.quant import get_scheme
 
 FP8_POINTS = (("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 256),
-              ("mixtral-8x7b", 1024))
+              ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096), ("mixtral-8x7b", 16384))
 
 
 def _flipped(cfg, knob):
@@ -50,7 +51,7 @@ def _point(label, run, cfg, knob, sets, rounds, cuda, flops) -> dict:
         return {"point": label, "config": cfg.to_json(), "skipped": f"{knob} does not apply"}
     try:
         same = all(torch.equal(run(cfg, *s), run(flipped, *s)) for s in sets)
-    except (ValueError, RuntimeError) as e:  # refused by the launcher, or Triton failed to compile it
+    except Exception as e:  # noqa: BLE001 (refused by the launcher, or Triton cannot compile or fit it)
         print(f"{label:28s} skipped: {e}", flush=True)
         return {"point": label, "config": cfg.to_json(), "skipped": str(e)}
     times = {"A": [], "B": []}
@@ -73,6 +74,8 @@ def main() -> None:
     p.add_argument("--ms", default="1024,4096,16384")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--fp8-only", action="store_true", help="only the fp8 entries (knobs of the static-scale path)")
+    p.add_argument("--bf16", action="store_true", help="also time the bf16 kernel at each fp8 point (the ratios)")
     args = p.parse_args()
     knob = {name: int(value) for name, value in (kv.split("=") for kv in args.knob.split(","))}
     cuda = args.device == "cuda"
@@ -83,7 +86,7 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")] if cuda else [64]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for shape, E, k, H, I in shapes:
+    for shape, E, k, H, I in () if args.fp8_only else shapes:
         w13 = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H ** -0.5).to(dtype)
         w2 = (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).to(dtype)
 
@@ -110,9 +113,21 @@ def main() -> None:
             if knobs.static_prefill is None:
                 continue
             sets = routing_sets(M, E, k, H, 2, dtype, dev)
-            rows.append(_point(f"{shape} fp8 static M={M}", lambda c, x, w, ids: _quant_call(wts, x, w, ids, config=c),
-                               knobs.static_prefill, knob, sets, args.rounds, cuda, layer_flops(M, k, H, I)))
+            row = _point(f"{shape} fp8 static M={M}", lambda c, x, w, ids: _quant_call(wts, x, w, ids, config=c),
+                         knobs.static_prefill, knob, sets, args.rounds, cuda, layer_flops(M, k, H, I))
             del wts
+            if args.bf16 and "us" in row:
+                w13 = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H ** -0.5).to(dtype)
+                w2 = (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).to(dtype)
+                bf16 = statistics.median(ab_time_us(lambda x, w, ids: fused_moe(x, w13, w2, None, None, w, ids, None,
+                                                                                "silu", out_dtype=x.dtype), sets, cuda)
+                                         for _ in range(args.rounds))
+                row["bf16_us"] = bf16
+                row["vs_bf16"] = {n: bf16 / t for n, t in row["us"].items()}
+                print(f"{'':28s} bf16 {bf16:9.1f} us: A x{row['vs_bf16']['A']:.3f}, B x{row['vs_bf16']['B']:.3f}",
+                      flush=True)
+                del w13, w2
+            rows.append(row)
     import triton  # noqa: PLC0415
 
     result = {"benchmark": "prefill-knob-ab", "knob": knob, "device": torch.cuda.get_device_name() if cuda else "cpu",
