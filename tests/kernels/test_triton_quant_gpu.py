@@ -200,6 +200,34 @@ def test_fp8_static_scales_on_the_prefill_kernels(name, T, bias, static, cuda_ge
         assert torch.equal(out, run(config=plain))
 
 
+def test_fast_sigmoid_stays_within_its_bound(cuda_gen):
+    # The sigmoid of the 8-bit paths' epilogues (0.5 + 0.5 tanh(x / 2) by the approximate tanh)
+    # against torch's, over the range activations take and far past it.
+    import triton
+    import triton.language as tl
+
+    from moekit.kernels.triton_moe import _apply_act, _sigmoid
+
+    @triton.jit
+    def both(x_ptr, fast_ptr, silu_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+        tl.store(fast_ptr + offs, _sigmoid(x, True), mask=ok)
+        tl.store(silu_ptr + offs, _apply_act(x, x, "silu", 0.0, 0.0, True), mask=ok)
+
+    x = torch.cat([torch.linspace(-40, 40, 1 << 16, device="cuda"),
+                   torch.randn(1 << 16, device="cuda", generator=cuda_gen) * 4,
+                   torch.tensor([0.0, -0.0, 1e30, -1e30, float("inf"), float("-inf")], device="cuda")])
+    fast, silu = torch.empty_like(x), torch.empty_like(x)
+    both[(triton.cdiv(x.numel(), 1024),)](x, fast, silu, x.numel(), BLOCK=1024)
+    exact = torch.sigmoid(x.double())
+    assert (fast.double() - exact).abs().max() <= 3e-4
+    finite = x.abs() <= 40
+    want = (x.double() * exact * x.double())[finite]
+    assert ((silu.double()[finite] - want).abs() <= 3e-4 * x.double()[finite] ** 2 + 1e-30).all()
+
+
 def test_fp8_cast_rounds_as_the_grid_rounding(cuda_gen):
     # to_quant casts with the GPU's conversion; the interpreter's path puts values on the e4m3 grid
     # first. Same values on ties (midpoints of neighbouring fp8 values, both parities), subnormals,
@@ -224,7 +252,8 @@ def test_fp8_cast_rounds_as_the_grid_rounding(cuda_gen):
     exps = torch.randint(-14, 10, (1 << 16,), device="cuda", generator=cuda_gen).float()
     rand = torch.randn(1 << 16, device="cuda", generator=cuda_gen) * torch.exp2(exps)
     v = torch.cat([grid_values, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1), rand,
-                   torch.tensor([448.0, 464.0, 480.0, 1e6, -1e6, 2.0**-10, -(2.0**-10), 0.0, -0.0], device="cuda")])
+                   torch.tensor([448.0, 464.0, 480.0, 1e6, -1e6, float("inf"), float("-inf"), 2.0**-10, -(2.0**-10), 0.0,
+                                 -0.0], device="cuda")])
     hw = torch.empty(v.numel(), dtype=torch.float8_e4m3fn, device="cuda")
     grid = torch.empty_like(hw)
     both[(triton.cdiv(v.numel(), 1024),)](v, hw, grid, v.numel(), BLOCK=1024)

@@ -589,7 +589,7 @@ def gemm1_quant_kernel(
         gate += b_gate[None, :]
         if GATED:
             up += b_up[None, :]
-    h = _apply_act(gate, up, ACT, alpha, limit)
+    h = _apply_act(gate, up, ACT, alpha, limit, A_QUANT == 1)  # 8-bit activations: GEMM2's input is rounded too
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if CONVERT >= 3:
         _store_paired(out_ptr, out_s_ptr, h, (pid_m * BM + rows).to(tl.int64), pid_n, N, stride_om, stride_sum, BM, BN,

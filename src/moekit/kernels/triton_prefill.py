@@ -222,9 +222,9 @@ def _gemm1_tile(
         if GATED:
             acc_u += b_up[None, :]
     if GATED:
-        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
+        h = _apply_act(acc_g, acc_u, ACT, alpha, limit, SCALED)  # SCALED: stored as fp8
     else:
-        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+        h = _apply_act(acc_g, acc_g, ACT, alpha, limit, SCALED)
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if SCALED:
         h = to_quant(h * (1.0 / out_s), 448.0, False)  # one division a tile

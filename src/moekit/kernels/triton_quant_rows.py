@@ -63,19 +63,20 @@ def fp8_grid_rne(v):
 def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
     """Saturate v (fp32) to +-QMAX and round to int8 or fp8 e4m3, both to nearest even.
 
-    fp8: compiled for a GPU, the cast itself rounds to nearest even (one conversion instruction
-    for two values on SM89+); Triton's CPU interpreter rounds casts to fp8 wrongly (ties away
-    from even, and carries into the exponent lost), so there v is put on the e4m3 grid first
-    (fp8_grid_rne, a dozen instructions a value). Both give the same values, a zero's sign aside
-    (the grid rounds a tiny negative value to +0; a GPU test checks them against each other on
-    ties, subnormals and saturated values).
+    fp8: compiled for a GPU, the cast itself saturates to +-448 and rounds to nearest even (one
+    conversion instruction for two values on SM89+, `satfinite`; a NaN stays NaN); Triton's CPU
+    interpreter rounds casts to fp8 wrongly (ties away from even, and carries into the exponent
+    lost), so there v is clamped and put on the e4m3 grid first (fp8_grid_rne, a dozen
+    instructions a value). Both give the same values, a zero's sign aside (the grid rounds a
+    tiny negative value to +0; a GPU test checks them against each other on ties, subnormals,
+    saturated and infinite values).
     """
-    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if INT8:
-        q = _rne(v).to(tl.int8)
+        q = _rne(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.int8)
     elif INTERPRETED:
-        q = fp8_grid_rne(v).to(tl.float8e4nv)
+        q = fp8_grid_rne(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
     else:
+        tl.static_assert(QMAX == 448.0, "the GPU's fp8 conversion saturates at 448")
         q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q
 
