@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--fp8-only", action="store_true", help="only the fp8 entries (knobs of the static-scale path)")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 kernel at each fp8 point (the ratios)")
+    p.add_argument("--shapes", default="", help="comma-separated shape names to keep (default: all)")
     args = p.parse_args()
     knob = {name: int(value) for name, value in (kv.split("=") for kv in args.knob.split(","))}
     cuda = args.device == "cuda"
@@ -83,6 +84,9 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     table_device = "NVIDIA_H200" if cuda else None
     shapes = GPU_SHAPES if cuda else (("tiny", 8, 2, 64, 32),)
+    keep = set(args.shapes.split(",")) if args.shapes else None
+    if keep and cuda:
+        shapes = tuple(s for s in shapes if s[0] in keep)
     ms = [int(m) for m in args.ms.split(",")] if cuda else [64]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -106,7 +110,7 @@ def main() -> None:
         del w13, w2
     if cuda:
         scheme = get_scheme("fp8_w8a8")
-        for shape, M in (p for p in FP8_POINTS if p[1] in ms):
+        for shape, M in (p for p in FP8_POINTS if p[1] in ms and (keep is None or p[0] in keep)):
             _, E, k, H, I = next(s for s in GPU_SHAPES if s[0] == shape)
             wts = quantized_weights("fp8_w8a8", E, H, I, True, dev)
             _, knobs = quant_tiles(M, E, k, H, I, dtype, table_device, scheme, modes_of(scheme))
