@@ -7,7 +7,9 @@ and recorded), then both are timed in CUDA graphs, interleaved (A B A B ...), wi
 routing per call in the graph. Entries the knob cannot apply to are skipped.
 
     PYTHONPATH=src python bench/knob_ab_h200.py --knob flatten=1[,ws=1] [--out FILE] [--ms 1024,4096,16384] [--rounds 3]
-        [--fp8-only]
+        [--shapes qwen3-30b-a3b,...] [--fp8-only] [--bf16]
+
+`--bf16` times the bf16 kernel at each fp8 point after its A/B rounds (ratios in the record).
 
 `--device cpu` is a dry run under TRITON_INTERPRET=1 on tiny fp32 shapes (wall-clock times).
 """
