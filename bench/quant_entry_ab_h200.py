@@ -19,7 +19,7 @@ import torch
 
 from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_time_us, entry_ab_args, parse_quant_entry, quant_entry,
                                   quantized_weights, routing_sets, write_ab_result)
-from moekit.cli.tune_quant import _as_called
+from moekit.cli.tune_quant import as_called
 from moekit.kernels.launch import fused_moe
 from moekit.kernels.launch_quant import quant_tiles
 from moekit.kernels.quant_rows import modes_of
@@ -42,12 +42,12 @@ def main() -> None:
         sets = routing_sets(M, E, k, H, 8 if cuda else 2, dtype, dev)
         # An explicit config takes no static_prefill knob: B, C, ... run an entry that carries one
         # as its prefill config (as the shipped call does; A passes no config at all).
-        variants = [("A", (None, None))] + [(chr(ord("B") + i), _as_called(*e) if static else e)
-                                            for i, e in enumerate(entries)]
+        variants = [("A", shipped, (None, None))] + [(chr(ord("B") + i), e, as_called(*e) if static else e)
+                                                     for i, e in enumerate(entries)]
         ref = [_quant_call(wts, *s).float() for s in sets]
         row = {"point": point, "variants": {}}
-        for name, (cfg, kn) in variants:
-            shown = quant_entry(*(shipped if name == "A" else entries[ord(name) - ord("B")]))
+        for name, entry, (cfg, kn) in variants:
+            shown = quant_entry(*entry)
             try:
                 err = max(((_quant_call(wts, *s, config=cfg, knobs=kn).float() - r).norm() / r.norm()).item()
                           for s, r in zip(sets, ref))
@@ -61,7 +61,7 @@ def main() -> None:
             w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H ** -0.5
             w2 = torch.randn(E, H, I, device=dev, dtype=dtype) * I ** -0.5
         for _ in range(args.rounds):
-            for name, (cfg, kn) in variants:
+            for name, _, (cfg, kn) in variants:
                 v = row["variants"][name]
                 if "failed" not in v:
                     v["rounds_us"].append(ab_time_us(lambda *s, c=cfg, n=kn: _quant_call(wts, *s, config=c, knobs=n),

@@ -335,9 +335,9 @@ def test_quantized_tune_plans_searches_and_writes_a_readable_table(tmp_path):
     assert back == table
     assert quant_entry(*back[1024])["quant"]["static_prefill"] == pre.to_json()
     # an entry with static_prefill is timed as a call without a config runs it: on its prefill config
-    from moekit.cli.tune_quant import _as_called
-    assert _as_called(*back[1024]) == (pre, back[1024][1])
-    assert _as_called(*back[16]) == back[16]
+    from moekit.cli.tune_quant import as_called
+    assert as_called(*back[1024]) == (pre, back[1024][1])
+    assert as_called(*back[16]) == back[16]
 
 
 def test_quantized_tune_cli_checks_its_flags():

@@ -87,7 +87,7 @@ def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: s
         firsts = {}
         for cfg, kn in stage1:
             firsts.setdefault(cfg.block_m, (cfg, kn))
-        pairs = [_as_called(*default)] + stage1 + [(MoEConfig(firsts[bm][0].gemm1, t2), QuantKnobs(**kn2))
+        pairs = [as_called(*default)] + stage1 + [(MoEConfig(firsts[bm][0].gemm1, t2), QuantKnobs(**kn2))
                                       for bm, cands in g2s.items() if bm in firsts for t2, kn2 in cands]
         pairs += [(cfg, QuantKnobs()) for cfg in prefill]
         entries = {_key(quant_entry(c, kn)): quant_entry(c, kn) for c, kn in pairs}
@@ -95,7 +95,7 @@ def plan_quant(E: int, k: int, H: int, I: int, Ms: Sequence[int], scheme_name: s
     return plans, jobs
 
 
-def _as_called(cfg, knobs) -> Tuple:
+def as_called(cfg, knobs) -> Tuple:
     """(config, knobs) that run a table entry as a call without a config does: an explicit config
     takes no static_prefill knob, so an entry that carries one runs its prefill config."""
     return (knobs.static_prefill, knobs) if knobs.static_prefill is not None else (cfg, knobs)
@@ -136,7 +136,7 @@ def search_quant(
 
         def measure(pair) -> float:
             try:
-                cfg, kn = _as_called(*pair)
+                cfg, kn = as_called(*pair)
                 return graph_time_us(lambda x, w, i: _quant_call(wts, x, w, i, cfg, kn), sets, replays=3)
             except Exception:  # noqa: BLE001 - a candidate that cannot run is skipped
                 return float("inf")
