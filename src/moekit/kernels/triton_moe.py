@@ -89,6 +89,21 @@ def _sigmoid(x, FAST: tl.constexpr = False):
 
 
 @triton.jit
+def _silu_mul_scaled(g, u, s_in, s_out, FAST: tl.constexpr):
+    """silu(s_in g) u s_out for scalars s_in, s_out: the scaled GEMM1s fold their dequantization
+    and their output's static scale into these two (s_out = s_in / the output's scale for the
+    static fp8 one). FAST (see _sigmoid): silu(v) = h + h tanh(h) with h = v / 2, three multiplies,
+    one fused multiply-add and the tanh a value, against seven multiplies, the fused one and the
+    tanh unfolded; the 8-bit GEMM1s at large M are bound by this epilogue, which is not overlapped
+    with their products."""
+    if FAST and not INTERPRETED:
+        h = g * (0.5 * s_in)
+        return (h * _tanh_approx(h) + h) * u * s_out
+    v = g * s_in
+    return v * _sigmoid(v) * u * s_out
+
+
+@triton.jit
 def _apply_act(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False):
     """Activation in fp32: gated ones combine gate g and up u; "_no_mul" ones use g only.
     FAST: the result is rounded to 8 bits next (see _sigmoid)."""

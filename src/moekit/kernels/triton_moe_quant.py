@@ -69,7 +69,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _tile_ids
+from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _silu_mul_scaled, _tile_ids
 from .triton_quant_rows import to_pairs_order, to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16", "PAIRS_ORDER"]
@@ -589,13 +589,19 @@ def gemm1_quant_kernel(
         gate += b_gate[None, :]
         if GATED:
             up += b_up[None, :]
-    h = _apply_act(gate, up, ACT, alpha, limit, A_QUANT == 1)  # 8-bit activations: GEMM2's input is rounded too
+    if GATED and ACT == "silu" and A_QUANT == 1:
+        # 8-bit activations: GEMM2's input is rounded too; the output's static scale folded in.
+        h = _silu_mul_scaled(gate, up, 1.0, inv_out_s, True)
+    else:
+        h = _apply_act(gate, up, ACT, alpha, limit, A_QUANT == 1)
+        if OUT_STATIC:
+            h = h * inv_out_s
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
     if CONVERT >= 3:
         _store_paired(out_ptr, out_s_ptr, h, (pid_m * BM + rows).to(tl.int64), pid_n, N, stride_om, stride_sum, BM, BN,
                       KGROUP, OUT_POLICY)
     elif OUT_STATIC:
-        tl.store(o_ptrs, to_quant(h * inv_out_s, 448.0, False), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
+        tl.store(o_ptrs, to_quant(h, 448.0, False), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=col_ok[None, :], eviction_policy=OUT_POLICY)
 
