@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import (_apply_act, _expert_of, direct_slots, direct_w2_ahead, direct_w2_tile, split_iters,
+from .triton_moe import (_expert_of, _gate_up_act, direct_slots, direct_w2_ahead, direct_w2_tile, split_iters,
                          split_sum, zero_counters)
 
 __all__ = ["gemv1_kernel", "gemv2_kernel", "fused_gemv_kernel", "partial_sum_kernel"]
@@ -49,17 +49,13 @@ def _act_block(x_row, w_rows, b_row, w_a, cols, col_ok, N, K, stride_wn, alpha, 
         if GATED:
             wu = tl.load(w_rows + N * stride_wn + k0 + ks[None, :], mask=w_mask, other=0.0)
             acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
-    if ON_INPUT:
-        # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        acc_g = acc_g * w_a
-        acc_u = acc_u * w_a
+    b_gate = 0.0
+    b_up = 0.0
     if HAS_BIAS:
-        acc_g += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        b_gate = tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         if GATED:
-            acc_u += tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GATED:
-        return _apply_act(acc_g, acc_u, ACT, alpha, limit)
-    return _apply_act(acc_g, acc_g, ACT, alpha, limit)
+            b_up = tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return _gate_up_act(acc_g, acc_u, w_a, b_gate, b_up, ACT, alpha, limit, GATED, ON_INPUT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["top_k", "n_cnt"])

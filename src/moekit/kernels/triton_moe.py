@@ -128,6 +128,25 @@ def _apply_act(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False
 
 
 @triton.jit
+def _gate_up_act(acc_g, acc_u, w_in, b_gate, b_up, ACT: tl.constexpr, alpha, limit, GATED: tl.constexpr,
+                 ON_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr = False):
+    """GEMM1's output from its gate and up products (acc_u unused unless GATED): the routed weight
+    w_in first when it goes on the input ((w x) W^T = w (x W^T)), then the bias, then ACT. w_in,
+    b_gate and b_up broadcast against the products."""
+    if ON_INPUT:
+        acc_g = acc_g * w_in
+        if GATED:
+            acc_u = acc_u * w_in
+    if HAS_BIAS:
+        acc_g += b_gate
+        if GATED:
+            acc_u += b_up
+    if GATED:
+        return _apply_act(acc_g, acc_u, ACT, alpha, limit, FAST)
+    return _apply_act(acc_g, acc_g, ACT, alpha, limit, FAST)
+
+
+@triton.jit
 def _expert_of(ids_ptr, map_ptr, assign, HAS_MAP: tl.constexpr):
     """Local expert (-1: not local) of one assignment index known to be < T*k."""
     gid = tl.load(ids_ptr + assign)
@@ -275,6 +294,7 @@ def gemm1_kernel(
         w_row = tl.load(topk_w_ptr + assign, mask=live, other=0.0)
     b_gate, b_up = _gate_up_bias(b_ptr, e, cols, col_ok, N, stride_be, BN, HAS_BIAS, GATED)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = acc_g  # unused unless GATED
     if GATED:
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -293,19 +313,8 @@ def gemm1_kernel(
                 acc_u = tl.dot(a, wu, acc_u)
         a_ptrs += BK
         g_ptrs += BK
-    if ON_INPUT:
-        # (w x) W^T = w (x W^T): scale the product, then add the bias.
-        acc_g = acc_g * w_row[:, None]
-        if GATED:
-            acc_u = acc_u * w_row[:, None]
-    if HAS_BIAS:
-        acc_g += b_gate[None, :]
-        if GATED:
-            acc_u += b_up[None, :]
-    if GATED:
-        h = _apply_act(acc_g, acc_u, ACT, alpha, limit)
-    else:
-        h = _apply_act(acc_g, acc_g, ACT, alpha, limit)
+    h = _gate_up_act(acc_g, acc_u, w_row[:, None], b_gate[None, :], b_up[None, :], ACT, alpha, limit, GATED, ON_INPUT,
+                     HAS_BIAS)
     o_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     o_mask = col_ok[None, :]
     if DIRECT:

@@ -69,7 +69,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _apply_act, _block_expert, _gate_up_bias, _gemm2_operands, _silu_mul_scaled, _tile_ids
+from .triton_moe import _block_expert, _gate_up_act, _gate_up_bias, _gemm2_operands, _silu_mul_scaled, _tile_ids
 from .triton_quant_rows import to_pairs_order, to_quant
 
 __all__ = ["gemm1_quant_kernel", "gemm2_quant_kernel", "MAGIC_FP16", "MAGIC_BF16", "PAIRS_ORDER"]
@@ -581,19 +581,16 @@ def gemm1_quant_kernel(
                              SWAP, FOLD_W)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if ON_INPUT and A_QUANT == 0:
-        # (w x) W^T = w (x W^T); quantized inputs had w applied before rounding.
-        gate = gate * w_row[:, None]
-        up = up * w_row[:, None]
-    if HAS_BIAS:
-        gate += b_gate[None, :]
-        if GATED:
-            up += b_up[None, :]
+    # Quantized inputs had the routed weight applied before rounding. 8-bit activations: GEMM2's
+    # input is rounded too (the fast sigmoid), and a static output scale folds into SiLU's.
     if GATED and ACT == "silu" and A_QUANT == 1:
-        # 8-bit activations: GEMM2's input is rounded too; the output's static scale folded in.
+        if HAS_BIAS:
+            gate += b_gate[None, :]
+            up += b_up[None, :]
         h = _silu_mul_scaled(gate, up, 1.0, inv_out_s, True)
     else:
-        h = _apply_act(gate, up, ACT, alpha, limit, A_QUANT == 1)
+        h = _gate_up_act(gate, up, w_row[:, None], b_gate[None, :], b_up[None, :], ACT, alpha, limit, GATED,
+                         ON_INPUT and A_QUANT == 0, HAS_BIAS, A_QUANT == 1)
         if OUT_STATIC:
             h = h * inv_out_s
     o_ptrs = out_ptr + (pid_m * BM + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]

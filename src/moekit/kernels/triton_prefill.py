@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..activations import is_gated
-from .triton_moe import _apply_act, _gate_up_bias, _silu_mul_scaled, _gemm2_operands, _grouped, store_policy, sum_over_k
+from .triton_moe import _gate_up_act, _gate_up_bias, _silu_mul_scaled, _gemm2_operands, _grouped, store_policy, sum_over_k
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
@@ -217,18 +217,8 @@ def _gemm1_tile(
         if SCALED:
             acc_g = acc_g * xw_s
             acc_u = acc_u * xw_s
-        if ON_INPUT:
-            # (w x) W^T = w (x W^T): scale the product, then add the bias.
-            acc_g = acc_g * w_row[:, None]
-            acc_u = acc_u * w_row[:, None]
-        if HAS_BIAS:
-            acc_g += b_gate[None, :]
-            if GATED:
-                acc_u += b_up[None, :]
-        if GATED:
-            h = _apply_act(acc_g, acc_u, ACT, alpha, limit, SCALED)  # SCALED: stored as fp8
-        else:
-            h = _apply_act(acc_g, acc_g, ACT, alpha, limit, SCALED)
+        h = _gate_up_act(acc_g, acc_u, w_row[:, None], b_gate[None, :], b_up[None, :], ACT, alpha, limit, GATED,
+                         ON_INPUT, HAS_BIAS, SCALED)  # SCALED: stored as fp8
         if SCALED:
             h = to_quant(h * (1.0 / out_s), 448.0, False)  # one division a tile
     o_ptrs = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + cols[None, :]
