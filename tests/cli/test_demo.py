@@ -16,7 +16,13 @@ def test_demo_default_passes(capsys):
         line = next(ln for ln in out.splitlines() if ln.startswith(layer))
         counts = [int(c) for c in line.split()[-8:]]  # 8 experts, top-2
         assert sum(counts) == (8 + 32 - 1) * 2  # the prompt, then every generated token but the last
-    assert "tokens/s" in out and "transformers eager" in out
+    assert "decode tokens/s" in out and "prefill tokens/s (256-token prompt)" in out and "transformers eager" in out
+
+
+def test_demo_prefill_timing_can_be_skipped(capsys):
+    assert main(["demo", "--tokens", "2", "--prefill-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "decode tokens/s" in out and "prefill" not in out
 
 
 def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
@@ -31,6 +37,8 @@ def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
 def test_demo_rejects_bad_arguments():
     with pytest.raises(ValueError, match="--tokens"):
         main(["demo", "--tokens", "0"])
+    with pytest.raises(ValueError, match="--prefill-tokens"):
+        main(["demo", "--prefill-tokens", "-1"])
 
 
 def test_demo_exit_status_follows_the_check(monkeypatch, capsys):

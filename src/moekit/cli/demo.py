@@ -5,8 +5,10 @@ correction bias, routed scaling and a shared expert in every layer) built from a
 transformers config with seeded random weights; `--model PATH` takes a local checkpoint
 folder instead (transformers loads it for the eager run, moekit's own loader for moekit).
 The demo checks that the logits match (fp32: 1e-5 relative, bf16/fp16: 2e-2), greedily
-generates the same tokens with both (required identical in fp32) and prints tokens/s,
-the backend the oracle chose for each MoE layer and why, and the expert load per layer.
+generates the same tokens with both (required identical in fp32) and prints tokens/s of that
+generation (decode: one token a step) and of one longer prompt's forward (prefill: many tokens a
+call, where the experts' batched GEMMs matter), the backend the oracle chose for each MoE layer
+and why, and the expert load per layer.
 Exit status 0 only when every check passed.
 """
 
@@ -39,6 +41,8 @@ def add_parser(sub) -> None:
                    help="a local transformers checkpoint folder (default: the built-in tiny DeepSeek-V3)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate greedily (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt (default 8)")
+    p.add_argument("--prefill-tokens", type=int, default=256,
+                   help="length of the prompt whose forward is timed for prefill tokens/s (default 256; 0: skip)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
     p.add_argument("--backend", default="auto", help="moekit experts backend (default auto: the oracle picks)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights and the prompt")
@@ -107,6 +111,18 @@ def _generate(model, prompt: torch.Tensor, n: int, desc: str) -> Tuple[torch.Ten
     return out, time.perf_counter() - start
 
 
+def _prefill_seconds(model, ids: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of one forward over ids [1, P], after a warm-up forward."""
+    times = []
+    with torch.no_grad():
+        model(ids)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
@@ -162,6 +178,8 @@ def run(args) -> int:
         return 2
     if args.tokens < 1 or args.prompt_tokens < 1:
         raise ValueError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
+    if args.prefill_tokens < 0:
+        raise ValueError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
     dtype = DTYPES[args.dtype]
     eager, ours, label = _models(args, dtype)
     vocab = eager.config.vocab_size
@@ -177,6 +195,11 @@ def run(args) -> int:
     ids_ours, t_ours = _generate(ours, prompt, args.tokens, "moekit")
     for h in handles:
         h.remove()
+    prefill = None
+    if args.prefill_tokens:
+        long_prompt = torch.randint(0, vocab, (1, args.prefill_tokens),
+                                    generator=torch.Generator().manual_seed(args.seed + 2))
+        prefill = (_prefill_seconds(eager, long_prompt), _prefill_seconds(ours, long_prompt))
     P = args.prompt_tokens
     same = int((ids_eager[0, P:] == ids_ours[0, P:]).sum())
     logits_ok = err <= tol
@@ -188,10 +211,15 @@ def run(args) -> int:
          "ok" if ids_ok else "FAILED"),
     ], ("check", "result", "")))
     print()
-    print(_table([
-        ("transformers eager", f"{args.tokens / t_eager:.1f}", "1.00x"),
-        ("moekit", f"{args.tokens / t_ours:.1f}", f"{t_eager / t_ours:.2f}x"),
-    ], ("run", "tokens/s", "vs eager")))
+    speed = [["transformers eager", f"{args.tokens / t_eager:.1f}", "1.00x"],
+             ["moekit", f"{args.tokens / t_ours:.1f}", f"{t_eager / t_ours:.2f}x"]]
+    header = ("run", "decode tokens/s", "vs eager")
+    if prefill is not None:
+        n = args.prefill_tokens
+        speed[0] += [f"{n / prefill[0]:.0f}", "1.00x"]
+        speed[1] += [f"{n / prefill[1]:.0f}", f"{prefill[0] / prefill[1]:.2f}x"]
+        header += (f"prefill tokens/s ({n}-token prompt)", "vs eager")
+    print(_table([tuple(r) for r in speed], header))
     print()
     print(_table(_layer_reports(ours, counts, dtype), ("MoE layer", "backend", "why", "tokens per expert")))
     passed = logits_ok and ids_ok
