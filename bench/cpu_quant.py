@@ -11,8 +11,8 @@ random routing drawn fresh per call. Variants:
 - int4_w4a16 with fp32 activations, backend `cpu_wo` (the fp32 block path for int4).
 
 Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3.
-Rounds run every variant once in turn (so a load change on a shared machine hits all of
-them alike); each time is the median over rounds, each ratio the median of per-round ratios.
+Rounds run every variant once in turn, the order rotated by one each round (so a load
+change on a shared machine hits all of them alike, and none always goes first); each time is the median over rounds, each ratio the median of per-round ratios.
 Floor: the stored bytes of the D(M) = E (1 - (1 - k/E)^M) experts touched (PERF.md) over the
 streaming read bandwidth measured in the same process.
 
@@ -141,8 +141,10 @@ def main(argv=None) -> int:
                 ids = torch.rand(M, E, generator=gen).argsort(dim=1)[:, :K_TOP].to(torch.int32)  # fresh routing
                 tw = torch.rand(M, K_TOP, generator=gen)
                 x = torch.randn(M, H, generator=gen)
-                for name, (_, dtype, _, _) in variants.items():
-                    t = call(name, x.to(dtype), ids, tw, r)
+                names = list(variants)
+                names = names[r % len(names):] + names[:r % len(names)]  # each variant leads equally often
+                for name in names:
+                    t = call(name, x.to(variants[name][1]), ids, tw, r)
                     if r >= args.warmup:
                         times[name, M].append(t)
     load_after = os.getloadavg()
@@ -179,7 +181,8 @@ def main(argv=None) -> int:
         "cpu_backend_native_dtypes": sorted(str(d).replace("torch.", "") for d in native_dtypes()),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "rounds": args.rounds, "warmup": args.warmup,
-        "method": ("backend.apply only (sort, GEMMs, weighting, combine; no router); round-robin over variants "
+        "method": ("backend.apply only (sort, GEMMs, weighting, combine; no router); round-robin over variants, "
+                   "the order rotated by one each round, "
                    "with fresh uniform routing per round; weights rotated over copies "
                    "totalling >= 3x the 32 MB L3; medians over rounds; speedup = median of per-round ratios"),
         "targets_at_M1": {"int8_w8a8 cpu_int8": 1.7, "int4_w4a16 cpu_wo": 2.5},

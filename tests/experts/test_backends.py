@@ -193,3 +193,30 @@ def test_isa_cap_disables_native_bf16(monkeypatch, env):
     finally:
         monkeypatch.delenv(env)
         cpu.native_dtypes.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 37, 200, 300], ids=["mv", "swap2", "swap37", "swap-or-not200", "xWt300"])
+@pytest.mark.parametrize("wide", [False, True], ids=["K>N", "K<=N"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_cpu_native_bf16_products_by_rows_per_expert(monkeypatch, rows, wide, bias, gen):
+    # bf16 on CPUs that multiply it natively: torch.mv for one row, (w x^T)^T for a few rows
+    # of an expert (up to 2 SWAP_ROWS where K <= N), x w^T beyond; every form against the reference.
+    from moekit.experts import cpu
+
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    H, I = (40, 24) if wide else (24, 40)  # GEMM1 w13 [2I, H], GEMM2 w2 [H, I]: K <= N in one of them
+    x, weights, w, ids = make_problem(rows, 3, H, I, 1, torch.bfloat16, gen, bias=bias)
+    ids = torch.ones_like(ids)  # every row on expert 1: `rows` rows for one expert
+    out = check("cpu", x, weights, w, ids, torch.bfloat16)
+    # Rows of an expert do not see each other: each row's output equals the same row alone.
+    alone = fused_experts(x[-1:], weights, None, w[-1:], ids[-1:], backend="cpu")
+    assert rel_err(out[-1:], alone) <= TOL[torch.bfloat16]
+
+
+def test_cpu_swap_rule():
+    from moekit.experts.cpu import SWAP_ROWS, _swapped
+
+    square, tall, wide = torch.empty(64, 64), torch.empty(256, 64), torch.empty(64, 256)
+    assert _swapped(SWAP_ROWS, wide) and not _swapped(SWAP_ROWS + 1, wide)
+    assert _swapped(2 * SWAP_ROWS, square) and _swapped(2 * SWAP_ROWS, tall)
+    assert not _swapped(2 * SWAP_ROWS + 1, tall)

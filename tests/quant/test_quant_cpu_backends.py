@@ -28,6 +28,8 @@ CASES = [
     ("int8-k=E-non-gated", "int8_w8a8", {}, torch.float32, 3, 32, 16, 3, 4, "relu2_no_mul", True, False, False),
     ("int8-expert-map", "int8_w8a8", {}, torch.float32, 4, 32, 16, 2, 7, "silu", False, False, True),
     ("int8-empty-experts", "int8_w8a8", {}, torch.float32, 16, 32, 16, 1, 2, "silu", False, False, False),
+    # 150 rows an expert: past cpu_int8.SWAP_ROWS, the products take x as the left operand
+    ("int8-150-rows-an-expert", "int8_w8a8", {}, torch.float32, 2, 32, 16, 2, 150, "silu", True, False, False),
     ("w8a16-fp32", "int8_w8a16", {}, torch.float32, 4, 128, 128, 2, 6, "silu", False, False, False),
     ("w8a16-g32-zp-bias", "int8_w8a16", dict(group_size=32, symmetric=False), torch.bfloat16, 5, 96, 64, 2, 5,
      "gelu", True, False, False),

@@ -2,9 +2,13 @@
 
 Two compute modes, chosen per call from the weights' dtype and the CPU's features:
 - native: GEMMs straight on the weights (fp32 weights, or bf16/fp16 weights on CPUs with
-  AVX-512 BF16/FP16 or AMX, where oneDNN runs them at full speed). No conversion pass;
-  where torch's grouped GEMM takes the shape, one grouped GEMM per projection replaces the
-  per-expert loop (its Python overhead dominates at small M).
+  AVX-512 BF16/FP16 or AMX, where oneDNN runs them at full speed). No conversion pass.
+  bf16 weights: per expert, the weight is the left operand (W x^T, transposed back) for
+  few rows (_swapped) and one row is a matrix-vector product: oneDNN streams a bf16 weight
+  past a few columns 1.2-1.8x faster than it multiplies x W^T (and torch's grouped GEMM
+  runs x W^T per group). fp32 weights: where torch's grouped GEMM takes the shape, one
+  grouped GEMM per projection replaces the per-expert loop (its Python overhead dominates
+  at small M); fp16 and fp32 GEMMs gain nothing from either form.
 - blocked fp32: on AVX2-only CPUs torch's bf16 matmul is 10-100x slower than fp32, while
   an fp32 copy of all experts would double memory and the bytes streamed per token. Each
   expert's weights are converted to fp32 one block of the intermediate dimension at a time
@@ -42,6 +46,18 @@ __all__ = ["CPUBackend", "BLOCK_BYTES", "native_dtypes"]
 # At most this many (token, slot) assignments take the direct decode path (no sort).
 DIRECT_ASSIGNMENTS = 16
 
+# Rows of one expert up to which bf16 GEMMs take the weight w [N, K] as the left operand:
+# SWAP_ROWS, or twice that where K <= N. Measured on AVX-512 BF16 / AMX with 2 threads
+# (bench/NOTES-cpu.md; weights 1024-7168 x 512-3584): (w x^T)^T against x w^T 1.2-1.8x at
+# 4-128 rows; at 256 rows 1.4-1.7x where K <= N and 0.95x for K = 3.5 N; at 512 rows
+# x w^T wins on the square and wide-K weights. One row: torch.mv, 1.2-1.6x.
+SWAP_ROWS = 128
+
+
+def _swapped(r: int, w: torch.Tensor) -> bool:
+    N, K = w.shape
+    return r <= SWAP_ROWS or (r <= 2 * SWAP_ROWS and K <= N)
+
 # fp32 bytes of one converted weight block (w13 rows + w2 columns of one I-slice).
 BLOCK_BYTES = 3 * 1024 * 1024
 
@@ -52,6 +68,16 @@ def _block_size(H: int, I: int, gated: bool) -> int:
     if ib >= I:
         return I
     return max(16, (ib // 16) * 16)
+
+
+def _product(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """a [r, K] times w [N, K]^T (+ b [N]) in w's dtype, [r, N]: for bf16 weights torch.mv at
+    one row and (w a^T)^T (a transposed view) for few rows (see SWAP_ROWS), else x w^T."""
+    r = a.shape[0]
+    if w.dtype != torch.bfloat16 or r == 0 or not _swapped(r, w):
+        return F.linear(a, w, b)
+    h = torch.mv(w, a[0]).unsqueeze(0) if r == 1 else (w @ a.t()).t()
+    return h if b is None else h + b
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -144,15 +170,17 @@ class CPUBackend(ExpertsBackend):
         if native and T * k <= DIRECT_ASSIGNMENTS:
             return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
                                 apply_router_weight_on_input, expert_map)
-        if native and x.dtype == weights.w13.dtype and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None:
-            # Native dtype and aligned rows: one grouped GEMM per projection beats a per-expert loop.
+        if (native and weights.w13.dtype == torch.float32 and x.dtype == weights.w13.dtype
+                and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None):
+            # fp32 and aligned rows: one grouped GEMM per projection beats a per-expert loop.
             return _GROUPED.apply(x, weights, topk_weights, topk_ids, activation=activation,
                                   activation_params=activation_params,
                                   apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map)
         ib = I if native else _block_size(H, I, gated)
         cdt = weights.w13.dtype if native else torch.float32  # compute dtype
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, cdt)
-        y = sr.rows.new_empty((sr.rows.shape[0], H), dtype=torch.float32)  # [n_local, H]
+        y = sr.rows.new_empty((T * k, H), dtype=torch.float32)  # [T*k, H]: local rows, then zeros
+        y[sr.rows.shape[0]:].zero_()
         for e, start, end in sr.spans:
             y[start:end] = self._expert(
                 sr.rows[start:end], weights, e, I, ib, gated, activation, activation_params, native)
@@ -178,8 +206,8 @@ class CPUBackend(ExpertsBackend):
                 x_in = (x_t.float() * w_tj).to(cdt) if on_input else x_t.to(cdt)
                 b13 = None if weights.b13 is None else weights.b13[e]
                 b2 = None if weights.b2 is None else weights.b2[e]
-                a = apply_activation(F.linear(x_in, weights.w13[e], b13), activation, activation_params)
-                y = F.linear(a, weights.w2[e], b2).float()  # [1, H]
+                a = apply_activation(_product(x_in, weights.w13[e], b13), activation, activation_params)
+                y = _product(a, weights.w2[e], b2).float()  # [1, H]
                 out[t:t + 1] += y if on_input else y * w_tj
         return out
 
@@ -190,14 +218,14 @@ class CPUBackend(ExpertsBackend):
 
     @staticmethod
     def _expert(x_e, weights, e, I, ib, gated, activation, activation_params, native):
-        """One expert's output [n, H] fp32 for its rows x_e [n, H], block by block over I."""
+        """One expert's output [n, H] for its rows x_e [n, H]: in the weights' dtype (native, no
+        bias; possibly a transposed view), else fp32 and block by block over I."""
         w13_e, w2_e = weights.w13[e], weights.w2[e]  # [2I or I, H], [H, I]
-        if native:
-            h = x_e @ w13_e.t()  # [n, 2I] in the weights' dtype (fp32 accumulation inside)
-            if weights.b13 is not None:
-                h = h + weights.b13[e]
-            y = (apply_activation(h, activation, activation_params) @ w2_e.t()).float()  # [n, H]
-            return y if weights.b2 is None else y + weights.b2[e].float()
+        if native:  # GEMMs in the weights' dtype (fp32 accumulation inside)
+            b13_e = None if weights.b13 is None else weights.b13[e]
+            a = apply_activation(_product(x_e, w13_e, b13_e), activation, activation_params)  # [n, I]
+            y = _product(a, w2_e, None)  # [n, H]
+            return y if weights.b2 is None else y.float() + weights.b2[e].float()
         b13_e = None if weights.b13 is None else _f32(weights.b13[e])
         y = None
         for i0 in range(0, I, ib):
