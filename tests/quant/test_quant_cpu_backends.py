@@ -43,6 +43,12 @@ CASES = [
      "gelu_tanh", False, True, False),
     ("w4a16-bf16-non-gated-k1", "int4_w4a16", dict(group_size=32), torch.bfloat16, 8, 64, 32, 1, 3,
      "silu_no_mul", False, False, False),
+    # the int4 kernel's decode path (T k <= 16) with weights on the input, and its sorted path
+    ("w4a16-bf16-on-input", "int4_w4a16", dict(group_size=64), torch.bfloat16, 4, 64, 64, 2, 5,
+     "silu", True, True, False),
+    ("w4a16-bf16-sorted-bias", "int4_w4a16", dict(group_size=64), torch.bfloat16, 4, 64, 64, 2, 12,
+     "silu", True, False, False),
+    ("int8-on-input-bias", "int8_w8a8", {}, torch.bfloat16, 4, 32, 16, 2, 5, "silu", True, True, False),
 ]
 
 

@@ -28,7 +28,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, sort_rows, unsort_rows
+from .common import add_bias_by_span, local_ids, sort_rows, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K", "SWAP_ROWS"]
 
@@ -36,6 +36,10 @@ __all__ = ["CPUInt8Backend", "MAX_K", "SWAP_ROWS"]
 # 1.2-1.7x faster than q_x q_w^T at 1-128 rows on weights of 1024-7168 x 512-3584 on a 2-core
 # AVX-512 VNNI / AMX CPU (bench/NOTES-cpu.md).
 SWAP_ROWS = 128
+
+# At most this many (token, slot) assignments take the decode path (no sort; one token's k
+# products per GEMM with their scales, bias and activation applied to all k at once).
+DIRECT_ASSIGNMENTS = 16
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_K = (2 ** 31 - 1) // (127 * 127)
@@ -86,6 +90,9 @@ class CPUInt8Backend(ExpertsBackend):
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):
         T, k = topk_ids.shape
+        if T * k <= DIRECT_ASSIGNMENTS:
+            return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
+                                apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.float32)
         s = weights.scales
@@ -93,6 +100,49 @@ class CPUInt8Backend(ExpertsBackend):
         a = apply_activation(h, activation, activation_params)  # [n, I]
         y = add_bias_by_span(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    @staticmethod
+    def _direct(x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
+        """Decode path, token by token: [T, H] fp32.
+
+        At a few tokens the per-expert operations bound the call, not the int8 products; here
+        a token's x is quantized once for its k experts, each product is one q_w q_x^T into a
+        row of an [n, N, 1] accumulator, and the scales, biases, activation and the
+        quantization of GEMM2's inputs run once over the token's n local slots. Same values
+        as the sorted path; the weighted sum over the slots in slot order (deterministic).
+        """
+        T, k = topk_ids.shape
+        ids = local_ids(topk_ids, expert_map).tolist()
+        s = weights.scales
+        q13, q2 = weights.w13, weights.w2
+        H, I = q2.shape[1], q2.shape[2]
+        out = x.new_zeros((T, H), dtype=torch.float32)
+        for t in range(T):
+            slots = [j for j, e in enumerate(ids[t]) if e >= 0]  # the others are held by other ranks
+            if not slots:
+                continue
+            e_idx = torch.tensor([ids[t][j] for j in slots], dtype=torch.long)
+            n = len(slots)
+            w_t = topk_weights[t, slots].float()  # [n]
+            rows = x[t:t + 1].float()
+            if on_input:
+                rows = rows * w_t[:, None]  # [n, H]: each slot its own input
+            q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
+            acc1 = torch.empty((n, q13.shape[1], 1), dtype=torch.int32)
+            for i, e in enumerate(e_idx.tolist()):
+                torch._int_mm(q13[e], q_x[i if on_input else 0].view(H, 1), out=acc1[i])
+            h = acc1.view(n, -1).float().mul_(s_x).mul_(s["w13_scale"].index_select(0, e_idx))
+            if weights.b13 is not None:
+                h += weights.b13.index_select(0, e_idx).float()
+            q_a, s_a = quantize_activation(apply_activation(h, activation, activation_params), _SCHEME)  # [n, I]
+            acc2 = torch.empty((n, H, 1), dtype=torch.int32)
+            for i, e in enumerate(e_idx.tolist()):
+                torch._int_mm(q2[e], q_a[i].view(I, 1), out=acc2[i])
+            y = acc2.view(n, H).float().mul_(s_a).mul_(s["w2_scale"].index_select(0, e_idx))
+            if weights.b2 is not None:
+                y += weights.b2.index_select(0, e_idx).float()
+            out[t] = y.sum(dim=0) if on_input else w_t @ y
+        return out
 
 
 register_backend(CPUInt8Backend())

@@ -33,13 +33,16 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, sort_rows, unsort_rows
+from .common import add_bias_by_span, local_ids, sort_rows, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
 # fp32 bytes of one dequantized weight block (rows x K): about the L2 of both cores together;
 # 0.25-8 MB measured within noise of each other on the benchmark shape, 2 MB the best.
 BLOCK_BYTES = 2 * 1024 * 1024
+
+# At most this many (token, slot) assignments of the int4 kernel path skip the sort (decode).
+DIRECT_ASSIGNMENTS = 16
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -146,6 +149,9 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         T, k = topk_ids.shape
         scheme = scheme_of(weights)
         kernel = self.uses_int4_kernel(x.dtype, scheme)
+        if kernel and T * k <= DIRECT_ASSIGNMENTS:
+            return self._direct_int4(x, weights, scheme, topk_weights, topk_ids, activation, activation_params,
+                                     apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
         linear = self._int4_kernel_linear(weights, scheme) if kernel else self._blocked_linear(weights, scheme)
@@ -153,6 +159,35 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         a = apply_activation(h, activation, activation_params)  # [n, I]
         y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    def _direct_int4(self, x, weights, scheme, topk_weights, topk_ids, activation, activation_params, on_input,
+                     expert_map):
+        """Decode path of the int4 kernel, token by token: [T, H] fp32. A token's k products per
+        GEMM, then its biases and activation over all k at once; no sort. Same values as the
+        sorted path; the weighted sum over the slots in slot order (deterministic)."""
+        T, k = topk_ids.shape
+        ids = local_ids(topk_ids, expert_map).tolist()
+        (p13, so13), (p2, so2) = self._repacked.get(weights)
+        mm, g = torch.ops.aten._weight_int4pack_mm_for_cpu, scheme.group_size
+        out = x.new_zeros((T, weights.w2.shape[1]), dtype=torch.float32)
+        for t in range(T):
+            slots = [j for j, e in enumerate(ids[t]) if e >= 0]  # the others are held by other ranks
+            if not slots:
+                continue
+            es = [ids[t][j] for j in slots]
+            e_idx = torch.tensor(es, dtype=torch.long)
+            w_t = topk_weights[t, slots].float()  # [n]
+            rows = (x[t:t + 1].float() * w_t[:, None]).to(x.dtype) if on_input else x[t:t + 1]
+            h = torch.cat([mm(rows[i:i + 1] if on_input else rows, p13[e], g, so13[e]) for i, e in enumerate(es)])
+            h = h.float()  # [n, 2I]
+            if weights.b13 is not None:
+                h += weights.b13.index_select(0, e_idx).float()
+            a = apply_activation(h, activation, activation_params).to(x.dtype)  # [n, I]
+            y = torch.cat([mm(a[i:i + 1], p2[e], g, so2[e]) for i, e in enumerate(es)]).float()  # [n, H]
+            if weights.b2 is not None:
+                y += weights.b2.index_select(0, e_idx).float()
+            out[t] = y.sum(dim=0) if on_input else w_t @ y
+        return out
 
     def _int4_kernel_linear(self, weights, scheme):
         """(rows [n, K] bf16, projection name, spans) -> [n, N] fp32 through torch's int4 kernel."""
