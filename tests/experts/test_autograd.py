@@ -159,8 +159,8 @@ def test_cpu_blocked_fp32_path_gradients(monkeypatch, gen):
     sizes = []
     real = cpu_module._block_size
     monkeypatch.setattr(cpu_module, "_block_size", lambda *a: sizes.append(real(*a)) or sizes[-1])
-    inputs, ids = make(6, 3, 16, 40, 2, gen, bias=True)
-    G = torch.randn(6, 16, generator=gen)
+    inputs, ids = make(9, 3, 16, 40, 2, gen, bias=True)  # 18 assignments: past the decode path's 16
+    G = torch.randn(9, 16, generator=gen)
     _, got = grads(run_backend("cpu"), inputs + [ids], G)
     assert sizes == [16]
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]

@@ -220,3 +220,21 @@ def test_cpu_swap_rule():
     assert _swapped(SWAP_ROWS, wide) and not _swapped(SWAP_ROWS + 1, wide)
     assert _swapped(2 * SWAP_ROWS, square) and _swapped(2 * SWAP_ROWS, tall)
     assert not _swapped(2 * SWAP_ROWS + 1, tall)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_cpu_decode_path_where_bf16_is_emulated(monkeypatch, T, gen):
+    # A few assignments multiply one row in bf16 even where bf16 GEMMs are emulated (cheaper
+    # than converting the expert's weights at one row); more take the fp32 block path.
+    from moekit.experts import cpu
+
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32}))
+    blocks = []
+    real = cpu._block_size
+    monkeypatch.setattr(cpu, "_block_size", lambda *a: blocks.append(real(*a)) or blocks[-1])
+    x, weights, w, ids = make_problem(T, 5, 48, 40, 3, torch.bfloat16, gen, bias=True)
+    check("cpu", x, weights, w, ids, torch.bfloat16)
+    assert blocks == []  # the decode path: no weights converted
+    x, weights, w, ids = make_problem(9, 5, 48, 40, 2, torch.bfloat16, gen, bias=True)
+    check("cpu", x, weights, w, ids, torch.bfloat16)
+    assert blocks  # 18 assignments: the block path

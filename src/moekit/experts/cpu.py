@@ -70,11 +70,12 @@ def _block_size(H: int, I: int, gated: bool) -> int:
     return max(16, (ib // 16) * 16)
 
 
-def _product(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """a [r, K] times w [N, K]^T (+ b [N]) in w's dtype, [r, N]: for bf16 weights torch.mv at
-    one row and (w a^T)^T (a transposed view) for few rows (see SWAP_ROWS), else x w^T."""
+def _product(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], native: bool = True) -> torch.Tensor:
+    """a [r, K] times w [N, K]^T (+ b [N]) in w's dtype, [r, N]: for natively multiplied bf16
+    weights torch.mv at one row and (w a^T)^T (a transposed view) for few rows (see
+    SWAP_ROWS), else x w^T."""
     r = a.shape[0]
-    if w.dtype != torch.bfloat16 or r == 0 or not _swapped(r, w):
+    if w.dtype != torch.bfloat16 or not native or r == 0 or not _swapped(r, w):
         return F.linear(a, w, b)
     h = torch.mv(w, a[0]).unsqueeze(0) if r == 1 else (w @ a.t()).t()
     return h if b is None else h + b
@@ -167,9 +168,11 @@ class CPUBackend(ExpertsBackend):
         gated = is_gated(activation)
         I = weights.w2.shape[2]
         native = weights.w13.dtype in native_dtypes() and weights.w2.dtype == weights.w13.dtype
-        if native and T * k <= DIRECT_ASSIGNMENTS:
+        if T * k <= DIRECT_ASSIGNMENTS and weights.w2.dtype == weights.w13.dtype:
+            # Also where 16-bit GEMMs are emulated: one row in the weights' dtype took 0.5-0.67x
+            # the time of converting the expert's weights to fp32 first (AVX2, bench/NOTES-cpu.md).
             return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
-                                apply_router_weight_on_input, expert_map)
+                                apply_router_weight_on_input, expert_map, native)
         if (native and weights.w13.dtype == torch.float32 and x.dtype == weights.w13.dtype
                 and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None):
             # fp32 and aligned rows: one grouped GEMM per projection beats a per-expert loop.
@@ -187,7 +190,7 @@ class CPUBackend(ExpertsBackend):
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
     @staticmethod
-    def _direct(x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
+    def _direct(x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map, native):
         """Decode path: one GEMV pair per (token, slot), no sort. Returns [T, H] fp32.
 
         For a handful of assignments the sort/gather/scatter machinery costs more than the
@@ -206,8 +209,8 @@ class CPUBackend(ExpertsBackend):
                 x_in = (x_t.float() * w_tj).to(cdt) if on_input else x_t.to(cdt)
                 b13 = None if weights.b13 is None else weights.b13[e]
                 b2 = None if weights.b2 is None else weights.b2[e]
-                a = apply_activation(_product(x_in, weights.w13[e], b13), activation, activation_params)
-                y = _product(a, weights.w2[e], b2).float()  # [1, H]
+                a = apply_activation(_product(x_in, weights.w13[e], b13, native), activation, activation_params)
+                y = _product(a, weights.w2[e], b2, native).float()  # [1, H]
                 out[t:t + 1] += y if on_input else y * w_tj
         return out
 
