@@ -58,6 +58,7 @@ def _swapped(r: int, w: torch.Tensor) -> bool:
     N, K = w.shape
     return r <= SWAP_ROWS or (r <= 2 * SWAP_ROWS and K <= N)
 
+
 # fp32 bytes of one converted weight block (w13 rows + w2 columns of one I-slice).
 BLOCK_BYTES = 3 * 1024 * 1024
 

@@ -121,7 +121,8 @@ class CPUInt8Backend(ExpertsBackend):
             slots = [j for j, e in enumerate(ids[t]) if e >= 0]  # the others are held by other ranks
             if not slots:
                 continue
-            e_idx = torch.tensor([ids[t][j] for j in slots], dtype=torch.long)
+            es = [ids[t][j] for j in slots]
+            e_idx = torch.tensor(es, dtype=torch.long)
             n = len(slots)
             w_t = topk_weights[t, slots].float()  # [n]
             rows = x[t:t + 1].float()
@@ -129,14 +130,14 @@ class CPUInt8Backend(ExpertsBackend):
                 rows = rows * w_t[:, None]  # [n, H]: each slot its own input
             q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
             acc1 = torch.empty((n, q13.shape[1], 1), dtype=torch.int32)
-            for i, e in enumerate(e_idx.tolist()):
+            for i, e in enumerate(es):
                 torch._int_mm(q13[e], q_x[i if on_input else 0].view(H, 1), out=acc1[i])
             h = acc1.view(n, -1).float().mul_(s_x).mul_(s["w13_scale"].index_select(0, e_idx))
             if weights.b13 is not None:
                 h += weights.b13.index_select(0, e_idx).float()
             q_a, s_a = quantize_activation(apply_activation(h, activation, activation_params), _SCHEME)  # [n, I]
             acc2 = torch.empty((n, H, 1), dtype=torch.int32)
-            for i, e in enumerate(e_idx.tolist()):
+            for i, e in enumerate(es):
                 torch._int_mm(q2[e], q_a[i].view(I, 1), out=acc2[i])
             y = acc2.view(n, H).float().mul_(s_a).mul_(s["w2_scale"].index_select(0, e_idx))
             if weights.b2 is not None:
