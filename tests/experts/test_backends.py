@@ -204,13 +204,16 @@ def test_cpu_native_bf16_products_by_rows_per_expert(monkeypatch, rows, wide, bi
     from moekit.experts import cpu
 
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
-    H, I = (40, 24) if wide else (24, 40)  # GEMM1 w13 [2I, H], GEMM2 w2 [H, I]: K <= N in one of them
+    # GEMM1 w13 [2I, H], GEMM2 w2 [H, I]: K > N in one of them unless wide. Sizes large enough
+    # that one bf16 row stays inside the bf16 bound (at H = 24 it reached 1.03e-2 in 1 of 3000 seeds).
+    H, I = (256, 128) if wide else (128, 256)
     x, weights, w, ids = make_problem(rows, 3, H, I, 1, torch.bfloat16, gen, bias=bias)
     ids = torch.ones_like(ids)  # every row on expert 1: `rows` rows for one expert
     out = check("cpu", x, weights, w, ids, torch.bfloat16)
-    # Rows of an expert do not see each other: each row's output equals the same row alone.
+    # Rows of an expert do not see each other: each row's output matches the same row alone
+    # (two bf16 results of different product forms: twice the bound against fp32).
     alone = fused_experts(x[-1:], weights, None, w[-1:], ids[-1:], backend="cpu")
-    assert rel_err(out[-1:], alone) <= TOL[torch.bfloat16]
+    assert rel_err(out[-1:], alone) <= 2 * TOL[torch.bfloat16]
 
 
 def test_cpu_swap_rule():
@@ -232,7 +235,7 @@ def test_cpu_decode_path_where_bf16_is_emulated(monkeypatch, T, gen):
     blocks = []
     real = cpu._block_size
     monkeypatch.setattr(cpu, "_block_size", lambda *a: blocks.append(real(*a)) or blocks[-1])
-    x, weights, w, ids = make_problem(T, 5, 48, 40, 3, torch.bfloat16, gen, bias=True)
+    x, weights, w, ids = make_problem(T, 5, 128, 96, 3, torch.bfloat16, gen, bias=True)
     check("cpu", x, weights, w, ids, torch.bfloat16)
     assert blocks == []  # the decode path: no weights converted
     x, weights, w, ids = make_problem(9, 5, 48, 40, 2, torch.bfloat16, gen, bias=True)
