@@ -6,7 +6,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span"]
+__all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span",
+           "token_slots"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -121,3 +122,13 @@ def add_bias_by_span(h: torch.Tensor, bias: Optional[torch.Tensor], spans) -> to
         for e, a, b in spans:
             h[a:b].add_(bias[e].float())
     return h
+
+
+def token_slots(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]):
+    """For host-driven decode paths: (t, experts, experts as int64 [n], slot weights fp32 [n]) for
+    each token t with n >= 1 local slots, in slot order (slots of other ranks' experts left out)."""
+    for t, row in enumerate(local_ids(topk_ids, expert_map).tolist()):
+        slots = [j for j, e in enumerate(row) if e >= 0]
+        if slots:
+            experts = [row[j] for j in slots]
+            yield t, experts, torch.tensor(experts, dtype=torch.long), topk_weights[t, slots].float()

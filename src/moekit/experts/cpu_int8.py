@@ -28,7 +28,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, local_ids, sort_rows, unsort_rows
+from .common import add_bias_by_span, sort_rows, token_slots, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K", "SWAP_ROWS"]
 
@@ -111,20 +111,12 @@ class CPUInt8Backend(ExpertsBackend):
         quantization of GEMM2's inputs run once over the token's n local slots. Same values
         as the sorted path; the weighted sum over the slots in slot order (deterministic).
         """
-        T, k = topk_ids.shape
-        ids = local_ids(topk_ids, expert_map).tolist()
         s = weights.scales
         q13, q2 = weights.w13, weights.w2
         H, I = q2.shape[1], q2.shape[2]
-        out = x.new_zeros((T, H), dtype=torch.float32)
-        for t in range(T):
-            slots = [j for j, e in enumerate(ids[t]) if e >= 0]  # the others are held by other ranks
-            if not slots:
-                continue
-            es = [ids[t][j] for j in slots]
-            e_idx = torch.tensor(es, dtype=torch.long)
-            n = len(slots)
-            w_t = topk_weights[t, slots].float()  # [n]
+        out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
+        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
+            n = len(es)
             rows = x[t:t + 1].float()
             if on_input:
                 rows = rows * w_t[:, None]  # [n, H]: each slot its own input

@@ -33,7 +33,7 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, local_ids, sort_rows, unsort_rows
+from .common import add_bias_by_span, sort_rows, token_slots, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -165,18 +165,10 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         """Decode path of the int4 kernel, token by token: [T, H] fp32. A token's k products per
         GEMM, then its biases and activation over all k at once; no sort. Same values as the
         sorted path; the weighted sum over the slots in slot order (deterministic)."""
-        T, k = topk_ids.shape
-        ids = local_ids(topk_ids, expert_map).tolist()
         (p13, so13), (p2, so2) = self._repacked.get(weights)
         mm, g = torch.ops.aten._weight_int4pack_mm_for_cpu, scheme.group_size
-        out = x.new_zeros((T, weights.w2.shape[1]), dtype=torch.float32)
-        for t in range(T):
-            slots = [j for j, e in enumerate(ids[t]) if e >= 0]  # the others are held by other ranks
-            if not slots:
-                continue
-            es = [ids[t][j] for j in slots]
-            e_idx = torch.tensor(es, dtype=torch.long)
-            w_t = topk_weights[t, slots].float()  # [n]
+        out = x.new_zeros((topk_ids.shape[0], weights.w2.shape[1]), dtype=torch.float32)
+        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
             rows = (x[t:t + 1].float() * w_t[:, None]).to(x.dtype) if on_input else x[t:t + 1]
             h = torch.cat([mm(rows[i:i + 1] if on_input else rows, p13[e], g, so13[e]) for i, e in enumerate(es)])
             h = h.float()  # [n, 2I]
