@@ -86,6 +86,9 @@ def run(args) -> int:
         return 2
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    from moekit import native  # noqa: PLC0415
+
+    print(f"native CPU kernels (cpu_int8 decode products): {native.status()}")
     if torch.cuda.is_available():
         print(f"cuda: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})")
     else:

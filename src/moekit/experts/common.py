@@ -128,6 +128,9 @@ def token_slots(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: 
     """For host-driven decode paths: (t, experts, experts as int64 [n], slot weights fp32 [n]) for
     each token t with n >= 1 local slots, in slot order (slots of other ranks' experts left out)."""
     for t, row in enumerate(local_ids(topk_ids, expert_map).tolist()):
+        if min(row) >= 0:  # every slot local (always without an expert map): no gather
+            yield t, row, torch.tensor(row, dtype=torch.long), topk_weights[t].float()
+            continue
         slots = [j for j, e in enumerate(row) if e >= 0]
         if slots:
             experts = [row[j] for j in slots]

@@ -163,22 +163,33 @@ class CPUWeightOnlyBackend(ExpertsBackend):
     def _direct_int4(self, x, weights, scheme, topk_weights, topk_ids, activation, activation_params, on_input,
                      expert_map):
         """Decode path of the int4 kernel, token by token: [T, H] fp32. A token's k products per
-        GEMM, then its biases and activation over all k at once; no sort. Same values as the
-        sorted path; the weighted sum over the slots in slot order (deterministic)."""
+        GEMM land in the rows of one bf16 buffer, then its biases and activation run over all k
+        at once; no sort. Same values as the sorted path; the weighted sum over the slots in
+        slot order (deterministic)."""
         (p13, so13), (p2, so2) = self._repacked.get(weights)
         mm, g = torch.ops.aten._weight_int4pack_mm_for_cpu, scheme.group_size
-        out = x.new_zeros((topk_ids.shape[0], weights.w2.shape[1]), dtype=torch.float32)
+        H, N1 = weights.w2.shape[1], p13.shape[1]
+        out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
         for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
+            n = len(es)
             rows = (x[t:t + 1].float() * w_t[:, None]).to(x.dtype) if on_input else x[t:t + 1]
-            h = torch.cat([mm(rows[i:i + 1] if on_input else rows, p13[e], g, so13[e]) for i, e in enumerate(es)])
+            h = x.new_empty((n, N1))
+            for i, e in enumerate(es):
+                h[i:i + 1] = mm(rows[i:i + 1] if on_input else rows, p13[e], g, so13[e])
             h = h.float()  # [n, 2I]
             if weights.b13 is not None:
                 h += weights.b13.index_select(0, e_idx).float()
             a = apply_activation(h, activation, activation_params).to(x.dtype)  # [n, I]
-            y = torch.cat([mm(a[i:i + 1], p2[e], g, so2[e]) for i, e in enumerate(es)]).float()  # [n, H]
+            y = x.new_empty((n, H))
+            for i, e in enumerate(es):
+                y[i:i + 1] = mm(a[i:i + 1], p2[e], g, so2[e])
+            y = y.float()
             if weights.b2 is not None:
                 y += weights.b2.index_select(0, e_idx).float()
-            out[t] = y.sum(dim=0) if on_input else w_t @ y
+            if on_input:
+                torch.sum(y, dim=0, keepdim=True, out=out[t:t + 1])
+            else:
+                torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
         return out
 
     def _int4_kernel_linear(self, weights, scheme):

@@ -149,7 +149,8 @@ def _to_fp8(v: torch.Tensor) -> torch.Tensor:
 
 
 def _to_int8(v: torch.Tensor) -> torch.Tensor:
-    return torch.round(v).clamp_(-127, 127).to(torch.int8)
+    """v: a temporary (rounded in place)."""
+    return v.round_().clamp_(-127, 127).to(torch.int8)
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],

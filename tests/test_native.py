@@ -1,0 +1,155 @@
+"""moekit.native: the C kernels compiled on first use, exact against torch's int32 products on
+random shapes for every instruction-set build this CPU can run; how they refuse; the cpu_int8
+decode path with and without them."""
+
+import platform
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import rel_err
+from moekit import native, quantize_experts
+from moekit.config import ActivationParams
+from moekit.experts.base import BACKENDS
+from moekit.experts.cpu_int8 import CPUInt8Backend
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() != "x86_64" or native._compiler() is None,
+    reason="native kernels build on x86-64 Linux with a C compiler")
+
+
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+ISAS = ["native", "scalar"] + (["avx2"] if "avx2" in _cpu_flags() else [])
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    """Each build compiled afresh into an empty cache folder."""
+    cache = tmp_path_factory.mktemp("moekit-native")
+    return {isa: native.build(isa, cache_dir=cache) for isa in ISAS}
+
+
+def _expected(w, experts, x):
+    rows = [w[e].int() @ x[i if x.shape[0] > 1 else 0].int() for i, e in enumerate(experts.tolist())]
+    return torch.stack(rows) if rows else torch.empty(0, w.shape[1], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
+@given(E=st.integers(1, 6), N=st.integers(1, 70), K=st.integers(1, 300), n=st.integers(0, 9), shared=st.booleans(),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_int8_gemv_experts_is_exact(libs, isa, E, N, K, n, shared, seed):
+    """Any N and K (vector loops, 4-row groups and their tails), repeated experts, one shared x row or one a slot."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (E, N, K), generator=g, dtype=torch.int8)
+    experts = torch.randint(0, E, (n,), generator=g)
+    x = torch.randint(-127, 128, (1 if shared else max(n, 1), K), generator=g, dtype=torch.int8)
+    if not shared and n == 0:
+        x = x[:0]
+    out = torch.full((n, N), 7, dtype=torch.int32)
+    libs[isa].int8_gemv_experts(w, experts, x, out)
+    assert torch.equal(out, _expected(w, experts, x))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_gemv_extremes_and_long_rows_stay_exact(libs, isa):
+    """-127 * -127 in every lane over K = 7168 (int16 pairs summed into int32), and mixed signs."""
+    w = torch.full((2, 9, 7168), -127, dtype=torch.int8)
+    w[1, ::2] = 127
+    x = torch.full((1, 7168), -127, dtype=torch.int8)
+    out = torch.empty(2, 9, dtype=torch.int32)
+    libs[isa].int8_gemv_experts(w, torch.tensor([0, 1]), x, out)
+    assert torch.equal(out, _expected(w, torch.tensor([0, 1]), x))
+    assert out[0, 0].item() == 127 * 127 * 7168
+
+
+def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path):
+    assert libs["scalar"].isa == "scalar" and libs["scalar"].openmp
+    if "avx2" in libs:
+        assert libs["avx2"].isa == "avx2"
+    again = native.build("native", cache_dir=libs["native"].path.parent)
+    assert again.path == libs["native"].path and again.isa == libs["native"].isa
+    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'native', 'scalar'\], got 'sse'"):
+        native.build("sse", cache_dir=tmp_path)
+
+
+def test_bad_arguments_are_named(libs):
+    lib = libs["native"]
+    w = torch.zeros(2, 8, 16, dtype=torch.int8)
+    x = torch.zeros(1, 16, dtype=torch.int8)
+    out = torch.empty(2, 8, dtype=torch.int32)
+    experts = torch.tensor([0, 1])
+    with pytest.raises(TypeError, match="wants int8 w and x, int64 experts, int32 out; got torch.int8, torch.float32"):
+        lib.int8_gemv_experts(w, experts, x.float(), out)
+    with pytest.raises(ValueError, match="contiguous"):
+        lib.int8_gemv_experts(w.transpose(1, 2).contiguous().transpose(1, 2), experts, x, out)
+    with pytest.raises(ValueError, match=r"w \(2, 8, 16\), 2 experts, x \(1, 15\), out \(2, 8\) do not fit"):
+        lib.int8_gemv_experts(w, experts, x[:, :15].contiguous(), out)
+    with pytest.raises(ValueError, match="do not fit"):
+        lib.int8_gemv_experts(w, experts, torch.zeros(3, 16, dtype=torch.int8), out)
+
+
+def test_missing_compiler_and_switch_off_give_reasons(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        native.build("native", cache_dir=tmp_path)
+    monkeypatch.setenv("MOEKIT_NATIVE", "0")
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status() == "unavailable: turned off by MOEKIT_NATIVE=0"
+        with pytest.raises(RuntimeError, match="native CPU kernels are unavailable: turned off"):
+            native.int8_gemv_experts(torch.zeros(1, 1, 1, dtype=torch.int8), torch.zeros(1, dtype=torch.int64),
+                                     torch.zeros(1, 1, dtype=torch.int8), torch.empty(1, 1, dtype=torch.int32))
+    finally:
+        native.reset()
+
+
+def test_compiler_errors_are_reported(monkeypatch, tmp_path):
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    with pytest.raises(RuntimeError, match="failed to compile broken.c"):
+        native.build("native", cache_dir=tmp_path)
+    assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
+
+
+@pytest.mark.parametrize("T, k, on_input, bias, use_map", [
+    (1, 8, False, False, False), (2, 8, False, True, False), (3, 2, True, False, False),
+    (4, 4, False, True, True), (1, 1, False, False, False),
+])
+def test_cpu_int8_decode_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
+    """The same exact int32 products either way, so the same output bits; and the reference's bound."""
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    E, H, I = 16, 96, 48  # H, I not multiples of the vector width
+    extra = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen)) if bias else {}
+    w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
+                         torch.randn(E, H, I, generator=gen) * I ** -0.5, "int8_w8a8", **extra)
+    emap = None
+    E_ids = E
+    if use_map:
+        E_ids = 2 * E
+        emap = torch.full((E_ids,), -1, dtype=torch.int32)
+        emap[torch.randperm(E_ids, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen, dtype=torch.bfloat16)
+    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+              expert_map=emap)
+    fast, plain = CPUInt8Backend(), CPUInt8Backend()
+    plain.native_products = False
+    a = fast.apply(x, w, tw, ids, **kw)
+    b = plain.apply(x, w, tw, ids, **kw)
+    assert torch.equal(a, b)
+    assert rel_err(a, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-4
