@@ -4,12 +4,12 @@ Shape E=64, k=8, H=1024, I=512 (SwiGLU), bf16 activations, M in {1, 32} tokens, 
 random routing drawn fresh per call. Variants:
 
 - bf16 weights, backend `cpu` (the baseline);
-- int8_w8a8, backend `cpu_int8` (exact int8 products: moekit's native kernel at decode where
-  it builds), and the same with its decode products through torch._int_mm;
-- int4_w4a16 (group 128, symmetric), backend `cpu_wo` (torch's int4 kernel on bf16 inputs);
-- int8_w8a16 (group 128), backend `cpu_wo` (fp32 GEMMs from weights dequantized in blocks):
-  what an fp32-from-int8 path costs, the alternative to the int8 GEMM;
-- int4_w4a16 with fp32 activations, backend `cpu_wo` (the fp32 block path for int4).
+- int8_w8a8, backend `cpu_int8` (exact int8 products), and the same with its decode products
+  through torch._int_mm instead of moekit's native kernel (moekit.native);
+- int4_w4a16 (group 128, symmetric), backend `cpu_wo`, and the same without the native kernel
+  (torch's int4 kernel on bf16 inputs);
+- int8_w8a16 (group 128) and int4_w4a16 with fp32 activations, backend `cpu_wo`: the native
+  kernel at decode, fp32 GEMMs from weights dequantized in blocks otherwise.
 
 Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3.
 Rounds run every variant once in turn, the order rotated by one each round (so a load
@@ -40,6 +40,7 @@ from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS, ExpertWeights
 from moekit.experts.cpu import native_dtypes
 from moekit.experts.cpu_int8 import CPUInt8Backend
+from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend
 
 E, K_TOP, H, I = 64, 8, 1024, 512
 
@@ -89,9 +90,9 @@ def read_bytes(w: ExpertWeights) -> int:
     return n + sum(t.numel() * t.element_size() for t in w.scales.values())
 
 
-def _torch_products_int8() -> CPUInt8Backend:
-    """cpu_int8 with its decode products through torch._int_mm, not moekit's native kernel."""
-    b = CPUInt8Backend()
+def _without_native(cls):
+    """A backend of `cls` with its decode products off moekit's native kernels (torch's operators)."""
+    b = cls()
     b.native_products = False
     return b
 
@@ -103,13 +104,13 @@ def make_variants(gen: torch.Generator, l3_bytes: int):
     specs = [
         ("bf16 cpu", "cpu", torch.bfloat16, lambda a, b: ExpertWeights(a.bfloat16(), b.bfloat16())),
         ("int8_w8a8 cpu_int8", "cpu_int8", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a8")),
-        ("int8_w8a8 cpu_int8 (torch._int_mm products)", _torch_products_int8(), torch.bfloat16,
+        ("int8_w8a8 cpu_int8 (torch._int_mm products)", _without_native(CPUInt8Backend), torch.bfloat16,
          lambda a, b: quantize_experts(a, b, "int8_w8a8")),
         ("int4_w4a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
-        ("int8_w8a16 cpu_wo (fp32 blocks)", "cpu_wo", torch.bfloat16,
-         lambda a, b: quantize_experts(a, b, "int8_w8a16")),
-        ("int4_w4a16 cpu_wo fp32 x (fp32 blocks)", "cpu_wo", torch.float32,
+        ("int4_w4a16 cpu_wo (torch's int4 kernel)", _without_native(CPUWeightOnlyBackend), torch.bfloat16,
          lambda a, b: quantize_experts(a, b, "int4_w4a16")),
+        ("int8_w8a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a16")),
+        ("int4_w4a16 cpu_wo fp32 x", "cpu_wo", torch.float32, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
     ]
     out = {}
     for name, backend, dtype, build in specs:

@@ -1,6 +1,7 @@
-"""moekit.native: the C kernels compiled on first use, exact against torch's int32 products on
-random shapes for every instruction-set build this CPU can run; how they refuse; the cpu_int8
-decode path with and without them."""
+"""moekit.native: the C kernels compiled on first use, against torch (int8: exact int32
+products; weight-only: x @ dequantized w^T) on random shapes for every instruction-set build
+this CPU can run; how they refuse; the cpu_int8 decode path with and without them (the
+weight-only decode paths: tests/quant/test_quant_cpu_backends.py)."""
 
 import platform
 import sys
@@ -15,6 +16,8 @@ from moekit import native, quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 from moekit.experts.cpu_int8 import CPUInt8Backend
+from moekit.quant import get_scheme
+from moekit.quant.quantize import dequantize_weight, quantize_weight
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.machine() != "x86_64" or native._compiler() is None,
@@ -71,6 +74,50 @@ def test_int8_gemv_extremes_and_long_rows_stay_exact(libs, isa):
     libs[isa].int8_gemv_experts(w, torch.tensor([0, 1]), x, out)
     assert torch.equal(out, _expected(w, torch.tensor([0, 1]), x))
     assert out[0, 0].item() == 127 * 127 * 7168
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(["int4_w4a16", "int8_w8a16"]), g=st.sampled_from([32, 64, 128]),
+       symmetric=st.booleans(), E=st.integers(1, 5), N=st.integers(1, 45), groups=st.integers(1, 4),
+       n=st.integers(0, 9), shared=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_wo_gemv_experts_matches_the_dequantized_weights(libs, isa, name, g, symmetric, E, N, groups, n, shared,
+                                                         seed):
+    """fp32 products from int4 / int8 group-quantized weights (with or without zero points) equal
+    x @ dequantized w^T up to fp32 summation order: within K * 2^-23 of the sum of the
+    magnitudes the kernel adds (s |q| |x| and s |z| |x|, q = (q - z) + z)."""
+    gen = torch.Generator().manual_seed(seed)
+    scheme = get_scheme(name, group_size=g, symmetric=symmetric)
+    K = g * groups
+    q = quantize_weight(torch.randn(E, N, K, generator=gen), scheme)
+    w = dequantize_weight(q.q, q.scale, q.zero, scheme)
+    experts = torch.randint(0, E, (n,), generator=gen)
+    x = torch.randn(1 if shared or n == 0 else n, K, generator=gen)
+    out = torch.full((n, N), float("nan"))
+    libs[isa].wo_gemv_experts(q.q, q.scale, q.zero, experts, x, out, int4=name.startswith("int4"), group_size=g)
+    z = q.zero.float() if q.zero is not None else torch.full_like(q.scale, 8.0 if name.startswith("int4") else 0.0)
+    sz = (q.scale * z).repeat_interleave(g, dim=2)  # [E, N, K]
+    for i, e in enumerate(experts.tolist()):
+        xi = x[i if x.shape[0] > 1 else 0].double()
+        ref = w[e].double() @ xi
+        bound = K * 2.0 ** -23 * ((w[e].double().abs() + 2 * sz[e].double()) @ xi.abs())
+        assert ((out[i].double() - ref).abs() <= bound + 1e-30).all()
+
+
+def test_wo_gemv_bad_arguments_are_named(libs):
+    lib = libs["native"]
+    scheme = get_scheme("int4_w4a16", group_size=32)
+    q = quantize_weight(torch.randn(2, 8, 64), scheme)
+    experts, x, out = torch.tensor([0, 1]), torch.randn(1, 64), torch.empty(2, 8)
+    with pytest.raises(TypeError, match="wants uint8 .int4. or int8 / uint8 w, fp32 scale, x and out"):
+        lib.wo_gemv_experts(q.q, q.scale, None, experts, x.bfloat16(), out, int4=True, group_size=32)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 32 dividing K=64, got 48"):
+        lib.wo_gemv_experts(q.q, q.scale, None, experts, x, out, int4=True, group_size=48)
+    with pytest.raises(ValueError, match=r"scale \(2, 8, 1\), 2 experts, x \(1, 64\), out \(2, 8\) do not fit"):
+        lib.wo_gemv_experts(q.q, q.scale[:, :, :1].contiguous(), None, experts, x, out, int4=True, group_size=32)
+    u8 = quantize_weight(torch.randn(2, 8, 64), get_scheme("int8_w8a16", group_size=32, symmetric=False))
+    with pytest.raises(ValueError, match="uint8 int8 weights need their zero points"):
+        lib.wo_gemv_experts(u8.q, u8.scale, None, experts, x, out, int4=False, group_size=32)
 
 
 def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path):

@@ -8,6 +8,7 @@ from conftest import rel_err
 from moekit import fused_experts, quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
+from moekit.experts import cpu_weight_only
 from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend, int4_kernel_available
 from moekit.quant import TOLERANCE, get_scheme
 
@@ -16,7 +17,8 @@ GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 # Exact paths: the int8 GEMM is exact and the fp32 block path dequantizes to the same values
 # as the emulation; only summation order (and, for int8, a rare rounding flip of a GEMM2
 # input) differs. The int4 kernel path rounds its inputs and group scales to bf16 (~2^-9).
-TIGHT = {"cpu_int8": 1e-4, "cpu_wo blocks": 1e-5, "cpu_wo int4 kernel": 1e-2}
+# The native decode products (moekit.native) compute in fp32 from fp32 scales: as tight as the blocks.
+TIGHT = {"cpu_int8": 1e-4, "cpu_wo blocks": 1e-5, "cpu_wo native": 1e-5, "cpu_wo int4 kernel": 1e-2}
 
 CASES = [
     # id, scheme, options, dtype, E, H, I, k, T, activation, bias, on_input, expert_map
@@ -82,10 +84,14 @@ def _problem(case, gen):
     return w, x, tw, ids, kwargs
 
 
-def _path(backend, x, name, opts):
+def _path(backend, x, w, ids, name, opts):
     if backend == "cpu_int8":
         return "cpu_int8"
-    kernel = CPUWeightOnlyBackend.uses_int4_kernel(x.dtype, get_scheme(name, **opts))
+    scheme = get_scheme(name, **opts)
+    decode = ids.numel() <= cpu_weight_only.DIRECT_ASSIGNMENTS
+    if decode and BACKENDS["cpu_wo"].native_library(w, scheme) is not None:
+        return "cpu_wo native"
+    kernel = CPUWeightOnlyBackend.uses_int4_kernel(x.dtype, scheme)
     return "cpu_wo int4 kernel" if kernel else "cpu_wo blocks"
 
 
@@ -100,7 +106,7 @@ def test_backend_matches_the_emulated_reference(case, gen):
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
     assert err <= TOLERANCE[get_scheme(name).precision]  # PERF.md
-    assert err <= TIGHT[_path(backend, x, name, opts)]
+    assert err <= TIGHT[_path(backend, x, w, ids, name, opts)]
 
 
 def test_rows_of_remote_experts_and_empty_experts_are_zero(gen):
@@ -182,3 +188,33 @@ def test_int4_kernel_repacks_after_an_in_place_weight_change(gen):
     ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
     assert rel_err(after, ref) <= TIGHT["cpu_wo int4 kernel"]
     assert rel_err(before, ref) > 0.1
+
+
+@pytest.mark.parametrize("name, opts, dtype", [
+    ("int4_w4a16", {}, torch.bfloat16), ("int4_w4a16", dict(group_size=32, symmetric=False), torch.float32),
+    ("int8_w8a16", {}, torch.float16), ("int8_w8a16", dict(group_size=64, symmetric=False), torch.bfloat16),
+])
+@pytest.mark.parametrize("T, k, on_input, bias", [(1, 8, False, True), (2, 4, True, False), (3, 1, False, False)])
+def test_weight_only_decode_with_and_without_native_products(name, opts, dtype, T, k, on_input, bias, gen):
+    """The native decode (fp32 products) and the paths without it (torch's int4 kernel, fp32
+    blocks) against the emulation; H and I a few groups each."""
+    fast = CPUWeightOnlyBackend()
+    g = get_scheme(name, **opts).group_size
+    E, H, I = 12, 3 * g, 2 * g
+    extra = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen)) if bias else {}
+    w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
+                         torch.randn(E, H, I, generator=gen) * I ** -0.5, name, **opts, **extra)
+    if fast.native_library(w, get_scheme(name, **opts)) is None:
+        pytest.skip("moekit's native kernels are not available here")
+    plain = CPUWeightOnlyBackend()
+    plain.native_products = False
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(torch.int32)
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+              expert_map=None)
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+    assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT["cpu_wo native"]
+    slow_path = "cpu_wo int4 kernel" if CPUWeightOnlyBackend.uses_int4_kernel(dtype, get_scheme(name, **opts)) \
+        else "cpu_wo blocks"
+    assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]

@@ -1,7 +1,13 @@
 """`cpu_wo`: weight-only int4 / int8 experts on CPU ("int4_w4a16", "int8_w8a16").
 
-Two compute paths, chosen per call by a fixed rule (both tested against the emulation):
+Compute paths, chosen per call by a fixed rule (each tested against the emulation):
 
+- native decode (at most DIRECT_ASSIGNMENTS assignments, where moekit's native kernels build:
+  moekit.native): each token's products over its k experts in one call per GEMM, in fp32
+  straight from the stored int4 / int8 weights and fp32 group scales, any activation dtype.
+  At E=64, k=8, H=1024, I=512, M=1 on a 2-core AVX-512 host: int4 0.80 ms against 1.1-1.4 ms
+  through torch's int4 kernel below, int8_w8a16 1.3 ms against 5.8-6.4 ms of fp32 blocks
+  (bench/cpu_quant.py).
 - int4 kernel (int4 weights, bf16 activations, torch with `_weight_int4pack_mm_for_cpu`):
   torch's CPU int4 GEMM, which unpacks int4 in registers and accumulates in fp32. It wants
   its own packing and one bf16 (scale, offset) pair per group, so the weights are repacked
@@ -13,10 +19,11 @@ Two compute paths, chosen per call by a fixed rule (both tested against the emul
   reused buffer that stays in L2) and used at once by fp32 GEMMs; int4 is unpacked per block.
   Exact fp32 apart from rounding order.
 
-Why two: at decode (M=1) the fp32 path spends its time converting weights (int4 -> fp32
-costs about what bf16 -> fp32 does), so it cannot beat a bf16 layer by more than the
-bandwidth saved; torch's int4 kernel skips the conversion but is fast only on bf16 inputs
-(fp32 and fp16 inputs take a scalar loop, about 45x slower, measured).
+Why the last two, where the native decode does not run: at decode (M=1) the fp32 path spends
+its time converting weights (int4 -> fp32 costs about what bf16 -> fp32 does), so it cannot
+beat a bf16 layer by more than the bandwidth saved; torch's int4 kernel skips the conversion
+but is fast only on bf16 inputs (fp32 and fp16 inputs take a scalar loop, about 45x slower,
+measured).
 
 Supports: CPU, fp32/bf16/fp16 activations, group sizes 32/64/128, symmetric or zero
 points, every activation, biases, expert_map, weights on input. No autograd.
@@ -32,6 +39,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
+from .. import native
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
 from .common import add_bias_by_span, sort_rows, token_slots, unsort_rows
 
@@ -129,6 +137,10 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                    "from weights dequantized in cache-sized blocks")
     differentiable = False
 
+    # decode products through moekit's native kernel where it is available (moekit.native);
+    # False keeps the paths below (tests compare them)
+    native_products = True
+
     def __init__(self) -> None:
         self._repacked = _Int4Repacked()
 
@@ -144,14 +156,28 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         """The path rule of the module docstring."""
         return scheme.weight_dtype == "int4" and x_dtype == torch.bfloat16 and int4_kernel_available()
 
+    def native_library(self, weights: ExpertWeights, scheme: QuantScheme):
+        """moekit's native library where the decode path may use it for these weights, else None."""
+        if not self.native_products or scheme.group_size % 32:
+            return None
+        tensors = (weights.w13, weights.w2, *weights.scales.values())
+        return native.library() if all(t.is_contiguous() for t in tensors) else None
+
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):
         T, k = topk_ids.shape
         scheme = scheme_of(weights)
         kernel = self.uses_int4_kernel(x.dtype, scheme)
-        if kernel and T * k <= DIRECT_ASSIGNMENTS:
-            return self._direct_int4(x, weights, scheme, topk_weights, topk_ids, activation, activation_params,
-                                     apply_router_weight_on_input, expert_map)
+        if T * k <= DIRECT_ASSIGNMENTS:
+            lib = self.native_library(weights, scheme)
+            if lib is not None:
+                return self._direct(self._native_products(lib, weights, scheme), torch.float32, x, weights,
+                                    topk_weights, topk_ids, activation, activation_params,
+                                    apply_router_weight_on_input, expert_map)
+            if kernel:
+                return self._direct(self._int4_kernel_products(weights, scheme), torch.bfloat16, x, weights,
+                                    topk_weights, topk_ids, activation, activation_params,
+                                    apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
         linear = self._int4_kernel_linear(weights, scheme) if kernel else self._blocked_linear(weights, scheme)
@@ -160,30 +186,23 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
-    def _direct_int4(self, x, weights, scheme, topk_weights, topk_ids, activation, activation_params, on_input,
-                     expert_map):
-        """Decode path of the int4 kernel, token by token: [T, H] fp32. A token's k products per
-        GEMM land in the rows of one bf16 buffer, then its biases and activation run over all k
-        at once; no sort. Same values as the sorted path; the weighted sum over the slots in
-        slot order (deterministic)."""
-        (p13, so13), (p2, so2) = self._repacked.get(weights)
-        mm, g = torch.ops.aten._weight_int4pack_mm_for_cpu, scheme.group_size
-        H, N1 = weights.w2.shape[1], p13.shape[1]
+    @staticmethod
+    def _direct(products, gemm_dtype, x, weights, topk_weights, topk_ids, activation, activation_params, on_input,
+                expert_map):
+        """Decode path, token by token: [T, H] fp32. A token's k products per GEMM fill one [n, N]
+        buffer (`products(name, rows, experts, expert ids, out)`, rows in gemm_dtype), then its
+        biases and activation run over all k at once; no sort. The weighted sum over the slots
+        in slot order (deterministic)."""
+        H, N1 = weights.w2.shape[1], weights.w13.shape[1]
         out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
         for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
             n = len(es)
-            rows = (x[t:t + 1].float() * w_t[:, None]).to(x.dtype) if on_input else x[t:t + 1]
-            h = x.new_empty((n, N1))
-            for i, e in enumerate(es):
-                h[i:i + 1] = mm(rows[i:i + 1] if on_input else rows, p13[e], g, so13[e])
-            h = h.float()  # [n, 2I]
+            rows = (x[t:t + 1].float() * w_t[:, None]).to(gemm_dtype) if on_input else x[t:t + 1].to(gemm_dtype)
+            h = products("w13", rows, es, e_idx, torch.empty((n, N1), dtype=gemm_dtype)).float()  # [n, 2I]
             if weights.b13 is not None:
                 h += weights.b13.index_select(0, e_idx).float()
-            a = apply_activation(h, activation, activation_params).to(x.dtype)  # [n, I]
-            y = x.new_empty((n, H))
-            for i, e in enumerate(es):
-                y[i:i + 1] = mm(a[i:i + 1], p2[e], g, so2[e])
-            y = y.float()
+            a = apply_activation(h, activation, activation_params).to(gemm_dtype).contiguous()  # [n, I]
+            y = products("w2", a, es, e_idx, torch.empty((n, H), dtype=gemm_dtype)).float()  # [n, H]
             if weights.b2 is not None:
                 y += weights.b2.index_select(0, e_idx).float()
             if on_input:
@@ -191,6 +210,30 @@ class CPUWeightOnlyBackend(ExpertsBackend):
             else:
                 torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
         return out
+
+    @staticmethod
+    def _native_products(lib, weights, scheme):
+        """All of a token's products of one GEMM in one call of moekit's native kernel (fp32)."""
+        s, int4, g = weights.scales, scheme.weight_dtype == "int4", scheme.group_size
+
+        def products(name, rows, es, e_idx, out):
+            return lib.wo_gemv_experts(getattr(weights, name), s[f"{name}_scale"], s.get(f"{name}_zero"), e_idx,
+                                       rows, out, int4=int4, group_size=g)
+
+        return products
+
+    def _int4_kernel_products(self, weights, scheme):
+        """A token's products of one GEMM through torch's int4 kernel, one call a slot (bf16)."""
+        packed = dict(zip(("w13", "w2"), self._repacked.get(weights)))
+        mm, g = torch.ops.aten._weight_int4pack_mm_for_cpu, scheme.group_size
+
+        def products(name, rows, es, e_idx, out):
+            p, so = packed[name]
+            for i, e in enumerate(es):
+                out[i:i + 1] = mm(rows[i:i + 1] if rows.shape[0] > 1 else rows, p[e], g, so[e])
+            return out
+
+        return products
 
     def _int4_kernel_linear(self, weights, scheme):
         """(rows [n, K] bf16, projection name, spans) -> [n, N] fp32 through torch's int4 kernel."""

@@ -81,6 +81,52 @@ class NativeLibrary:
         return out
 
 
+    def wo_gemv_experts(self, w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+                        experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, int4: bool,
+                        group_size: int) -> torch.Tensor:
+        """Weight-only products in fp32: out[i] = dequant(w[experts[i]]) @ x[i] (x [1, K]: one row for every slot).
+
+        Args:
+            w: [E, N, K/2] uint8 (int4, two per byte, stored u = q + 8 without zero points) or
+               [E, N, K] int8 (symmetric) / uint8 (with zero points); contiguous.
+            scale: [E, N, K/g] fp32.  zero: [E, N, K/g] uint8 or None.
+            experts: [n] int64.  x: [1 or n, K] fp32, rows contiguous.  out: [n, N] fp32 (written).
+            group_size: g, a multiple of 32 dividing K.
+        """
+        E, N = w.shape[:2]
+        K = w.shape[2] * (2 if int4 else 1)
+        n = experts.shape[0]
+        G = K // group_size if group_size > 0 else 0
+        wtype = 0 if int4 else (1 if w.dtype == torch.int8 else 2)
+        if (w.dtype != (torch.uint8 if int4 else w.dtype) or w.dtype not in (torch.int8, torch.uint8)
+                or x.dtype != torch.float32 or out.dtype != torch.float32 or scale.dtype != torch.float32
+                or experts.dtype != torch.int64 or (zero is not None and zero.dtype != torch.uint8)):
+            raise TypeError(f"wo_gemv_experts wants uint8 (int4) or int8 / uint8 w, fp32 scale, x and out, int64 "
+                            f"experts, uint8 zero; got {w.dtype}, {scale.dtype}, {x.dtype}, {out.dtype}, "
+                            f"{experts.dtype}, {None if zero is None else zero.dtype}")
+        if wtype == 2 and zero is None:
+            raise ValueError("wo_gemv_experts: uint8 int8 weights need their zero points")
+        if group_size <= 0 or group_size % 32 or K % group_size:
+            raise ValueError(f"wo_gemv_experts: group_size must be a multiple of 32 dividing K={K}, got {group_size}")
+        tensors = (w, scale, experts, out) + (() if zero is None else (zero,))
+        if not all(t.is_contiguous() for t in tensors) or x.stride(-1) != 1:
+            raise ValueError("wo_gemv_experts wants contiguous w, scale, zero, experts, out and x rows")
+        if (tuple(scale.shape) != (E, N, G) or (zero is not None and zero.shape != scale.shape)
+                or x.shape[-1] != K or x.shape[0] not in (1, n) or tuple(out.shape) != (n, N)):
+            raise ValueError(f"wo_gemv_experts: w {tuple(w.shape)}, scale {tuple(scale.shape)}, {n} experts, "
+                             f"x {tuple(x.shape)}, out {tuple(out.shape)} do not fit together (K={K}, g={group_size})")
+        if n == 0 or N == 0 or K == 0:
+            return out.zero_()
+        x_stride = x.stride(0) if x.shape[0] == n and n > 1 else 0
+        rc = self._lib.moekit_wo_gemv_experts(wtype, w.data_ptr(), scale.data_ptr(),
+                                              None if zero is None else zero.data_ptr(), experts.data_ptr(), n,
+                                              x.data_ptr(), x_stride, N, K, group_size, out.data_ptr(),
+                                              torch.get_num_threads())
+        if rc:
+            raise MemoryError("wo_gemv_experts could not allocate its scratch rows")
+        return out
+
+
 def _compiler() -> Optional[str]:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
@@ -130,6 +176,11 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    f = lib.moekit_wo_gemv_experts
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int]
     return NativeLibrary(path, lib.moekit_isa().decode(), bool(lib.moekit_openmp()), lib)
 
 

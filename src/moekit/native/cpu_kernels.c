@@ -144,3 +144,133 @@ int moekit_int8_gemv_experts(const int8_t *w, const int64_t *experts, int64_t n,
     (void)threads;
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * moekit_wo_gemv_experts: weight-only (int4 / int8 with group scales) products of a decode
+ * token over its experts, in fp32:
+ *
+ *     out[i, r] = sum_k (q[e, r, k] - z[e, r, k / g]) * s[e, r, k / g] * x[i, k],  e = experts[i]
+ *             = sum_groups s * (sum_k q x - z * sum_k x)
+ *
+ * wtype 0: int4 packed two per byte [E, N, K/2] (column 2j the low nibble), z = zero or 8;
+ * wtype 1: int8 [E, N, K], z = 0; wtype 2: uint8 [E, N, K] with zero points. scale [E, N, K/g]
+ * fp32, zero [E, N, K/g] uint8 or NULL. g is a multiple of 32. Same work split and prefetch as
+ * the int8 kernel; the group sums of x are computed once per call.
+ * ------------------------------------------------------------------------------------------- */
+#if defined(__AVX512F__)
+#define FSTEP 16
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_set1(float v) { return _mm512_set1_ps(v); }
+static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* FSTEP consecutive bytes as floats: unsigned, signed; low and high nibbles of FSTEP bytes */
+static inline vf vf_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vf_s8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#elif defined(__AVX2__)
+#define FSTEP 8
+typedef __m256 vf;
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_set1(float v) { return _mm256_set1_ps(v); }
+static inline float vf_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vf_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf vf_s8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#endif
+
+/* sum_k q[k] x[k] over one group of g weights of one row (q in the row's storage) */
+static inline float group_dot(int wtype, const uint8_t *q, const float *x, const float *xe, const float *xo, int64_t g) {
+#ifdef FSTEP
+    vf a = vf_zero(), b = vf_zero();
+    if (wtype == 0) {
+        for (int64_t j = 0; j < g / 2; j += FSTEP) {  /* FSTEP bytes: FSTEP even and FSTEP odd columns */
+            vf lo, hi;
+            vf_nibbles(q + j, &lo, &hi);
+            a = vf_fma(lo, vf_load(xe + j), a);
+            b = vf_fma(hi, vf_load(xo + j), b);
+        }
+    } else {
+        for (int64_t k = 0; k < g; k += 2 * FSTEP) {
+            a = vf_fma(wtype == 1 ? vf_s8(q + k) : vf_u8(q + k), vf_load(x + k), a);
+            b = vf_fma(wtype == 1 ? vf_s8(q + k + FSTEP) : vf_u8(q + k + FSTEP), vf_load(x + k + FSTEP), b);
+        }
+    }
+    return vf_sum(a) + vf_sum(b);
+#else
+    float acc = 0.0f;
+    if (wtype == 0) {
+        for (int64_t j = 0; j < g / 2; j++) acc += (float)(q[j] & 15) * xe[j] + (float)(q[j] >> 4) * xo[j];
+    } else {
+        for (int64_t k = 0; k < g; k++) acc += (wtype == 1 ? (float)(int8_t)q[k] : (float)q[k]) * x[k];
+    }
+    return acc;
+#endif
+}
+
+/* Returns 0, 1 when the scratch cannot be allocated, 2 for a bad wtype or g. */
+int moekit_wo_gemv_experts(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
+                           const int64_t *experts, int64_t n, const float *x, int64_t x_stride,
+                           int64_t N, int64_t K, int64_t g, float *out, int threads) {
+    if (wtype < 0 || wtype > 2 || g <= 0 || g % 32 || K % g) return 2;
+    const int64_t x_rows = x_stride ? n : 1, G = K / g;
+    const int64_t row_bytes = wtype == 0 ? K / 2 : K;
+    /* per x row: x, its even and odd columns (int4), and its group sums */
+    float *scratch = (float *)malloc((size_t)(x_rows * (2 * K + G)) * sizeof(float));
+    if (scratch == NULL) return 1;
+    for (int64_t i = 0; i < x_rows; i++) {
+        const float *xi = x + i * x_stride;
+        float *xe = scratch + i * (2 * K + G), *xo = xe + K / 2, *xs = xe + K;
+        for (int64_t j = 0; j < K / 2; j++) { xe[j] = xi[2 * j]; xo[j] = xi[2 * j + 1]; }
+        for (int64_t c = 0; c < G; c++) {
+            float t = 0.0f;
+            for (int64_t k = c * g; k < (c + 1) * g; k++) t += xi[k];
+            xs[c] = t;
+        }
+    }
+    const int64_t blocks = (N + ROWS - 1) / ROWS;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+    for (int64_t item = 0; item < n * blocks; item++) {
+        const int64_t i = item / blocks, r0 = (item % blocks) * ROWS;
+        const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
+        const int64_t e = experts[i];
+        const float *xi = x + (x_stride ? i * x_stride : 0);
+        const float *xe = scratch + (x_stride ? i : 0) * (2 * K + G), *xo = xe + K / 2, *xs = xe + K;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *q = w + (e * N + r) * row_bytes;
+            const float *s = scale + (e * N + r) * G;
+            const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
+#ifdef STEP
+            for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
+#endif
+            float acc = 0.0f;
+            for (int64_t c = 0; c < G; c++) {
+                const float zc = z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f);
+                const int64_t qoff = wtype == 0 ? c * g / 2 : c * g;
+                acc += s[c] * (group_dot(wtype, q + qoff, xi + c * g, xe + c * g / 2, xo + c * g / 2, g) - zc * xs[c]);
+            }
+            out[i * N + r] = acc;
+        }
+    }
+    free(scratch);
+    (void)threads;
+    return 0;
+}
