@@ -42,47 +42,57 @@ def libs(tmp_path_factory):
     return {isa: native.build(isa, cache_dir=cache) for isa in ISAS}
 
 
-def _expected(w, experts, x):
-    rows = [w[e].int() @ x[i if x.shape[0] > 1 else 0].int() for i, e in enumerate(experts.tolist())]
-    return torch.stack(rows) if rows else torch.empty(0, w.shape[1], dtype=torch.int32)
+def _segments(draw_sizes, E, gen):
+    """experts [S], starts [S + 1] and the expert of each row, for segment sizes draw_sizes (0 allowed)."""
+    experts = torch.randint(0, E, (len(draw_sizes),), generator=gen)
+    starts = torch.tensor([0] + draw_sizes, dtype=torch.long).cumsum(0)
+    return experts, starts, torch.repeat_interleave(experts, starts.diff())
+
+
+segment_sizes = st.lists(st.integers(0, 4), min_size=0, max_size=6)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=25, deadline=None)
-@given(E=st.integers(1, 6), N=st.integers(1, 70), K=st.integers(1, 300), n=st.integers(0, 9), shared=st.booleans(),
-       seed=st.integers(0, 2 ** 31 - 1))
-def test_int8_gemv_experts_is_exact(libs, isa, E, N, K, n, shared, seed):
-    """Any N and K (vector loops, 4-row groups and their tails), repeated experts, one shared x row or one a slot."""
+@given(E=st.integers(1, 6), N=st.integers(1, 70), K=st.integers(1, 300), sizes=st.one_of(st.none(), segment_sizes),
+       n=st.integers(0, 9), shared=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_int8_gemm_is_exact(libs, isa, E, N, K, sizes, n, shared, seed):
+    """Any N and K (vector loops, 4-row groups and their tails), one row a segment (sizes None:
+    n slots) or segments of 0-4 rows, repeated experts, one shared x row or one a row."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(-127, 128, (E, N, K), generator=g, dtype=torch.int8)
-    experts = torch.randint(0, E, (n,), generator=g)
-    x = torch.randint(-127, 128, (1 if shared else max(n, 1), K), generator=g, dtype=torch.int8)
-    if not shared and n == 0:
-        x = x[:0]
-    out = torch.full((n, N), 7, dtype=torch.int32)
-    libs[isa].int8_gemv_experts(w, experts, x, out)
-    assert torch.equal(out, _expected(w, experts, x))
+    if sizes is None:
+        experts, starts = torch.randint(0, E, (n,), generator=g), None
+        row_expert = experts
+    else:
+        experts, starts, row_expert = _segments(sizes, E, g)
+    R = len(row_expert)
+    x = torch.randint(-127, 128, (1 if shared else R, K), generator=g, dtype=torch.int8)
+    out = torch.full((R, N), 7, dtype=torch.int32)
+    libs[isa].int8_gemm(w, experts, x, out, starts)
+    rows = [w[e].int() @ x[j if x.shape[0] > 1 else 0].int() for j, e in enumerate(row_expert.tolist())]
+    assert torch.equal(out, torch.stack(rows) if rows else torch.empty(0, N, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int8_gemv_extremes_and_long_rows_stay_exact(libs, isa):
+def test_int8_gemm_extremes_and_long_rows_stay_exact(libs, isa):
     """-127 * -127 in every lane over K = 7168 (int16 pairs summed into int32), and mixed signs."""
     w = torch.full((2, 9, 7168), -127, dtype=torch.int8)
     w[1, ::2] = 127
     x = torch.full((1, 7168), -127, dtype=torch.int8)
     out = torch.empty(2, 9, dtype=torch.int32)
-    libs[isa].int8_gemv_experts(w, torch.tensor([0, 1]), x, out)
-    assert torch.equal(out, _expected(w, torch.tensor([0, 1]), x))
-    assert out[0, 0].item() == 127 * 127 * 7168
+    libs[isa].int8_gemm(w, torch.tensor([0, 1]), x, out)
+    assert out[0].tolist() == [127 * 127 * 7168] * 9
+    assert out[1].tolist() == [-127 * 127 * 7168 if r % 2 == 0 else 127 * 127 * 7168 for r in range(9)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(["int4_w4a16", "int8_w8a16"]), g=st.sampled_from([32, 64, 128]),
        symmetric=st.booleans(), E=st.integers(1, 5), N=st.integers(1, 45), groups=st.integers(1, 4),
-       n=st.integers(0, 9), shared=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
-def test_wo_gemv_experts_matches_the_dequantized_weights(libs, isa, name, g, symmetric, E, N, groups, n, shared,
-                                                         seed):
+       sizes=st.one_of(st.none(), segment_sizes), n=st.integers(0, 9), shared=st.booleans(),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, E, N, groups, sizes, n, shared, seed):
     """fp32 products from int4 / int8 group-quantized weights (with or without zero points) equal
     x @ dequantized w^T up to fp32 summation order: within K * 2^-23 of the sum of the
     magnitudes the kernel adds (s |q| |x| and s |z| |x|, q = (q - z) + z)."""
@@ -91,33 +101,62 @@ def test_wo_gemv_experts_matches_the_dequantized_weights(libs, isa, name, g, sym
     K = g * groups
     q = quantize_weight(torch.randn(E, N, K, generator=gen), scheme)
     w = dequantize_weight(q.q, q.scale, q.zero, scheme)
-    experts = torch.randint(0, E, (n,), generator=gen)
-    x = torch.randn(1 if shared or n == 0 else n, K, generator=gen)
-    out = torch.full((n, N), float("nan"))
-    libs[isa].wo_gemv_experts(q.q, q.scale, q.zero, experts, x, out, int4=name.startswith("int4"), group_size=g)
+    if sizes is None:
+        experts, starts = torch.randint(0, E, (n,), generator=gen), None
+        row_expert = experts
+    else:
+        experts, starts, row_expert = _segments(sizes, E, gen)
+    R = len(row_expert)
+    x = torch.randn(1 if shared else R, K, generator=gen)
+    out = torch.full((R, N), float("nan"))
+    libs[isa].wo_gemm(q.q, q.scale, q.zero, experts, x, out, int4=name.startswith("int4"), group_size=g,
+                      starts=starts)
     z = q.zero.float() if q.zero is not None else torch.full_like(q.scale, 8.0 if name.startswith("int4") else 0.0)
     sz = (q.scale * z).repeat_interleave(g, dim=2)  # [E, N, K]
-    for i, e in enumerate(experts.tolist()):
-        xi = x[i if x.shape[0] > 1 else 0].double()
-        ref = w[e].double() @ xi
-        bound = K * 2.0 ** -23 * ((w[e].double().abs() + 2 * sz[e].double()) @ xi.abs())
-        assert ((out[i].double() - ref).abs() <= bound + 1e-30).all()
+    for j, e in enumerate(row_expert.tolist()):
+        xj = x[j if x.shape[0] > 1 else 0].double()
+        ref = w[e].double() @ xj
+        bound = K * 2.0 ** -23 * ((w[e].double().abs() + 2 * sz[e].double()) @ xj.abs())
+        assert ((out[j].double() - ref).abs() <= bound + 1e-30).all()
 
 
-def test_wo_gemv_bad_arguments_are_named(libs):
+def test_wo_gemm_bad_arguments_are_named(libs):
     lib = libs["native"]
-    scheme = get_scheme("int4_w4a16", group_size=32)
-    q = quantize_weight(torch.randn(2, 8, 64), scheme)
+    q = quantize_weight(torch.randn(2, 8, 64), get_scheme("int4_w4a16", group_size=32))
     experts, x, out = torch.tensor([0, 1]), torch.randn(1, 64), torch.empty(2, 8)
     with pytest.raises(TypeError, match="wants uint8 .int4. or int8 / uint8 w, fp32 scale, x and out"):
-        lib.wo_gemv_experts(q.q, q.scale, None, experts, x.bfloat16(), out, int4=True, group_size=32)
+        lib.wo_gemm(q.q, q.scale, None, experts, x.bfloat16(), out, int4=True, group_size=32)
     with pytest.raises(ValueError, match="group_size must be a multiple of 32 dividing K=64, got 48"):
-        lib.wo_gemv_experts(q.q, q.scale, None, experts, x, out, int4=True, group_size=48)
-    with pytest.raises(ValueError, match=r"scale \(2, 8, 1\), 2 experts, x \(1, 64\), out \(2, 8\) do not fit"):
-        lib.wo_gemv_experts(q.q, q.scale[:, :, :1].contiguous(), None, experts, x, out, int4=True, group_size=32)
+        lib.wo_gemm(q.q, q.scale, None, experts, x, out, int4=True, group_size=48)
+    with pytest.raises(ValueError, match=r"scale \(2, 8, 1\) \(zero None\) must be \[2, 8, 2\]"):
+        lib.wo_gemm(q.q, q.scale[:, :, :1].contiguous(), None, experts, x, out, int4=True, group_size=32)
     u8 = quantize_weight(torch.randn(2, 8, 64), get_scheme("int8_w8a16", group_size=32, symmetric=False))
     with pytest.raises(ValueError, match="uint8 int8 weights need their zero points"):
-        lib.wo_gemv_experts(u8.q, u8.scale, None, experts, x, out, int4=False, group_size=32)
+        lib.wo_gemm(u8.q, u8.scale, None, experts, x, out, int4=False, group_size=32)
+
+
+def test_int8_gemm_bad_arguments_are_named(libs):
+    lib = libs["native"]
+    w = torch.zeros(2, 8, 16, dtype=torch.int8)
+    x = torch.zeros(1, 16, dtype=torch.int8)
+    out = torch.empty(2, 8, dtype=torch.int32)
+    experts = torch.tensor([0, 1])
+    with pytest.raises(TypeError, match="wants int8 w and x, int32 out; got torch.int8, torch.float32"):
+        lib.int8_gemm(w, experts, x.float(), out)
+    with pytest.raises(TypeError, match="wants int64 experts and starts, got torch.int32"):
+        lib.int8_gemm(w, experts.int(), x, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        lib.int8_gemm(w.transpose(1, 2).contiguous().transpose(1, 2), experts, x, out)
+    with pytest.raises(ValueError, match=r"w \(2, 8, 16\), 2 experts, no starts, x \(1, 15\), out \(2, 8\) do not"):
+        lib.int8_gemm(w, experts, x[:, :15].contiguous(), out)
+    with pytest.raises(ValueError, match="do not fit"):
+        lib.int8_gemm(w, experts, torch.zeros(3, 16, dtype=torch.int8), out)
+    with pytest.raises(ValueError, match=r"experts must lie in \[0, 2\), got \[0, 2\]"):
+        lib.int8_gemm(w, torch.tensor([0, 2]), x, out)
+    with pytest.raises(ValueError, match=r"starts must rise from 0 to the 2 rows of out, got \[0, 3, 2\]"):
+        lib.int8_gemm(w, experts, x, out, torch.tensor([0, 3, 2]))
+    with pytest.raises(ValueError, match=r"starts \(2,\)"):
+        lib.int8_gemm(w, experts, x, out, torch.tensor([0, 2]))
 
 
 def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path):
@@ -130,22 +169,6 @@ def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path)
         native.build("sse", cache_dir=tmp_path)
 
 
-def test_bad_arguments_are_named(libs):
-    lib = libs["native"]
-    w = torch.zeros(2, 8, 16, dtype=torch.int8)
-    x = torch.zeros(1, 16, dtype=torch.int8)
-    out = torch.empty(2, 8, dtype=torch.int32)
-    experts = torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="wants int8 w and x, int64 experts, int32 out; got torch.int8, torch.float32"):
-        lib.int8_gemv_experts(w, experts, x.float(), out)
-    with pytest.raises(ValueError, match="contiguous"):
-        lib.int8_gemv_experts(w.transpose(1, 2).contiguous().transpose(1, 2), experts, x, out)
-    with pytest.raises(ValueError, match=r"w \(2, 8, 16\), 2 experts, x \(1, 15\), out \(2, 8\) do not fit"):
-        lib.int8_gemv_experts(w, experts, x[:, :15].contiguous(), out)
-    with pytest.raises(ValueError, match="do not fit"):
-        lib.int8_gemv_experts(w, experts, torch.zeros(3, 16, dtype=torch.int8), out)
-
-
 def test_missing_compiler_and_switch_off_give_reasons(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_compiler", lambda: None)
     with pytest.raises(RuntimeError, match="no C compiler found"):
@@ -155,9 +178,6 @@ def test_missing_compiler_and_switch_off_give_reasons(monkeypatch, tmp_path):
     try:
         assert native.library() is None
         assert native.status() == "unavailable: turned off by MOEKIT_NATIVE=0"
-        with pytest.raises(RuntimeError, match="native CPU kernels are unavailable: turned off"):
-            native.int8_gemv_experts(torch.zeros(1, 1, 1, dtype=torch.int8), torch.zeros(1, dtype=torch.int64),
-                                     torch.zeros(1, 1, dtype=torch.int8), torch.empty(1, 1, dtype=torch.int32))
     finally:
         native.reset()
 
@@ -174,9 +194,12 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 @pytest.mark.parametrize("T, k, on_input, bias, use_map", [
     (1, 8, False, False, False), (2, 8, False, True, False), (3, 2, True, False, False),
     (4, 4, False, True, True), (1, 1, False, False, False),
+    (6, 4, False, True, False), (9, 3, True, False, True),  # sorted, a few rows an expert: native
+    (40, 4, False, False, False),  # sorted, 10 rows an expert: torch._int_mm either way
 ])
-def test_cpu_int8_decode_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
-    """The same exact int32 products either way, so the same output bits; and the reference's bound."""
+def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
+    """Decode and sorted calls: the same exact int32 products either way, rescaled in the same
+    order, so the same output bits; and the reference's bound."""
     if native.library() is None:
         pytest.skip(f"native kernels: {native.status()}")
     E, H, I = 16, 96, 48  # H, I not multiples of the vector width

@@ -194,10 +194,12 @@ def test_int4_kernel_repacks_after_an_in_place_weight_change(gen):
     ("int4_w4a16", {}, torch.bfloat16), ("int4_w4a16", dict(group_size=32, symmetric=False), torch.float32),
     ("int8_w8a16", {}, torch.float16), ("int8_w8a16", dict(group_size=64, symmetric=False), torch.bfloat16),
 ])
-@pytest.mark.parametrize("T, k, on_input, bias", [(1, 8, False, True), (2, 4, True, False), (3, 1, False, False)])
-def test_weight_only_decode_with_and_without_native_products(name, opts, dtype, T, k, on_input, bias, gen):
-    """The native decode (fp32 products) and the paths without it (torch's int4 kernel, fp32
-    blocks) against the emulation; H and I a few groups each."""
+@pytest.mark.parametrize("T, k, on_input, bias", [(1, 8, False, True), (2, 4, True, False), (3, 1, False, False),
+                                                   (6, 4, False, True), (7, 3, True, False)])  # the last two sorted
+def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, on_input, bias, gen):
+    """The native products (fp32; decode, and sorted calls of a few rows an expert that would
+    take the fp32 blocks) and the paths without them (torch's int4 kernel, fp32 blocks) against
+    the emulation; H and I a few groups each."""
     fast = CPUWeightOnlyBackend()
     g = get_scheme(name, **opts).group_size
     E, H, I = 12, 3 * g, 2 * g
@@ -214,7 +216,8 @@ def test_weight_only_decode_with_and_without_native_products(name, opts, dtype, 
     kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
               expert_map=None)
     ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
-    assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT["cpu_wo native"]
     slow_path = "cpu_wo int4 kernel" if CPUWeightOnlyBackend.uses_int4_kernel(dtype, get_scheme(name, **opts)) \
         else "cpu_wo blocks"
+    fast_path = "cpu_wo native" if T * k <= cpu_weight_only.DIRECT_ASSIGNMENTS else slow_path
+    assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]

@@ -7,7 +7,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 __all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span",
-           "token_slots"]
+           "span_segments", "token_slots"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -114,6 +114,13 @@ def unsort_rows(y: torch.Tensor, sr: SortedRows, T: int, k: int, apply_router_we
         y_sorted = y.new_zeros((T * k, y.shape[1]))  # rows >= n stay zero (non-local experts)
         y_sorted[:y.shape[0]] = y
     return weighted_combine(y_sorted, None if apply_router_weight_on_input else sr.w_sorted, sr.order, T, k)
+
+
+def span_segments(spans):
+    """(experts [S] int64, starts [S + 1] int64, the expert of each row [n] int64) of sort_rows' spans."""
+    experts = torch.tensor([e for e, _, _ in spans], dtype=torch.long)
+    starts = torch.tensor([0] + [b for _, _, b in spans], dtype=torch.long)
+    return experts, starts, torch.repeat_interleave(experts, starts.diff())
 
 
 def add_bias_by_span(h: torch.Tensor, bias: Optional[torch.Tensor], spans) -> torch.Tensor:

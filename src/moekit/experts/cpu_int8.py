@@ -34,9 +34,9 @@ from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .. import native
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, sort_rows, token_slots, unsort_rows
+from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
 
-__all__ = ["CPUInt8Backend", "MAX_K", "SWAP_ROWS"]
+__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "SWAP_ROWS"]
 
 # Rows of one expert up to which the int8 GEMM runs as q_w q_x^T (transposed back): measured
 # 1.2-1.7x faster than q_x q_w^T at 1-128 rows on weights of 1024-7168 x 512-3584 on a 2-core
@@ -47,21 +47,32 @@ SWAP_ROWS = 128
 # products per GEMM with their scales, bias and activation applied to all k at once).
 DIRECT_ASSIGNMENTS = 16
 
+# Sorted calls with at most this many rows an expert (on average over the experts with rows)
+# run their products on moekit's native kernel, which streams each expert's weights once for
+# all its rows; torch._int_mm's GEMMs win from 16 rows an expert (bench/NOTES-cpu.md).
+NATIVE_ROWS = 8
+
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_K = (2 ** 31 - 1) // (127 * 127)
 
 _SCHEME = get_scheme("int8_w8a8")
 
 
-def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_spans) -> torch.Tensor:
+def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_spans, native_segments=None) -> torch.Tensor:
     """All experts' rows [n, K] float -> [n, N] fp32: per-row int8 quantization, exact int8 GEMMs, rescale.
 
     Args:
         q_w: [E, N, K] int8 weights.  s_w: [E, N] fp32 per-channel scales.
         sr_spans: (e, start, end) row ranges per expert.
+        native_segments: (library, experts, starts, the expert of each row) to run the products
+            in one call of moekit's native kernel; None: torch._int_mm per expert.
     """
     q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
     acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
+    if native_segments is not None:
+        lib, experts, starts, row_expert = native_segments
+        lib.int8_gemm(q_w, experts, q_x, acc, starts, trusted=True)
+        return torch.mul(acc, s_x).mul_(s_w.index_select(0, row_expert))
     for e, a, b in sr_spans:  # exact int32
         if b - a <= SWAP_ROWS:
             acc[a:b] = torch._int_mm(q_w[e], q_x[a:b].t().contiguous()).t()
@@ -105,10 +116,21 @@ class CPUInt8Backend(ExpertsBackend):
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.float32)
         s = weights.scales
-        h = add_bias_by_span(_int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans), weights.b13, sr.spans)  # [n, 2I]
+        lib = self._library(weights)
+        segs = None
+        if lib is not None and sr.rows.shape[0] <= NATIVE_ROWS * len(sr.spans):
+            segs = (lib, *span_segments(sr.spans))
+        h = _int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans, segs)
+        h = add_bias_by_span(h, weights.b13, sr.spans)  # [n, 2I]
         a = apply_activation(h, activation, activation_params)  # [n, I]
-        y = add_bias_by_span(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans), weights.b2, sr.spans)  # [n, H]
+        y = add_bias_by_span(_int8_gemm(a, weights.w2, s["w2_scale"], sr.spans, segs), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    def _library(self, weights):
+        """moekit's native library where this backend may use it for these weights, else None."""
+        if not (self.native_products and weights.w13.is_contiguous() and weights.w2.is_contiguous()):
+            return None
+        return native.library()
 
     def _direct(self, x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
         """Decode path, token by token: [T, H] fp32.
@@ -127,7 +149,7 @@ class CPUInt8Backend(ExpertsBackend):
         s = weights.scales
         q13, q2 = weights.w13, weights.w2
         H, I = q2.shape[1], q2.shape[2]
-        lib = native.library() if self.native_products and q13.is_contiguous() and q2.is_contiguous() else None
+        lib = self._library(weights)
         out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
         for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
             n = len(es)
@@ -139,7 +161,7 @@ class CPUInt8Backend(ExpertsBackend):
             scale2 = s["w2_scale"].index_select(0, e_idx)  # [n, H], times s_a below
             acc1 = torch.empty((n, q13.shape[1]), dtype=torch.int32)
             if lib is not None:
-                lib.int8_gemv_experts(q13, e_idx, q_x, acc1)
+                lib.int8_gemm(q13, e_idx, q_x, acc1, trusted=True)
             else:
                 cols = q_x.view(-1, H, 1).unbind(0)  # one column, or one a slot
                 for i, (e, acc) in enumerate(zip(es, acc1.view(n, -1, 1).unbind(0))):
@@ -151,7 +173,7 @@ class CPUInt8Backend(ExpertsBackend):
             scale2.mul_(s_a)
             acc2 = torch.empty((n, H), dtype=torch.int32)
             if lib is not None:
-                lib.int8_gemv_experts(q2, e_idx, q_a, acc2)
+                lib.int8_gemm(q2, e_idx, q_a, acc2, trusted=True)
             else:
                 for e, col, acc in zip(es, q_a.view(n, I, 1).unbind(0), acc2.view(n, H, 1).unbind(0)):
                     torch._int_mm(q2[e], col, out=acc)

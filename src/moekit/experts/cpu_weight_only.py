@@ -41,7 +41,7 @@ from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .. import native
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, sort_rows, token_slots, unsort_rows
+from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -49,8 +49,14 @@ __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 # 0.25-8 MB measured within noise of each other on the benchmark shape, 2 MB the best.
 BLOCK_BYTES = 2 * 1024 * 1024
 
-# At most this many (token, slot) assignments of the int4 kernel path skip the sort (decode).
+# At most this many (token, slot) assignments skip the sort (decode).
 DIRECT_ASSIGNMENTS = 16
+
+# Sorted calls that would take the fp32 blocks (int8 weights, or int4 with fp32 / fp16 inputs)
+# run on moekit's native kernel up to this many rows an expert (on average over the experts
+# with rows): it streams each expert's weights once for all its rows, but recomputes each
+# weight for every row, so the blocks' fp32 GEMMs win beyond (bench/NOTES-cpu.md).
+NATIVE_ROWS = 16
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -180,10 +186,17 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                                     apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
-        linear = self._int4_kernel_linear(weights, scheme) if kernel else self._blocked_linear(weights, scheme)
-        h = add_bias_by_span(linear(sr.rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
+        rows = sr.rows
+        if kernel:  # sorted bf16 int4 calls: torch's int4 kernel was even or faster from half a row an expert
+            linear = self._int4_kernel_linear(weights, scheme)
+        elif rows.shape[0] <= NATIVE_ROWS * len(sr.spans) and self.native_library(weights, scheme) is not None:
+            linear = self._native_linear(self.native_library(weights, scheme), weights, scheme,
+                                         span_segments(sr.spans))
+        else:
+            linear = self._blocked_linear(weights, scheme)
+        h = add_bias_by_span(linear(rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
         a = apply_activation(h, activation, activation_params)  # [n, I]
-        y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
+        y = add_bias_by_span(linear(a.to(rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
     @staticmethod
@@ -217,8 +230,8 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         s, int4, g = weights.scales, scheme.weight_dtype == "int4", scheme.group_size
 
         def products(name, rows, es, e_idx, out):
-            return lib.wo_gemv_experts(getattr(weights, name), s[f"{name}_scale"], s.get(f"{name}_zero"), e_idx,
-                                       rows, out, int4=int4, group_size=g)
+            return lib.wo_gemm(getattr(weights, name), s[f"{name}_scale"], s.get(f"{name}_zero"), e_idx, rows, out,
+                               int4=int4, group_size=g, trusted=True)
 
         return products
 
@@ -234,6 +247,20 @@ class CPUWeightOnlyBackend(ExpertsBackend):
             return out
 
         return products
+
+    @staticmethod
+    def _native_linear(lib, weights, scheme, segments):
+        """(rows [n, K] fp32, projection name, spans) -> [n, N] fp32 in one call of moekit's native kernel."""
+        s, int4, g = weights.scales, scheme.weight_dtype == "int4", scheme.group_size
+        experts, starts, _ = segments
+
+        def linear(rows: torch.Tensor, name: str, spans) -> torch.Tensor:
+            w = getattr(weights, name)
+            out = rows.new_empty((rows.shape[0], w.shape[1]))
+            return lib.wo_gemm(w, s[f"{name}_scale"], s.get(f"{name}_zero"), experts, rows.contiguous(), out,
+                               int4=int4, group_size=g, starts=starts, trusted=True)
+
+        return linear
 
     def _int4_kernel_linear(self, weights, scheme):
         """(rows [n, K] bf16, projection name, spans) -> [n, N] fp32 through torch's int4 kernel."""

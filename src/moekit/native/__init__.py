@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with this machine's C compiler.
 
-What: `int8_gemv_experts`, a decode token's int8 products over its k experts in one call
-(cpu_kernels.c says how). torch offers one int8 GEMM per expert (torch._int_mm): at one
+What: `int8_gemm` and `wo_gemm`, products of rows grouped by expert (a decode token's slots,
+or the sorted rows of a few tokens) in one call each (cpu_kernels.c says how). torch offers one int8 GEMM per expert (torch._int_mm): at one
 token each is a short weight stream with its own parallel region, and the CPU int8 backend's
 decode spent about 1.1 ms of 1.5 in 16 of them (E=64, k=8, H=1024, I=512 on a 2-core AVX-512
 VNNI host); the kernel here streams the same weights in 0.8 ms (bench/NOTES-cpu.md).
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FAST_ISAS", "NativeLibrary", "build", "int8_gemv_experts", "library", "reset", "status"]
+__all__ = ["FAST_ISAS", "NativeLibrary", "build", "library", "reset", "status"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
@@ -53,78 +53,96 @@ class NativeLibrary:
     openmp: bool
     _lib: ctypes.CDLL
 
-    def int8_gemv_experts(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor,
-                          out: torch.Tensor) -> torch.Tensor:
-        """out[i] = w[experts[i]] @ x[i] (x [1, K]: one row for every slot), exact int32.
+    def int8_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+                  starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
+        """Exact int32 products of rows grouped by expert: out[j] = w[experts[s]] @ x[j] for the
+        rows j of segment s.
 
         Args:
-            w: [E, N, K] int8, contiguous.  experts: [n] int64 in [0, E).
-            x: [1 or n, K] int8, rows contiguous.  out: [n, N] int32, contiguous (written).
+            w: [E, N, K] int8, contiguous.  experts: [S] int64 in [0, E).
+            x: [R, K] int8 rows (rows contiguous), or [1, K]: one row for every output row.
+            out: [R, N] int32, contiguous (written).
+            starts: [S + 1] int64 row offsets of the segments (0 first, R last); None: S = R,
+                segment s is row s (a decode token's slots).
+            trusted: skip reading experts' and starts' values (the caller built them from its
+                own expert ids and spans); shapes, dtypes and layouts are checked either way.
         """
-        E, N, K = w.shape
-        n = experts.shape[0]
-        if not (w.dtype == x.dtype == torch.int8 and out.dtype == torch.int32 and experts.dtype == torch.int64):
-            raise TypeError(f"int8_gemv_experts wants int8 w and x, int64 experts, int32 out; got "
-                            f"{w.dtype}, {x.dtype}, {experts.dtype}, {out.dtype}")
-        if not (w.is_contiguous() and experts.is_contiguous() and out.is_contiguous() and x.stride(-1) == 1):
-            raise ValueError("int8_gemv_experts wants contiguous w, experts, out and x rows")
-        if x.shape[-1] != K or x.shape[0] not in (1, n) or tuple(out.shape) != (n, N):
-            raise ValueError(f"int8_gemv_experts: w {tuple(w.shape)}, {n} experts, x {tuple(x.shape)}, "
-                             f"out {tuple(out.shape)} do not fit together")
-        if n == 0 or N == 0 or K == 0:
-            return out.zero_()
-        x_stride = x.stride(0) if x.shape[0] == n and n > 1 else 0
-        rc = self._lib.moekit_int8_gemv_experts(w.data_ptr(), experts.data_ptr(), n, x.data_ptr(), x_stride,
-                                                N, K, out.data_ptr(), torch.get_num_threads())
-        if rc:
-            raise MemoryError("int8_gemv_experts could not allocate its scratch row")
+        segs = self._segments(w, experts, x, out, starts, w.shape[2], "int8_gemm", trusted)
+        if (w.dtype, x.dtype, out.dtype) != (torch.int8, torch.int8, torch.int32):
+            raise TypeError(f"int8_gemm wants int8 w and x, int32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
+        if segs is not None:
+            rc = self._lib.moekit_int8_gemm_segments(w.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(),
+                                                     segs[2], w.shape[1], w.shape[2], out.data_ptr(),
+                                                     torch.get_num_threads())
+            if rc:
+                raise MemoryError("int8_gemm could not allocate its scratch rows")
         return out
 
-
-    def wo_gemv_experts(self, w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
-                        experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, int4: bool,
-                        group_size: int) -> torch.Tensor:
-        """Weight-only products in fp32: out[i] = dequant(w[experts[i]]) @ x[i] (x [1, K]: one row for every slot).
+    def wo_gemm(self, w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], experts: torch.Tensor,
+                x: torch.Tensor, out: torch.Tensor, *, int4: bool, group_size: int,
+                starts: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
+        """Weight-only products in fp32 of rows grouped by expert: out[j] = dequant(w[experts[s]]) @ x[j].
 
         Args:
-            w: [E, N, K/2] uint8 (int4, two per byte, stored u = q + 8 without zero points) or
+            w: [E, N, K/2] uint8 (int4, two per byte; stored u = q + 8 without zero points) or
                [E, N, K] int8 (symmetric) / uint8 (with zero points); contiguous.
             scale: [E, N, K/g] fp32.  zero: [E, N, K/g] uint8 or None.
-            experts: [n] int64.  x: [1 or n, K] fp32, rows contiguous.  out: [n, N] fp32 (written).
+            x: [R or 1, K] fp32.  out: [R, N] fp32.  experts, starts, trusted: as in `int8_gemm`.
             group_size: g, a multiple of 32 dividing K.
         """
-        E, N = w.shape[:2]
         K = w.shape[2] * (2 if int4 else 1)
-        n = experts.shape[0]
-        G = K // group_size if group_size > 0 else 0
+        segs = self._segments(w, experts, x, out, starts, K, "wo_gemm", trusted)
+        if (w.dtype not in (torch.int8, torch.uint8) or (int4 and w.dtype != torch.uint8)
+                or (x.dtype, out.dtype, scale.dtype) != (torch.float32,) * 3
+                or (zero is not None and zero.dtype != torch.uint8)):
+            raise TypeError(f"wo_gemm wants uint8 (int4) or int8 / uint8 w, fp32 scale, x and out, uint8 zero; got "
+                            f"{w.dtype}, {scale.dtype}, {x.dtype}, {out.dtype}, {None if zero is None else zero.dtype}")
         wtype = 0 if int4 else (1 if w.dtype == torch.int8 else 2)
-        if (w.dtype != (torch.uint8 if int4 else w.dtype) or w.dtype not in (torch.int8, torch.uint8)
-                or x.dtype != torch.float32 or out.dtype != torch.float32 or scale.dtype != torch.float32
-                or experts.dtype != torch.int64 or (zero is not None and zero.dtype != torch.uint8)):
-            raise TypeError(f"wo_gemv_experts wants uint8 (int4) or int8 / uint8 w, fp32 scale, x and out, int64 "
-                            f"experts, uint8 zero; got {w.dtype}, {scale.dtype}, {x.dtype}, {out.dtype}, "
-                            f"{experts.dtype}, {None if zero is None else zero.dtype}")
         if wtype == 2 and zero is None:
-            raise ValueError("wo_gemv_experts: uint8 int8 weights need their zero points")
+            raise ValueError("wo_gemm: uint8 int8 weights need their zero points")
         if group_size <= 0 or group_size % 32 or K % group_size:
-            raise ValueError(f"wo_gemv_experts: group_size must be a multiple of 32 dividing K={K}, got {group_size}")
-        tensors = (w, scale, experts, out) + (() if zero is None else (zero,))
-        if not all(t.is_contiguous() for t in tensors) or x.stride(-1) != 1:
-            raise ValueError("wo_gemv_experts wants contiguous w, scale, zero, experts, out and x rows")
-        if (tuple(scale.shape) != (E, N, G) or (zero is not None and zero.shape != scale.shape)
-                or x.shape[-1] != K or x.shape[0] not in (1, n) or tuple(out.shape) != (n, N)):
-            raise ValueError(f"wo_gemv_experts: w {tuple(w.shape)}, scale {tuple(scale.shape)}, {n} experts, "
-                             f"x {tuple(x.shape)}, out {tuple(out.shape)} do not fit together (K={K}, g={group_size})")
-        if n == 0 or N == 0 or K == 0:
-            return out.zero_()
-        x_stride = x.stride(0) if x.shape[0] == n and n > 1 else 0
-        rc = self._lib.moekit_wo_gemv_experts(wtype, w.data_ptr(), scale.data_ptr(),
-                                              None if zero is None else zero.data_ptr(), experts.data_ptr(), n,
-                                              x.data_ptr(), x_stride, N, K, group_size, out.data_ptr(),
-                                              torch.get_num_threads())
-        if rc:
-            raise MemoryError("wo_gemv_experts could not allocate its scratch rows")
+            raise ValueError(f"wo_gemm: group_size must be a multiple of 32 dividing K={K}, got {group_size}")
+        E, N = w.shape[:2]
+        if tuple(scale.shape) != (E, N, K // group_size) or (zero is not None and zero.shape != scale.shape):
+            raise ValueError(f"wo_gemm: scale {tuple(scale.shape)} (zero {None if zero is None else tuple(zero.shape)})"
+                             f" must be [{E}, {N}, {K // group_size}] for w {tuple(w.shape)} and g={group_size}")
+        if not (scale.is_contiguous() and (zero is None or zero.is_contiguous())):
+            raise ValueError("wo_gemm wants contiguous scale and zero")
+        if segs is not None:
+            rc = self._lib.moekit_wo_gemm_segments(wtype, w.data_ptr(), scale.data_ptr(),
+                                                   None if zero is None else zero.data_ptr(), experts.data_ptr(),
+                                                   segs[0], segs[1], x.data_ptr(), segs[2], N, K, group_size,
+                                                   out.data_ptr(), torch.get_num_threads())
+            if rc:
+                raise MemoryError("wo_gemm could not allocate its scratch rows")
         return out
+
+    @staticmethod
+    def _segments(w, experts, x, out, starts, K, what, trusted):
+        """Checks shared by the products; (starts pointer, segments, x row stride), or None when
+        there is nothing to multiply (out zeroed)."""
+        if experts.dtype != torch.int64 or (starts is not None and starts.dtype != torch.int64):
+            raise TypeError(f"{what} wants int64 experts and starts, got {experts.dtype}, "
+                            f"{None if starts is None else starts.dtype}")
+        tensors = (w, experts, out) + (() if starts is None else (starts,))
+        if not all(t.is_contiguous() for t in tensors) or x.dim() != 2 or (x.shape[0] > 1 and x.stride(-1) != 1):
+            raise ValueError(f"{what} wants contiguous w, experts, starts, out and x rows")
+        S, R, N = experts.shape[0], out.shape[0], w.shape[1]
+        fits = (x.shape[-1] == K and x.shape[0] in (1, R) and tuple(out.shape) == (R, N)
+                and (R == S if starts is None else tuple(starts.shape) == (S + 1,)))
+        if not fits:
+            raise ValueError(f"{what}: w {tuple(w.shape)}, {S} experts, "
+                             f"{'no starts' if starts is None else f'starts {tuple(starts.shape)}'}, "
+                             f"x {tuple(x.shape)}, out {tuple(out.shape)} do not fit together")
+        if not trusted and starts is not None and S and (starts[0] != 0 or starts[-1] != R or bool((starts.diff() < 0).any())):
+            raise ValueError(f"{what}: starts must rise from 0 to the {R} rows of out, got {starts.tolist()}")
+        if not trusted and S and (int(experts.min()) < 0 or int(experts.max()) >= w.shape[0]):
+            raise ValueError(f"{what}: experts must lie in [0, {w.shape[0]}), got {experts.tolist()}")
+        if R == 0 or N == 0 or K == 0 or S == 0:
+            out.zero_()
+            return None
+        x_stride = x.stride(0) if x.shape[0] == R and R > 1 else 0
+        return None if starts is None else starts.data_ptr(), S, x_stride
 
 
 def _compiler() -> Optional[str]:
@@ -172,15 +190,13 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     lib = ctypes.CDLL(str(path))
     lib.moekit_isa.restype = ctypes.c_char_p
     lib.moekit_openmp.restype = ctypes.c_int
-    f = lib.moekit_int8_gemv_experts
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    f = lib.moekit_int8_gemm_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    f = lib.moekit_wo_gemv_experts
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    f = lib.moekit_wo_gemm_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                  ctypes.c_int]
+    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     return NativeLibrary(path, lib.moekit_isa().decode(), bool(lib.moekit_openmp()), lib)
 
 
@@ -215,15 +231,6 @@ def status() -> str:
     if lib is None:
         return f"unavailable: {_REASON}"
     return f"available ({lib.isa}, OpenMP): {lib.path}"
-
-
-def int8_gemv_experts(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
-    """`NativeLibrary.int8_gemv_experts` of this CPU's library; RuntimeError when unavailable."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernels are {status()}")
-    return lib.int8_gemv_experts(w, experts, x, out)
 
 
 def reset() -> None:

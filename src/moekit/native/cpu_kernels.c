@@ -1,14 +1,16 @@
 /* moekit's native CPU kernels (compiled on first use by moekit/native/__init__.py).
  *
- * moekit_int8_gemv_experts: a decode token's int8 products over its experts in one call,
+ * moekit_int8_gemm_segments: int8 products of rows grouped by expert, in one call,
  *
- *     out[i, r] = sum_k w[experts[i], r, k] * x[i * x_stride + k]     (exact int32)
+ *     out[j, r] = sum_k w[experts[s], r, k] * x[j * x_stride + k]     (exact int32)
  *
- * for i < n slots and r < N output rows, w int8 [E, N, K] contiguous, x int8 rows (x_stride 0:
- * one row shared by every slot). One OpenMP loop covers every slot's rows in blocks of ROWS,
- * so the weights of all the token's experts stream under one parallel region, and each row
- * group prefetches the rows PREFETCH_ROWS ahead of it: at one token the products are bound by
- * how many weight lines are in flight, not by arithmetic. x is widened to int16 once and
+ * for the rows j of each segment s (starts[s] <= j < starts[s + 1]; starts NULL: segment s is
+ * row s, a decode token's slots) and r < N output rows; w int8 [E, N, K] contiguous, x int8
+ * rows (x_stride 0: one row shared by every segment). One OpenMP loop covers every segment's
+ * weight rows in blocks of ROWS, so the weights of all the experts stream under one parallel
+ * region, each weight row once, and each row group prefetches the rows PREFETCH_ROWS ahead of
+ * it: with few rows an expert the products are bound by how many weight lines are in flight,
+ * not by arithmetic. x is widened to int16 once and
  * multiplied by sign-extended weights into int32 lanes (pairs of products of at most 127 * 127
  * each), exact for K below 2^31 / 127^2.
  */
@@ -17,6 +19,7 @@
 #if defined(__AVX2__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
+
 
 #define ROWS 32          /* rows of one work item */
 #define PREFETCH_ROWS 8  /* how far ahead a row group prefetches */
@@ -118,27 +121,31 @@ static inline void rows4(const int8_t *w, int64_t K, const int16_t *x, int32_t *
 static inline int32_t row1(const int8_t *w, int64_t K, const int16_t *x) { return dot_tail(w, x, 0, K); }
 #endif
 
+/* Rows of segment s: [starts[s], starts[s + 1]), or the one row s when starts is NULL. */
+static inline int64_t seg_begin(const int64_t *starts, int64_t s) { return starts ? starts[s] : s; }
+
 /* Returns 0, or 1 when the scratch for the widened x cannot be allocated. */
-int moekit_int8_gemv_experts(const int8_t *w, const int64_t *experts, int64_t n, const int8_t *x,
-                             int64_t x_stride, int64_t N, int64_t K, int32_t *out, int threads) {
-    const int64_t x_rows = x_stride ? n : 1;
+int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int64_t *starts, int64_t segments,
+                              const int8_t *x, int64_t x_stride, int64_t N, int64_t K, int32_t *out, int threads) {
+    const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1;
     int16_t *x16 = (int16_t *)malloc((size_t)(x_rows * K) * sizeof(int16_t));
     if (x16 == NULL) return 1;
-    for (int64_t i = 0; i < x_rows; i++)
-        for (int64_t k = 0; k < K; k++) x16[i * K + k] = x[i * x_stride + k];
+    for (int64_t j = 0; j < x_rows; j++)
+        for (int64_t k = 0; k < K; k++) x16[j * K + k] = x[j * x_stride + k];
     const int64_t blocks = (N + ROWS - 1) / ROWS;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t item = 0; item < n * blocks; item++) {
-        const int64_t i = item / blocks, r0 = (item % blocks) * ROWS;
+    for (int64_t item = 0; item < segments * blocks; item++) {
+        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
         const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
-        const int8_t *wi = w + experts[i] * N * K;
-        const int16_t *xi = x16 + (x_stride ? i * K : 0);
-        int32_t *oi = out + i * N;
+        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1);
+        const int8_t *ws = w + experts[s] * N * K;
         int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) rows4(wi + r * K, K, xi, oi + r);
-        for (; r < r1; r++) oi[r] = row1(wi + r * K, K, xi);
+        for (; r + 4 <= r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
+            for (int64_t j = j0; j < j1; j++) rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), out + j * N + r);
+        for (; r < r1; r++)
+            for (int64_t j = j0; j < j1; j++) out[j * N + r] = row1(ws + r * K, K, x16 + (x_stride ? j * K : 0));
     }
     free(x16);
     (void)threads;
@@ -146,10 +153,10 @@ int moekit_int8_gemv_experts(const int8_t *w, const int64_t *experts, int64_t n,
 }
 
 /* ---------------------------------------------------------------------------------------------
- * moekit_wo_gemv_experts: weight-only (int4 / int8 with group scales) products of a decode
- * token over its experts, in fp32:
+ * moekit_wo_gemm_segments: weight-only (int4 / int8 with group scales) products of rows
+ * grouped by expert (segments as above), in fp32:
  *
- *     out[i, r] = sum_k (q[e, r, k] - z[e, r, k / g]) * s[e, r, k / g] * x[i, k],  e = experts[i]
+ *     out[j, r] = sum_k (q[e, r, k] - z[e, r, k / g]) * s[e, r, k / g] * x[j, k],  e = experts[s]
  *             = sum_groups s * (sum_k q x - z * sum_k x)
  *
  * wtype 0: int4 packed two per byte [E, N, K/2] (column 2j the low nibble), z = zero or 8;
@@ -225,22 +232,22 @@ static inline float group_dot(int wtype, const uint8_t *q, const float *x, const
 }
 
 /* Returns 0, 1 when the scratch cannot be allocated, 2 for a bad wtype or g. */
-int moekit_wo_gemv_experts(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
-                           const int64_t *experts, int64_t n, const float *x, int64_t x_stride,
-                           int64_t N, int64_t K, int64_t g, float *out, int threads) {
+int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
+                            const int64_t *experts, const int64_t *starts, int64_t segments, const float *x,
+                            int64_t x_stride, int64_t N, int64_t K, int64_t g, float *out, int threads) {
     if (wtype < 0 || wtype > 2 || g <= 0 || g % 32 || K % g) return 2;
-    const int64_t x_rows = x_stride ? n : 1, G = K / g;
-    const int64_t row_bytes = wtype == 0 ? K / 2 : K;
-    /* per x row: x, its even and odd columns (int4), and its group sums */
-    float *scratch = (float *)malloc((size_t)(x_rows * (2 * K + G)) * sizeof(float));
+    const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1, G = K / g;
+    const int64_t row_bytes = wtype == 0 ? K / 2 : K, per_x = 2 * K + G;
+    /* per x row: its even and odd columns (int4), and its group sums */
+    float *scratch = (float *)malloc((size_t)(x_rows * per_x) * sizeof(float));
     if (scratch == NULL) return 1;
-    for (int64_t i = 0; i < x_rows; i++) {
-        const float *xi = x + i * x_stride;
-        float *xe = scratch + i * (2 * K + G), *xo = xe + K / 2, *xs = xe + K;
-        for (int64_t j = 0; j < K / 2; j++) { xe[j] = xi[2 * j]; xo[j] = xi[2 * j + 1]; }
+    for (int64_t j = 0; j < x_rows; j++) {
+        const float *xj = x + j * x_stride;
+        float *xe = scratch + j * per_x, *xo = xe + K / 2, *xs = xe + K;
+        for (int64_t c = 0; c < K / 2; c++) { xe[c] = xj[2 * c]; xo[c] = xj[2 * c + 1]; }
         for (int64_t c = 0; c < G; c++) {
             float t = 0.0f;
-            for (int64_t k = c * g; k < (c + 1) * g; k++) t += xi[k];
+            for (int64_t k = c * g; k < (c + 1) * g; k++) t += xj[k];
             xs[c] = t;
         }
     }
@@ -248,26 +255,28 @@ int moekit_wo_gemv_experts(int wtype, const uint8_t *w, const float *scale, cons
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t item = 0; item < n * blocks; item++) {
-        const int64_t i = item / blocks, r0 = (item % blocks) * ROWS;
+    for (int64_t item = 0; item < segments * blocks; item++) {
+        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
         const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
-        const int64_t e = experts[i];
-        const float *xi = x + (x_stride ? i * x_stride : 0);
-        const float *xe = scratch + (x_stride ? i : 0) * (2 * K + G), *xo = xe + K / 2, *xs = xe + K;
+        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1), e = experts[s];
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *q = w + (e * N + r) * row_bytes;
-            const float *s = scale + (e * N + r) * G;
+            const float *sc = scale + (e * N + r) * G;
             const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
 #ifdef STEP
             for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
 #endif
-            float acc = 0.0f;
-            for (int64_t c = 0; c < G; c++) {
-                const float zc = z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f);
-                const int64_t qoff = wtype == 0 ? c * g / 2 : c * g;
-                acc += s[c] * (group_dot(wtype, q + qoff, xi + c * g, xe + c * g / 2, xo + c * g / 2, g) - zc * xs[c]);
+            for (int64_t j = j0; j < j1; j++) {  /* the weight row stays in L1 across the segment's x rows */
+                const float *xj = x + (x_stride ? j * x_stride : 0);
+                const float *xe = scratch + (x_stride ? j : 0) * per_x, *xo = xe + K / 2, *xs = xe + K;
+                float acc = 0.0f;
+                for (int64_t c = 0; c < G; c++) {
+                    const float zc = z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f);
+                    const int64_t qoff = wtype == 0 ? c * g / 2 : c * g;
+                    acc += sc[c] * (group_dot(wtype, q + qoff, xj + c * g, xe + c * g / 2, xo + c * g / 2, g) - zc * xs[c]);
+                }
+                out[j * N + r] = acc;
             }
-            out[i * N + r] = acc;
         }
     }
     free(scratch);
