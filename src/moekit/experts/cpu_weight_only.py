@@ -2,12 +2,13 @@
 
 Compute paths, chosen per call by a fixed rule (each tested against the emulation):
 
-- native decode (at most DIRECT_ASSIGNMENTS assignments, where moekit's native kernels build:
-  moekit.native): each token's products over its k experts in one call per GEMM, in fp32
-  straight from the stored int4 / int8 weights and fp32 group scales, any activation dtype.
-  At E=64, k=8, H=1024, I=512, M=1 on a 2-core AVX-512 host: int4 0.80 ms against 1.1-1.4 ms
-  through torch's int4 kernel below, int8_w8a16 1.3 ms against 5.8-6.4 ms of fp32 blocks
-  (bench/cpu_quant.py).
+- native (where moekit's native kernels build: moekit.native): decode (at most
+  DIRECT_ASSIGNMENTS assignments) runs each token's products over its k experts in one call
+  per GEMM, in fp32 straight from the stored int4 / int8 weights and fp32 group scales, any
+  activation dtype; sorted calls that would take the fp32 blocks run on the same kernel up to
+  NATIVE_ROWS rows an expert. At E=64, k=8, H=1024, I=512 on a 2-core AVX-512 host
+  (bench/cpu_quant.py): M=1 int4 0.80-1.06 ms against 1.1-1.4 ms through torch's int4 kernel,
+  int8_w8a16 1.3-1.5 ms against 5.8-6.4 ms of fp32 blocks; M=32 int8_w8a16 17 against 42-52 ms.
 - int4 kernel (int4 weights, bf16 activations, torch with `_weight_int4pack_mm_for_cpu`):
   torch's CPU int4 GEMM, which unpacks int4 in registers and accumulates in fp32. It wants
   its own packing and one bf16 (scale, offset) pair per group, so the weights are repacked
