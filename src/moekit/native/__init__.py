@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with this machine's C compiler.
 
 What: `int8_gemm` and `wo_gemm`, products of rows grouped by expert (a decode token's slots,
-or the sorted rows of a few tokens) in one call each (cpu_kernels.c says how). torch offers one int8 GEMM per expert (torch._int_mm): at one
-token each is a short weight stream with its own parallel region, and the CPU int8 backend's
-decode spent about 1.1 ms of 1.5 in 16 of them (E=64, k=8, H=1024, I=512 on a 2-core AVX-512
-VNNI host); the kernel here streams the same weights in 0.8 ms (bench/NOTES-cpu.md).
+or the sorted rows of a few tokens) in one call each (cpu_kernels.c says how). torch offers
+one int8 GEMM per expert (torch._int_mm): at one token each is a short weight stream with its
+own parallel region, and the CPU int8 backend's decode spent about 1.1 ms of 1.5 in 16 of
+them (E=64, k=8, H=1024, I=512 on a 2-core AVX-512 VNNI host); the kernel here streams the
+same weights in 0.8 ms (bench/NOTES-cpu.md).
 
 How: cpu_kernels.c ships with the package. On first use it is compiled for this CPU
 (`-O3 -march=native -fopenmp`) with $CC, else cc, gcc or clang, into $MOEKIT_CACHE_DIR
