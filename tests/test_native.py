@@ -42,10 +42,14 @@ def libs(tmp_path_factory):
     return {isa: native.build(isa, cache_dir=cache) for isa in ISAS}
 
 
-def _segments(draw_sizes, E, gen):
-    """experts [S], starts [S + 1] and the expert of each row, for segment sizes draw_sizes (0 allowed)."""
-    experts = torch.randint(0, E, (len(draw_sizes),), generator=gen)
-    starts = torch.tensor([0] + draw_sizes, dtype=torch.long).cumsum(0)
+def _segments(sizes, n, E, gen):
+    """experts [S], starts [S + 1] and the expert of each row for segments of `sizes` rows (0
+    allowed); sizes None: n one-row segments and starts None (a decode token's slots)."""
+    if sizes is None:
+        experts = torch.randint(0, E, (n,), generator=gen)
+        return experts, None, experts
+    experts = torch.randint(0, E, (len(sizes),), generator=gen)
+    starts = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
     return experts, starts, torch.repeat_interleave(experts, starts.diff())
 
 
@@ -61,11 +65,7 @@ def test_int8_gemm_is_exact(libs, isa, E, N, K, sizes, n, shared, seed):
     n slots) or segments of 0-4 rows, repeated experts, one shared x row or one a row."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(-127, 128, (E, N, K), generator=g, dtype=torch.int8)
-    if sizes is None:
-        experts, starts = torch.randint(0, E, (n,), generator=g), None
-        row_expert = experts
-    else:
-        experts, starts, row_expert = _segments(sizes, E, g)
+    experts, starts, row_expert = _segments(sizes, n, E, g)
     R = len(row_expert)
     x = torch.randint(-127, 128, (1 if shared else R, K), generator=g, dtype=torch.int8)
     out = torch.full((R, N), 7, dtype=torch.int32)
@@ -101,11 +101,7 @@ def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, 
     K = g * groups
     q = quantize_weight(torch.randn(E, N, K, generator=gen), scheme)
     w = dequantize_weight(q.q, q.scale, q.zero, scheme)
-    if sizes is None:
-        experts, starts = torch.randint(0, E, (n,), generator=gen), None
-        row_expert = experts
-    else:
-        experts, starts, row_expert = _segments(sizes, E, gen)
+    experts, starts, row_expert = _segments(sizes, n, E, gen)
     R = len(row_expert)
     x = torch.randn(1 if shared else R, K, generator=gen)
     out = torch.full((R, N), float("nan"))
