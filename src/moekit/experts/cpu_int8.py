@@ -16,7 +16,8 @@ path here.
 Decode (at most DIRECT_ASSIGNMENTS assignments) runs each token's products over its k experts
 in one call of moekit's native kernel where it is available (moekit.native: compiled on first
 use for this CPU; the same exact int32 products, 1.4x faster than k calls of torch._int_mm at
-E=64, k=8, H=1024, I=512 on the host above), else through torch._int_mm.
+E=64, k=8, H=1024, I=512 on the host above), else through torch._int_mm; so do sorted calls
+of up to NATIVE_ROWS rows an expert.
 
 Accumulation is exact for K * 127 * 127 < 2^31 (K < 133,000), checked in `unsupported`.
 Supports: CPU, fp32/bf16/fp16 activations, every activation, biases, expert_map, weights
@@ -29,10 +30,10 @@ from typing import Optional
 
 import torch
 
+from .. import native
 from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
-from .. import native
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
 
@@ -88,8 +89,8 @@ class CPUInt8Backend(ExpertsBackend):
     name = "cpu_int8"
     description = "int8 W8A8 on CPU: dynamic per-token int8 activations, exact int8 GEMM (torch._int_mm)"
     differentiable = False
-    # decode products through moekit's native kernel where it is available (moekit.native);
-    # False keeps torch._int_mm (tests compare the two)
+    # decode and few-row products through moekit's native kernel where it is available
+    # (moekit.native); False keeps torch._int_mm (tests compare the two)
     native_products = True
 
     def available(self) -> Optional[str]:
@@ -139,9 +140,7 @@ class CPUInt8Backend(ExpertsBackend):
         x is quantized once for its k experts, each GEMM's products over the token's n local
         slots fill an [n, N] int32 accumulator (one native call, else one q_w q_x^T a slot),
         and the scales, biases, activation and the quantization of GEMM2's inputs run once
-        over the n slots. Both GEMMs' weight scales are gathered before the products (the first
-        operation after a run of products meets a cache the weights have just streamed
-        through) and each accumulator is rescaled by one int32 x fp32 multiply against the
+        over the n slots; each accumulator is rescaled by one int32 x fp32 multiply against the
         combined scale s_w s_x. The same products as the sorted path, rescaled in another
         order (within fp32 rounding); the weighted sum over the slots in slot order
         (deterministic).

@@ -37,10 +37,10 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .. import native
 from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
-from .. import native
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
 from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
 
@@ -144,8 +144,8 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                    "from weights dequantized in cache-sized blocks")
     differentiable = False
 
-    # decode products through moekit's native kernel where it is available (moekit.native);
-    # False keeps the paths below (tests compare them)
+    # decode and few-row products through moekit's native kernel where it is available
+    # (moekit.native); False keeps the other paths (tests compare them)
     native_products = True
 
     def __init__(self) -> None:
@@ -164,7 +164,7 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         return scheme.weight_dtype == "int4" and x_dtype == torch.bfloat16 and int4_kernel_available()
 
     def native_library(self, weights: ExpertWeights, scheme: QuantScheme):
-        """moekit's native library where the decode path may use it for these weights, else None."""
+        """moekit's native library where this backend may use it for these weights, else None."""
         if not self.native_products or scheme.group_size % 32:
             return None
         tensors = (weights.w13, weights.w2, *weights.scales.values())
@@ -187,17 +187,16 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                                     apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
-        rows = sr.rows
+        lib = None if kernel or sr.rows.shape[0] > NATIVE_ROWS * len(sr.spans) else self.native_library(weights, scheme)
         if kernel:  # sorted bf16 int4 calls: torch's int4 kernel was even or faster from half a row an expert
             linear = self._int4_kernel_linear(weights, scheme)
-        elif rows.shape[0] <= NATIVE_ROWS * len(sr.spans) and self.native_library(weights, scheme) is not None:
-            linear = self._native_linear(self.native_library(weights, scheme), weights, scheme,
-                                         span_segments(sr.spans))
+        elif lib is not None:
+            linear = self._native_linear(lib, weights, scheme, span_segments(sr.spans))
         else:
             linear = self._blocked_linear(weights, scheme)
-        h = add_bias_by_span(linear(rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
+        h = add_bias_by_span(linear(sr.rows, "w13", sr.spans), weights.b13, sr.spans)  # [n, 2I] fp32
         a = apply_activation(h, activation, activation_params)  # [n, I]
-        y = add_bias_by_span(linear(a.to(rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
+        y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
 
     @staticmethod
