@@ -41,7 +41,7 @@ FAST_ISAS = ("avx512_vnni", "avx512", "avx2")
 
 _ISA_FLAGS = {
     "native": ["-march=native"],
-    "avx2": ["-mavx2", "-mfma", "-mno-avx512f"],  # the AVX2 path on an AVX-512 machine (tests)
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],  # the AVX2 path on an AVX-512 machine (tests)
     "scalar": ["-mno-avx2", "-mno-avx512f"],
 }
 
@@ -116,6 +116,25 @@ class NativeLibrary:
                                                    out.data_ptr(), torch.get_num_threads())
             if rc:
                 raise MemoryError("wo_gemm could not allocate its scratch rows")
+        return out
+
+    def float_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+                   starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
+        """fp32-accumulated products of rows grouped by expert: out[j] = w[experts[s]] @ x[j].
+
+        Args:
+            w: [E, N, K] fp32, bf16 or fp16, contiguous.  x: [R or 1, K] fp32.  out: [R, N] fp32.
+            experts, starts, trusted: as in `int8_gemm`.
+        """
+        segs = self._segments(w, experts, x, out, starts, w.shape[2], "float_gemm", trusted)
+        wtype = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(w.dtype)
+        if wtype is None or (x.dtype, out.dtype) != (torch.float32, torch.float32):
+            raise TypeError(f"float_gemm wants fp32 / bf16 / fp16 w, fp32 x and out; got {w.dtype}, {x.dtype}, "
+                            f"{out.dtype}")
+        if segs is not None:
+            self._lib.moekit_float_gemm_segments(wtype, w.data_ptr(), experts.data_ptr(), segs[0], segs[1],
+                                                 x.data_ptr(), segs[2], w.shape[1], w.shape[2], out.data_ptr(),
+                                                 torch.get_num_threads())
         return out
 
     @staticmethod
@@ -198,6 +217,9 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f = lib.moekit_wo_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    f = lib.moekit_float_gemm_segments
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     return NativeLibrary(path, lib.moekit_isa().decode(), bool(lib.moekit_openmp()), lib)
 
 

@@ -16,6 +16,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -280,6 +281,123 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
         }
     }
     free(scratch);
+    (void)threads;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * moekit_float_gemm_segments: 16-bit or fp32 weights against fp32 rows (segments as above):
+ *
+ *     out[j, r] = sum_k float(w[experts[s], r, k]) * x[j, k]       (fp32 accumulation)
+ *
+ * wtype 0: fp32, 1: bf16 (the upper half of an fp32: widened exactly by a shift), 2: fp16.
+ * Four weight rows a pass, prefetching the rows PREFETCH_ROWS ahead, as the int8 kernel.
+ * ------------------------------------------------------------------------------------------- */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);         /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);  /* normal */
+    else if (man) {                                                 /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 1024));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 1023) << 13);
+    } else bits = sign;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float wload1(int wtype, const void *w, int64_t k) {
+    if (wtype == 0) return ((const float *)w)[k];
+    if (wtype == 2) return half_to_float(((const uint16_t *)w)[k]);
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[k] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float fdot_tail(int wtype, const void *w, const float *x, int64_t k0, int64_t K) {
+    float acc = 0.0f;
+    for (int64_t k = k0; k < K; k++) acc += wload1(wtype, w, k) * x[k];
+    return acc;
+}
+
+#ifdef FSTEP
+/* FSTEP weights from element k of a row, as floats */
+static inline vf wload(int wtype, const void *w, int64_t k) {
+#if defined(__AVX512F__)
+    if (wtype == 0) return _mm512_loadu_ps((const float *)w + k);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k));
+    if (wtype == 2) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    if (wtype == 0) return _mm256_loadu_ps((const float *)w + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+#if defined(__F16C__)
+    if (wtype == 2) return _mm256_cvtph_ps(h);
+#else
+    if (wtype == 2) {
+        float f[8];
+        for (int i = 0; i < 8; i++) f[i] = half_to_float(((const uint16_t *)w)[k + i]);
+        return _mm256_loadu_ps(f);
+    }
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+#endif
+
+static inline void frows4(int wtype, const char *w, int64_t row_bytes, int64_t K, const float *x, float *out) {
+#ifdef FSTEP
+    const int64_t kv = K - K % FSTEP, esize = row_bytes / K;
+    const char *ahead = w + PREFETCH_ROWS * row_bytes;
+    vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+    for (int64_t k = 0; k < kv; k += FSTEP) {
+        if (((k * esize) & 63) == 0) {
+            for (int j = 0; j < 4; j++) _mm_prefetch(ahead + j * row_bytes + k * esize, _MM_HINT_T0);
+            if (esize == 4)
+                for (int j = 0; j < 4; j++) _mm_prefetch(ahead + j * row_bytes + k * esize + 64, _MM_HINT_T0);
+        }
+        vf xv = vf_load(x + k);
+        a0 = vf_fma(wload(wtype, w, k), xv, a0);
+        a1 = vf_fma(wload(wtype, w + row_bytes, k), xv, a1);
+        a2 = vf_fma(wload(wtype, w + 2 * row_bytes, k), xv, a2);
+        a3 = vf_fma(wload(wtype, w + 3 * row_bytes, k), xv, a3);
+    }
+    out[0] = vf_sum(a0) + fdot_tail(wtype, w, x, kv, K);
+    out[1] = vf_sum(a1) + fdot_tail(wtype, w + row_bytes, x, kv, K);
+    out[2] = vf_sum(a2) + fdot_tail(wtype, w + 2 * row_bytes, x, kv, K);
+    out[3] = vf_sum(a3) + fdot_tail(wtype, w + 3 * row_bytes, x, kv, K);
+#else
+    for (int j = 0; j < 4; j++) out[j] = fdot_tail(wtype, w + j * row_bytes, x, 0, K);
+#endif
+}
+
+/* Returns 0, or 2 for a bad wtype. */
+int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts, const int64_t *starts,
+                               int64_t segments, const float *x, int64_t x_stride, int64_t N, int64_t K,
+                               float *out, int threads) {
+    if (wtype < 0 || wtype > 2) return 2;
+    const int64_t esize = wtype == 0 ? 4 : 2, row_bytes = K * esize;
+    const int64_t blocks = (N + ROWS - 1) / ROWS;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+    for (int64_t item = 0; item < segments * blocks; item++) {
+        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
+        const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
+        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1);
+        const char *ws = (const char *)w + experts[s] * N * row_bytes;
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4)
+            for (int64_t j = j0; j < j1; j++)
+                frows4(wtype, ws + r * row_bytes, row_bytes, K, x + (x_stride ? j * x_stride : 0), out + j * N + r);
+        for (; r < r1; r++)
+            for (int64_t j = j0; j < j1; j++)
+                out[j * N + r] = fdot_tail(wtype, ws + r * row_bytes, x + (x_stride ? j * x_stride : 0), 0, K);
+    }
     (void)threads;
     return 0;
 }
