@@ -17,7 +17,7 @@ from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 from moekit.experts.cpu_int8 import CPUInt8Backend
 from moekit.quant import get_scheme
-from moekit.quant.quantize import dequantize_weight, quantize_weight
+from moekit.quant.quantize import dequantize_weight, quantize_activation, quantize_weight
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.machine() != "x86_64" or native._compiler() is None,
@@ -88,6 +88,31 @@ def test_int8_gemm_extremes_and_long_rows_stay_exact(libs, isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=25, deadline=None)
+@given(N=st.integers(1, 40), K=st.integers(1, 200), sizes=st.one_of(st.none(), segment_sizes), n=st.integers(0, 6),
+       shared=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_int8_gemm_quantizes_fp32_rows_as_quantize_activation(libs, isa, N, K, sizes, n, shared, seed):
+    """fp32 rows quantized in the kernel: the same scales and the same products as
+    quantize_activation's int8 per-token rows, bit for bit, on rows that are zero, subnormal,
+    huge, or sit on rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    E = 3
+    w = torch.randint(-127, 128, (E, N, K), generator=g, dtype=torch.int8)
+    experts, starts, row_expert = _segments(sizes, n, E, g)
+    R = 1 if shared else len(row_expert)
+    x = torch.randn(R, K, generator=g) * torch.tensor([1.0, 0.0, 1e-42, 3e37, 1e-3])[torch.arange(R) % 5, None]
+    if R and K > 1:  # ties: amax 127 puts every integer + 0.5 exactly on a rounding tie
+        x[0, 0], x[0, 1] = 127.0, 2.5
+    out = torch.empty(len(row_expert), N, dtype=torch.int32)
+    scales = torch.empty(R, 1)
+    libs[isa].int8_gemm(w, experts, x, out, starts, scales=scales)
+    q, s = quantize_activation(x, get_scheme("int8_w8a8"))
+    expected = torch.empty_like(out)
+    libs[isa].int8_gemm(w, experts, q, expected, starts)
+    assert torch.equal(scales, s) and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(["int4_w4a16", "int8_w8a16"]), g=st.sampled_from([32, 64, 128]),
        symmetric=st.booleans(), E=st.integers(1, 5), N=st.integers(1, 45), groups=st.integers(1, 4),
        sizes=st.one_of(st.none(), segment_sizes), n=st.integers(0, 9), shared=st.booleans(),
@@ -137,7 +162,9 @@ def test_int8_gemm_bad_arguments_are_named(libs):
     x = torch.zeros(1, 16, dtype=torch.int8)
     out = torch.empty(2, 8, dtype=torch.int32)
     experts = torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="wants int8 w and x, int32 out; got torch.int8, torch.float32"):
+    with pytest.raises(TypeError, match="wants int8 w, int8 or fp32 x, int32 out; got torch.int8, torch.float64"):
+        lib.int8_gemm(w, experts, x.double(), out)
+    with pytest.raises(ValueError, match="with fp32 x wants scales: a contiguous fp32 tensor of 1 values, got None"):
         lib.int8_gemm(w, experts, x.float(), out)
     with pytest.raises(TypeError, match="wants int64 experts and starts, got torch.int32"):
         lib.int8_gemm(w, experts.int(), x, out)

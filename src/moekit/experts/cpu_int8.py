@@ -68,12 +68,13 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
         native_segments: (library, experts, starts, the expert of each row) to run the products
             in one call of moekit's native kernel; None: torch._int_mm per expert.
     """
-    q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
     acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
-    if native_segments is not None:
+    if native_segments is not None:  # rows quantized by the kernel, as quantize_activation does
         lib, experts, starts, row_expert = native_segments
-        lib.int8_gemm(q_w, experts, q_x, acc, starts, trusted=True)
+        s_x = rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
+        lib.int8_gemm(q_w, experts, rows.float().contiguous(), acc, starts, scales=s_x, trusted=True)
         return torch.mul(acc, s_x).mul_(s_w.index_select(0, row_expert))
+    q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
     for e, a, b in sr_spans:  # exact int32
         if b - a <= SWAP_ROWS:
             acc[a:b] = torch._int_mm(q_w[e], q_x[a:b].t().contiguous()).t()
@@ -155,28 +156,28 @@ class CPUInt8Backend(ExpertsBackend):
             rows = x[t:t + 1].float()
             if on_input:
                 rows = rows * w_t[:, None]  # [n, H]: each slot its own input
-            q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
-            scale1 = s["w13_scale"].index_select(0, e_idx).mul_(s_x)  # [n, 2I]
-            scale2 = s["w2_scale"].index_select(0, e_idx)  # [n, H], times s_a below
             acc1 = torch.empty((n, q13.shape[1]), dtype=torch.int32)
-            if lib is not None:
-                lib.int8_gemm(q13, e_idx, q_x, acc1, trusted=True)
+            if lib is not None:  # x quantized by the kernel (the same values as quantize_activation)
+                s_x = rows.new_empty((rows.shape[0], 1))
+                lib.int8_gemm(q13, e_idx, rows, acc1, scales=s_x, trusted=True)
             else:
+                q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
                 cols = q_x.view(-1, H, 1).unbind(0)  # one column, or one a slot
                 for i, (e, acc) in enumerate(zip(es, acc1.view(n, -1, 1).unbind(0))):
                     torch._int_mm(q13[e], cols[i if on_input else 0], out=acc)
-            h = torch.mul(acc1, scale1)
+            h = torch.mul(acc1, s["w13_scale"].index_select(0, e_idx).mul_(s_x))  # [n, 2I]
             if weights.b13 is not None:
                 h += weights.b13.index_select(0, e_idx).float()
-            q_a, s_a = quantize_activation(apply_activation(h, activation, activation_params), _SCHEME)  # [n, I]
-            scale2.mul_(s_a)
+            a = apply_activation(h, activation, activation_params).contiguous()  # [n, I] fp32
             acc2 = torch.empty((n, H), dtype=torch.int32)
             if lib is not None:
-                lib.int8_gemm(q2, e_idx, q_a, acc2, trusted=True)
+                s_a = a.new_empty((n, 1))
+                lib.int8_gemm(q2, e_idx, a, acc2, scales=s_a, trusted=True)
             else:
+                q_a, s_a = quantize_activation(a, _SCHEME)
                 for e, col, acc in zip(es, q_a.view(n, I, 1).unbind(0), acc2.view(n, H, 1).unbind(0)):
                     torch._int_mm(q2[e], col, out=acc)
-            y = torch.mul(acc2, scale2)
+            y = torch.mul(acc2, s["w2_scale"].index_select(0, e_idx).mul_(s_a))  # [n, H]
             if weights.b2 is not None:
                 y += weights.b2.index_select(0, e_idx).float()
             if on_input:

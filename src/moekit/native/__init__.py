@@ -55,13 +55,16 @@ class NativeLibrary:
     _lib: ctypes.CDLL
 
     def int8_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-                  starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
-        """Exact int32 products of rows grouped by expert: out[j] = w[experts[s]] @ x[j] for the
+                  starts: Optional[torch.Tensor] = None, *, scales: Optional[torch.Tensor] = None,
+                  trusted: bool = False) -> torch.Tensor:
+        """Exact int32 products of rows grouped by expert: out[j] = w[experts[s]] @ q_x[j] for the
         rows j of segment s.
 
         Args:
             w: [E, N, K] int8, contiguous.  experts: [S] int64 in [0, E).
-            x: [R, K] int8 rows (rows contiguous), or [1, K]: one row for every output row.
+            x: [R, K] rows (rows contiguous), or [1, K]: one row for every output row. int8:
+                q_x = x. fp32: quantized per row here exactly as quantize_activation does for
+                int8 per-token activations, each row's scale written to `scales` [R or 1, 1].
             out: [R, N] int32, contiguous (written).
             starts: [S + 1] int64 row offsets of the segments (0 first, R last); None: S = R,
                 segment s is row s (a decode token's slots).
@@ -69,14 +72,24 @@ class NativeLibrary:
                 own expert ids and spans); shapes, dtypes and layouts are checked either way.
         """
         segs = self._segments(w, experts, x, out, starts, w.shape[2], "int8_gemm", trusted)
-        if (w.dtype, x.dtype, out.dtype) != (torch.int8, torch.int8, torch.int32):
-            raise TypeError(f"int8_gemm wants int8 w and x, int32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
-        if segs is not None:
-            rc = self._lib.moekit_int8_gemm_segments(w.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(),
-                                                     segs[2], w.shape[1], w.shape[2], out.data_ptr(),
-                                                     torch.get_num_threads())
-            if rc:
-                raise MemoryError("int8_gemm could not allocate its scratch rows")
+        if w.dtype != torch.int8 or x.dtype not in (torch.int8, torch.float32) or out.dtype != torch.int32:
+            raise TypeError(f"int8_gemm wants int8 w, int8 or fp32 x, int32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
+        quantize = x.dtype == torch.float32
+        if quantize and (scales is None or scales.dtype != torch.float32 or not scales.is_contiguous()
+                         or scales.numel() != x.shape[0]):
+            raise ValueError(f"int8_gemm with fp32 x wants scales: a contiguous fp32 tensor of {x.shape[0]} "
+                             f"values, got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+        if segs is None:
+            if quantize and x.shape[0]:  # nothing to multiply; the scales still come back
+                scales.copy_(_row_scales(x).view_as(scales))
+            return out
+        rc = self._lib.moekit_int8_gemm_segments(w.data_ptr(), experts.data_ptr(), segs[0], segs[1],
+                                                 None if quantize else x.data_ptr(),
+                                                 x.data_ptr() if quantize else None,
+                                                 scales.data_ptr() if quantize else None, segs[2], w.shape[1],
+                                                 w.shape[2], out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("int8_gemm could not allocate its scratch rows")
         return out
 
     def wo_gemm(self, w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], experts: torch.Tensor,
@@ -165,6 +178,14 @@ class NativeLibrary:
         return None if starts is None else starts.data_ptr(), S, x_stride
 
 
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row int8 scales of fp32 rows (quantize_activation's), for calls with nothing to multiply."""
+    from ..quant.quantize import quantize_activation  # noqa: PLC0415
+    from ..quant.schemes import get_scheme  # noqa: PLC0415
+
+    return quantize_activation(x, get_scheme("int8_w8a8"))[1]
+
+
 def _compiler() -> Optional[str]:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
@@ -200,7 +221,7 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            run = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            run = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
             if run.returncode != 0:
                 raise RuntimeError(f"{cc} failed to compile {SOURCE.name}: {run.stderr.strip()[-2000:]}")
             os.replace(tmp, path)  # atomic: concurrent builders (ranks) each land a whole file
@@ -213,7 +234,7 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     f = lib.moekit_int8_gemm_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     f = lib.moekit_wo_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #if defined(__AVX2__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -125,14 +126,43 @@ static inline int32_t row1(const int8_t *w, int64_t K, const int16_t *x) { retur
 /* Rows of segment s: [starts[s], starts[s + 1]), or the one row s when starts is NULL. */
 static inline int64_t seg_begin(const int64_t *starts, int64_t s) { return starts ? starts[s] : s; }
 
-/* Returns 0, or 1 when the scratch for the widened x cannot be allocated. */
+/* x_f32 [rows, K] fp32 -> x16 int16 values of the int8 quantization per row, as
+ * moekit.quant.quantize_activation's "token" granularity does it: s = amax / 127 (1 where that
+ * is not > 0), q = round half to even (x / s), clamped to [-127, 127]; scales[j] = s. */
+static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_t K, int16_t *x16, float *scales) {
+    for (int64_t j = 0; j < rows; j++) {
+        const float *xj = x + j * x_stride;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = fabsf(xj[k]);
+            nan |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        float s = nan ? NAN : amax / 127.0f;
+        if (!(s > 0.0f)) s = 1.0f;
+        scales[j] = s;
+        for (int64_t k = 0; k < K; k++) {
+            float q = nearbyintf(xj[k] / s);
+            q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+            x16[j * K + k] = (int16_t)q;
+        }
+    }
+}
+
+/* x_int8 (or, when x_f32 is given, x_f32 quantized per row into scales) against w.
+ * Returns 0, or 1 when the scratch for the widened x cannot be allocated. */
 int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int64_t *starts, int64_t segments,
-                              const int8_t *x, int64_t x_stride, int64_t N, int64_t K, int32_t *out, int threads) {
+                              const int8_t *x, const float *x_f32, float *scales, int64_t x_stride, int64_t N,
+                              int64_t K, int32_t *out, int threads) {
     const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1;
     int16_t *x16 = (int16_t *)malloc((size_t)(x_rows * K) * sizeof(int16_t));
     if (x16 == NULL) return 1;
-    for (int64_t j = 0; j < x_rows; j++)
-        for (int64_t k = 0; k < K; k++) x16[j * K + k] = x[j * x_stride + k];
+    if (x_f32 != NULL)
+        quantize_rows(x_f32, x_stride, x_rows, K, x16, scales);
+    else
+        for (int64_t j = 0; j < x_rows; j++)
+            for (int64_t k = 0; k < K; k++) x16[j * K + k] = x[j * x_stride + k];
     const int64_t blocks = (N + ROWS - 1) / ROWS;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
