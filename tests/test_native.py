@@ -141,6 +141,25 @@ def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, 
         assert ((out[j].double() - ref).abs() <= bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), E=st.integers(1, 4),
+       N=st.integers(1, 45), K=st.integers(1, 150), sizes=st.one_of(st.none(), segment_sizes), n=st.integers(0, 6),
+       shared=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_float_gemm_matches_fp64(libs, isa, dtype, E, N, K, sizes, n, shared, seed):
+    """fp32 / bf16 / fp16 weights (16-bit widened exactly) against fp32 rows: within K * 2^-23
+    of sum |w| |x| of the exact products."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g).to(dtype)
+    experts, starts, row_expert = _segments(sizes, n, E, g)
+    x = torch.randn(1 if shared else len(row_expert), K, generator=g)
+    out = torch.full((len(row_expert), N), float("nan"))
+    libs[isa].float_gemm(w, experts, x, out, starts)
+    for j, e in enumerate(row_expert.tolist()):
+        xj, we = x[j if x.shape[0] > 1 else 0].double(), w[e].double()
+        assert ((out[j].double() - we @ xj).abs() <= K * 2.0 ** -23 * (we.abs() @ xj.abs()) + 1e-30).all()
+
+
 def test_wo_gemm_bad_arguments_are_named(libs):
     lib = libs["native"]
     q = quantize_weight(torch.randn(2, 8, 64), get_scheme("int4_w4a16", group_size=32))
@@ -246,3 +265,55 @@ def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, 
     b = plain.apply(x, w, tw, ids, **kw)
     assert torch.equal(a, b)
     assert rel_err(a, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T, k, on_input, bias, use_map", [
+    (1, 4, False, True, False), (3, 4, True, False, True),  # decode
+    (6, 4, False, True, True), (7, 2, True, True, False),   # sorted, about one row an expert
+])
+def test_cpu_backend_with_and_without_native_products(dtype, T, k, on_input, bias, use_map, gen):
+    """The `cpu` backend's native paths (fp32 accumulation) and torch's against the reference."""
+    from conftest import TOL
+    from moekit.experts.base import ExpertWeights
+    from moekit.experts.cpu import CPUBackend
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    E, H, I = 16, 72, 40  # rows and K not multiples of the vector width
+    w = ExpertWeights((torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(dtype),
+                      (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype),
+                      torch.randn(E, 2 * I, generator=gen).to(dtype) if bias else None,
+                      torch.randn(E, H, generator=gen).to(dtype) if bias else None)
+    emap = None
+    E_ids = E
+    if use_map:
+        E_ids = 2 * E
+        emap = torch.full((E_ids,), -1, dtype=torch.int32)
+        emap[torch.randperm(E_ids, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+              expert_map=emap)
+    fast, plain = CPUBackend(), CPUBackend()
+    plain.native_products = False
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+    assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TOL[dtype]
+    assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TOL[dtype]
+
+
+def test_cpu_backend_keeps_torch_paths_when_a_gradient_is_needed(gen):
+    from moekit.experts.base import ExpertWeights
+    from moekit.experts.cpu import CPUBackend
+
+    w = ExpertWeights(torch.randn(4, 32, 16, generator=gen), torch.randn(4, 16, 16, generator=gen))
+    x = torch.randn(2, 16, generator=gen, requires_grad=True)
+    ids, tw = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.rand(2, 2, generator=gen)
+    assert CPUBackend()._native_library(x, w, tw) is None
+    out = CPUBackend().apply(x, w, tw, ids, activation="silu", activation_params=ActivationParams(),
+                             apply_router_weight_on_input=False, expert_map=None)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert CPUBackend()._native_library(x, w, tw) is native.library()

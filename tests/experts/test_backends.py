@@ -173,6 +173,7 @@ def test_cpu_blocked_fp32_path(monkeypatch, dtype, aligned, gen):
     # The path AVX2-only CPUs take: fp32 GEMMs from weights converted block by block over I.
     from moekit.experts import cpu
 
+    monkeypatch.setattr(cpu.CPUBackend, "native_products", False)  # torch's paths (native: tests/test_native.py)
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32}))
     monkeypatch.setattr(cpu, "BLOCK_BYTES", 16 * 3 * 48 * 4)  # 16-wide blocks: I=40 -> 3 blocks
     H, I = (48, 40) if aligned else (45, 37)
@@ -231,6 +232,7 @@ def test_cpu_decode_path_where_bf16_is_emulated(monkeypatch, T, gen):
     # than converting the expert's weights at one row); more take the fp32 block path.
     from moekit.experts import cpu
 
+    monkeypatch.setattr(cpu.CPUBackend, "native_products", False)  # torch's paths (native: tests/test_native.py)
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32}))
     blocks = []
     real = cpu._block_size

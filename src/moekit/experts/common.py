@@ -6,8 +6,10 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..activations import apply_activation
+
 __all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span",
-           "span_segments", "token_slots"]
+           "span_segments", "token_slots", "decode_by_token"]
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
@@ -142,3 +144,31 @@ def token_slots(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: 
         if slots:
             experts = [row[j] for j in slots]
             yield t, experts, torch.tensor(experts, dtype=torch.long), topk_weights[t, slots].float()
+
+
+def decode_by_token(products, gemm_dtype, x, weights, topk_weights, topk_ids, activation, activation_params,
+                    on_input, expert_map) -> torch.Tensor:
+    """Decode path of the host-driven backends, token by token, no sort: [T, H] fp32.
+
+    A token's products over its n local slots fill one [n, N] buffer per GEMM
+    (`products(name, rows, experts, expert ids [n] int64, out)`: rows [1 or n, K] in gemm_dtype,
+    out [n, N] gemm_dtype, returns out), then its biases and activation run over all n slots
+    at once. The weighted sum over the slots in slot order (deterministic).
+    """
+    H, N1 = weights.w2.shape[1], weights.w13.shape[1]
+    out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
+    for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
+        n = len(es)
+        rows = (x[t:t + 1].float() * w_t[:, None]).to(gemm_dtype) if on_input else x[t:t + 1].to(gemm_dtype)
+        h = products("w13", rows, es, e_idx, torch.empty((n, N1), dtype=gemm_dtype)).float()  # [n, 2I]
+        if weights.b13 is not None:
+            h += weights.b13.index_select(0, e_idx).float()
+        a = apply_activation(h, activation, activation_params).to(gemm_dtype).contiguous()  # [n, I]
+        y = products("w2", a, es, e_idx, torch.empty((n, H), dtype=gemm_dtype)).float()  # [n, H]
+        if weights.b2 is not None:
+            y += weights.b2.index_select(0, e_idx).float()
+        if on_input:
+            torch.sum(y, dim=0, keepdim=True, out=out[t:t + 1])
+        else:
+            torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
+    return out

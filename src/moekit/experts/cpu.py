@@ -34,9 +34,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import local_ids, sort_rows, unsort_rows
+from .common import add_bias_by_span, decode_by_token, local_ids, sort_rows, span_segments, unsort_rows
 from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
@@ -45,6 +46,12 @@ __all__ = ["CPUBackend", "BLOCK_BYTES", "native_dtypes"]
 
 # At most this many (token, slot) assignments take the direct decode path (no sort).
 DIRECT_ASSIGNMENTS = 16
+
+# Rows an expert (on average over the experts with rows) up to which sorted calls run on
+# moekit's native kernel (moekit.native: fp32 accumulation), by weight dtype. Measured on the
+# 2-core AVX-512 BF16 host at E=64, k=8, H=1024, I=512 (bench/NOTES-cpu.md): bf16 1.1x torch's
+# swapped bf16 products at 4 rows, 0.78x at 8; fp32 1.2x at 8 and 16; fp16 1.1-1.8x up to 16.
+NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
 
 # Rows of one expert up to which bf16 GEMMs take the weight w [N, K] as the left operand:
 # SWAP_ROWS, or twice that where K <= N. Measured on AVX-512 BF16 / AMX with 2 threads
@@ -153,6 +160,9 @@ def native_dtypes() -> frozenset:
 class CPUBackend(ExpertsBackend):
     name = "cpu"
     description = "native bf16/fp16/fp32 GEMMs, or fp32 GEMMs from weights converted in cache-sized blocks (CPU)"
+    # decode and few-row products through moekit's native kernel where it is available
+    # (moekit.native) and nothing needs a gradient; False keeps torch's GEMMs (tests compare them)
+    native_products = True
 
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.device != "cpu":
@@ -169,6 +179,17 @@ class CPUBackend(ExpertsBackend):
         gated = is_gated(activation)
         I = weights.w2.shape[2]
         native = weights.w13.dtype in native_dtypes() and weights.w2.dtype == weights.w13.dtype
+        lib = self._native_library(x, weights, topk_weights)
+        if lib is not None and T * k <= DIRECT_ASSIGNMENTS:
+            return decode_by_token(self._native_products(lib, weights), torch.float32, x, weights, topk_weights,
+                                   topk_ids, activation, activation_params, apply_router_weight_on_input,
+                                   expert_map)
+        rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0)
+        if lib is not None and T * k <= rows_limit * min(E, T * k):
+            sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.float32)
+            if sr.rows.shape[0] <= rows_limit * len(sr.spans):
+                return self._native_sorted(lib, sr, weights, T, k, activation, activation_params,
+                                           apply_router_weight_on_input)
         if T * k <= DIRECT_ASSIGNMENTS and weights.w2.dtype == weights.w13.dtype:
             # Also where 16-bit GEMMs are emulated: one row in the weights' dtype took 0.5-0.67x
             # the time of converting the expert's weights to fp32 first (AVX2, bench/NOTES-cpu.md).
@@ -189,6 +210,37 @@ class CPUBackend(ExpertsBackend):
             y[start:end] = self._expert(
                 sr.rows[start:end], weights, e, I, ib, gated, activation, activation_params, native)
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    def _native_library(self, x, weights, topk_weights):
+        """moekit's native library where it may run this call's products (fp32 / bf16 / fp16
+        weights of one dtype, contiguous, nothing that needs a gradient), else None."""
+        w13, w2 = weights.w13, weights.w2
+        if (not self.native_products or w13.dtype != w2.dtype or w13.dtype not in NATIVE_ROWS
+                or not (w13.is_contiguous() and w2.is_contiguous())):
+            return None
+        tensors = (x, w13, w2, weights.b13, weights.b2, topk_weights)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return None
+        return native.library()
+
+    @staticmethod
+    def _native_products(lib, weights):
+        """A token's products of one GEMM in one call of moekit's native kernel (fp32 out)."""
+        def products(name, rows, es, e_idx, out):
+            return lib.float_gemm(getattr(weights, name), e_idx, rows, out, trusted=True)
+
+        return products
+
+    @staticmethod
+    def _native_sorted(lib, sr, weights, T, k, activation, activation_params, on_input):
+        """Sorted rows of a few tokens: each GEMM in one call of moekit's native kernel, fp32 out."""
+        experts, starts, _ = span_segments(sr.spans)
+        h = lib.float_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((sr.rows.shape[0], weights.w13.shape[1])),
+                           starts, trusted=True)
+        a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation, activation_params).contiguous()
+        y = lib.float_gemm(weights.w2, experts, a, a.new_empty((a.shape[0], weights.w2.shape[1])), starts,
+                           trusted=True)
+        return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
 
     @staticmethod
     def _direct(x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map, native):

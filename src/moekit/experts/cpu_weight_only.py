@@ -42,7 +42,7 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
+from .common import add_bias_by_span, decode_by_token, sort_rows, span_segments, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -178,11 +178,11 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         if T * k <= DIRECT_ASSIGNMENTS:
             lib = self.native_library(weights, scheme)
             if lib is not None:
-                return self._direct(self._native_products(lib, weights, scheme), torch.float32, x, weights,
+                return decode_by_token(self._native_products(lib, weights, scheme), torch.float32, x, weights,
                                     topk_weights, topk_ids, activation, activation_params,
                                     apply_router_weight_on_input, expert_map)
             if kernel:
-                return self._direct(self._int4_kernel_products(weights, scheme), torch.bfloat16, x, weights,
+                return decode_by_token(self._int4_kernel_products(weights, scheme), torch.bfloat16, x, weights,
                                     topk_weights, topk_ids, activation, activation_params,
                                     apply_router_weight_on_input, expert_map)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
@@ -198,31 +198,6 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         a = apply_activation(h, activation, activation_params)  # [n, I]
         y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
-
-    @staticmethod
-    def _direct(products, gemm_dtype, x, weights, topk_weights, topk_ids, activation, activation_params, on_input,
-                expert_map):
-        """Decode path, token by token: [T, H] fp32. A token's k products per GEMM fill one [n, N]
-        buffer (`products(name, rows, experts, expert ids, out)`, rows in gemm_dtype), then its
-        biases and activation run over all k at once; no sort. The weighted sum over the slots
-        in slot order (deterministic)."""
-        H, N1 = weights.w2.shape[1], weights.w13.shape[1]
-        out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
-        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
-            n = len(es)
-            rows = (x[t:t + 1].float() * w_t[:, None]).to(gemm_dtype) if on_input else x[t:t + 1].to(gemm_dtype)
-            h = products("w13", rows, es, e_idx, torch.empty((n, N1), dtype=gemm_dtype)).float()  # [n, 2I]
-            if weights.b13 is not None:
-                h += weights.b13.index_select(0, e_idx).float()
-            a = apply_activation(h, activation, activation_params).to(gemm_dtype).contiguous()  # [n, I]
-            y = products("w2", a, es, e_idx, torch.empty((n, H), dtype=gemm_dtype)).float()  # [n, H]
-            if weights.b2 is not None:
-                y += weights.b2.index_select(0, e_idx).float()
-            if on_input:
-                torch.sum(y, dim=0, keepdim=True, out=out[t:t + 1])
-            else:
-                torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
-        return out
 
     @staticmethod
     def _native_products(lib, weights, scheme):
