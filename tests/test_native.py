@@ -317,3 +317,14 @@ def test_cpu_backend_keeps_torch_paths_when_a_gradient_is_needed(gen):
     assert x.grad is not None and x.grad.abs().sum() > 0
     with torch.no_grad():
         assert CPUBackend()._native_library(x, w, tw) is native.library()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_fp16_value_widens_exactly(libs, isa):
+    """All 65536 fp16 bit patterns (subnormals, infinities, NaNs) times 1.0, against torch's widening."""
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).view(1, -1, 1).contiguous()
+    out = torch.empty(1, w.shape[1])
+    libs[isa].float_gemm(w, torch.tensor([0]), torch.ones(1, 1), out)
+    expected = w.view(1, -1).float()
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan], expected[~nan])
