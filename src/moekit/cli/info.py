@@ -88,7 +88,7 @@ def run(args) -> int:
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415
 
-    print(f"native CPU kernels (cpu_int8 / cpu_wo decode and few-row calls): {native.status()}")
+    print(f"native CPU kernels (cpu, cpu_int8, cpu_wo: decode and few-row calls): {native.status()}")
     if torch.cuda.is_available():
         print(f"cuda: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})")
     else:

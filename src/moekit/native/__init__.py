@@ -1,7 +1,9 @@
 """Native CPU kernels, compiled on first use with this machine's C compiler.
 
-What: `int8_gemm` and `wo_gemm`, products of rows grouped by expert (a decode token's slots,
-or the sorted rows of a few tokens) in one call each (cpu_kernels.c says how). torch offers
+What: `int8_gemm`, `wo_gemm` and `float_gemm` (int8, int4 / int8 group-scaled, and fp32 / bf16
+/ fp16 weights), products of rows grouped by expert (a decode token's slots, or the sorted
+rows of a few tokens) in one call each (cpu_kernels.c says how); the `cpu`, `cpu_int8` and
+`cpu_wo` backends use them for decode and calls of a few rows an expert. torch offers
 one int8 GEMM per expert (torch._int_mm): at one token each is a short weight stream with its
 own parallel region, and the CPU int8 backend's decode spent about 1.1 ms of 1.5 in 16 of
 them (E=64, k=8, H=1024, I=512 on a 2-core AVX-512 VNNI host); the kernel here streams the

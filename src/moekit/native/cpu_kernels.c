@@ -1,4 +1,5 @@
-/* moekit's native CPU kernels (compiled on first use by moekit/native/__init__.py).
+/* moekit's native CPU kernels (compiled on first use by moekit/native/__init__.py): int8,
+ * weight-only int4 / int8 and float products of rows grouped by expert.
  *
  * moekit_int8_gemm_segments: int8 products of rows grouped by expert, in one call,
  *
