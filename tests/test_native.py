@@ -109,6 +109,12 @@ def test_int8_gemm_quantizes_fp32_rows_as_quantize_activation(libs, isa, N, K, s
     expected = torch.empty_like(out)
     libs[isa].int8_gemm(w, experts, q, expected, starts)
     assert torch.equal(scales, s) and torch.equal(out, expected)
+    # rescaled in the kernel: (float(acc) * s_x) * s_w, as the backends do it in torch
+    w_scale = torch.rand(E, N, generator=g) + 0.5
+    rescaled = torch.empty(out.shape)
+    libs[isa].int8_gemm(w, experts, x, rescaled, starts, scales=torch.empty(R, 1), w_scale=w_scale)
+    s_rows = s if R == 1 else s.index_select(0, torch.arange(len(row_expert)))
+    assert torch.equal(rescaled, torch.mul(expected, s_rows).mul_(w_scale.index_select(0, row_expert)))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -181,10 +187,13 @@ def test_int8_gemm_bad_arguments_are_named(libs):
     x = torch.zeros(1, 16, dtype=torch.int8)
     out = torch.empty(2, 8, dtype=torch.int32)
     experts = torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="wants int8 w, int8 or fp32 x, int32 out; got torch.int8, torch.float64"):
+    with pytest.raises(TypeError, match=r"wants int8 w, int8 or fp32 x, int32 out \(fp32 with w_scale\); got torch.int8, "
+                                        "torch.float64"):
         lib.int8_gemm(w, experts, x.double(), out)
     with pytest.raises(ValueError, match="with fp32 x wants scales: a contiguous fp32 tensor of 1 values, got None"):
         lib.int8_gemm(w, experts, x.float(), out)
+    with pytest.raises(ValueError, match=r"w_scale must be a contiguous fp32 \[2, 8\] with fp32 x"):
+        lib.int8_gemm(w, experts, x, out.float(), w_scale=torch.ones(2, 8))
     with pytest.raises(TypeError, match="wants int64 experts and starts, got torch.int32"):
         lib.int8_gemm(w, experts.int(), x, out)
     with pytest.raises(ValueError, match="contiguous"):

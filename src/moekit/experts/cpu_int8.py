@@ -68,12 +68,13 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
         native_segments: (library, experts, starts, the expert of each row) to run the products
             in one call of moekit's native kernel; None: torch._int_mm per expert.
     """
-    acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
-    if native_segments is not None:  # rows quantized by the kernel, as quantize_activation does
-        lib, experts, starts, row_expert = native_segments
+    if native_segments is not None:  # quantized and rescaled in the kernel, the same values as below
+        lib, experts, starts, _ = native_segments
+        out = rows.new_empty((rows.shape[0], q_w.shape[1]), dtype=torch.float32)
         s_x = rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
-        lib.int8_gemm(q_w, experts, rows.float().contiguous(), acc, starts, scales=s_x, trusted=True)
-        return torch.mul(acc, s_x).mul_(s_w.index_select(0, row_expert))
+        return lib.int8_gemm(q_w, experts, rows.float().contiguous(), out, starts, scales=s_x, w_scale=s_w,
+                             trusted=True)
+    acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
     q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
     for e, a, b in sr_spans:  # exact int32
         if b - a <= SWAP_ROWS:
@@ -130,7 +131,8 @@ class CPUInt8Backend(ExpertsBackend):
 
     def _library(self, weights):
         """moekit's native library where this backend may use it for these weights, else None."""
-        if not (self.native_products and weights.w13.is_contiguous() and weights.w2.is_contiguous()):
+        tensors = (weights.w13, weights.w2, weights.scales["w13_scale"], weights.scales["w2_scale"])
+        if not (self.native_products and all(t.is_contiguous() for t in tensors)):
             return None
         return native.library()
 
@@ -139,12 +141,10 @@ class CPUInt8Backend(ExpertsBackend):
 
         At a few tokens a call is a weight stream plus many small operations: here a token's
         x is quantized once for its k experts, each GEMM's products over the token's n local
-        slots fill an [n, N] int32 accumulator (one native call, else one q_w q_x^T a slot),
-        and the scales, biases, activation and the quantization of GEMM2's inputs run once
-        over the n slots; each accumulator is rescaled by one int32 x fp32 multiply against the
-        combined scale s_w s_x. The same products as the sorted path, rescaled in another
-        order (within fp32 rounding); the weighted sum over the slots in slot order
-        (deterministic).
+        slots come from one native call (x quantized and the int32 products rescaled in it), else
+        one q_w q_x^T a slot into an [n, N] int32 accumulator; the scales, biases, activation and
+        the quantization of GEMM2's inputs run once over the n slots. The same values as the
+        sorted path; the weighted sum over the slots in slot order (deterministic).
         """
         s = weights.scales
         q13, q2 = weights.w13, weights.w2
@@ -156,28 +156,28 @@ class CPUInt8Backend(ExpertsBackend):
             rows = x[t:t + 1].float()
             if on_input:
                 rows = rows * w_t[:, None]  # [n, H]: each slot its own input
-            acc1 = torch.empty((n, q13.shape[1]), dtype=torch.int32)
-            if lib is not None:  # x quantized by the kernel (the same values as quantize_activation)
-                s_x = rows.new_empty((rows.shape[0], 1))
-                lib.int8_gemm(q13, e_idx, rows, acc1, scales=s_x, trusted=True)
+            if lib is not None:  # x quantized and the products rescaled by the kernel (the same values)
+                h = lib.int8_gemm(q13, e_idx, rows, rows.new_empty((n, q13.shape[1])),
+                                  scales=rows.new_empty((rows.shape[0], 1)), w_scale=s["w13_scale"], trusted=True)
             else:
                 q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
+                acc1 = torch.empty((n, q13.shape[1]), dtype=torch.int32)
                 cols = q_x.view(-1, H, 1).unbind(0)  # one column, or one a slot
                 for i, (e, acc) in enumerate(zip(es, acc1.view(n, -1, 1).unbind(0))):
                     torch._int_mm(q13[e], cols[i if on_input else 0], out=acc)
-            h = torch.mul(acc1, s["w13_scale"].index_select(0, e_idx).mul_(s_x))  # [n, 2I]
+                h = torch.mul(acc1, s_x).mul_(s["w13_scale"].index_select(0, e_idx))  # [n, 2I]
             if weights.b13 is not None:
                 h += weights.b13.index_select(0, e_idx).float()
             a = apply_activation(h, activation, activation_params).contiguous()  # [n, I] fp32
-            acc2 = torch.empty((n, H), dtype=torch.int32)
             if lib is not None:
-                s_a = a.new_empty((n, 1))
-                lib.int8_gemm(q2, e_idx, a, acc2, scales=s_a, trusted=True)
+                y = lib.int8_gemm(q2, e_idx, a, a.new_empty((n, H)), scales=a.new_empty((n, 1)),
+                                  w_scale=s["w2_scale"], trusted=True)
             else:
                 q_a, s_a = quantize_activation(a, _SCHEME)
+                acc2 = torch.empty((n, H), dtype=torch.int32)
                 for e, col, acc in zip(es, q_a.view(n, I, 1).unbind(0), acc2.view(n, H, 1).unbind(0)):
                     torch._int_mm(q2[e], col, out=acc)
-            y = torch.mul(acc2, s["w2_scale"].index_select(0, e_idx).mul_(s_a))  # [n, H]
+                y = torch.mul(acc2, s_a).mul_(s["w2_scale"].index_select(0, e_idx))  # [n, H]
             if weights.b2 is not None:
                 y += weights.b2.index_select(0, e_idx).float()
             if on_input:

@@ -58,7 +58,7 @@ class NativeLibrary:
 
     def int8_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
                   starts: Optional[torch.Tensor] = None, *, scales: Optional[torch.Tensor] = None,
-                  trusted: bool = False) -> torch.Tensor:
+                  w_scale: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
         """Exact int32 products of rows grouped by expert: out[j] = w[experts[s]] @ q_x[j] for the
         rows j of segment s.
 
@@ -67,16 +67,23 @@ class NativeLibrary:
             x: [R, K] rows (rows contiguous), or [1, K]: one row for every output row. int8:
                 q_x = x. fp32: quantized per row here exactly as quantize_activation does for
                 int8 per-token activations, each row's scale written to `scales` [R or 1, 1].
-            out: [R, N] int32, contiguous (written).
+            out: [R, N] int32, contiguous (written); or fp32 with fp32 x and `w_scale`: the
+                products rescaled as (float(acc) * s_x) * w_scale[e] (w_scale [E, N] fp32).
             starts: [S + 1] int64 row offsets of the segments (0 first, R last); None: S = R,
                 segment s is row s (a decode token's slots).
             trusted: skip reading experts' and starts' values (the caller built them from its
                 own expert ids and spans); shapes, dtypes and layouts are checked either way.
         """
         segs = self._segments(w, experts, x, out, starts, w.shape[2], "int8_gemm", trusted)
-        if w.dtype != torch.int8 or x.dtype not in (torch.int8, torch.float32) or out.dtype != torch.int32:
-            raise TypeError(f"int8_gemm wants int8 w, int8 or fp32 x, int32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
-        quantize = x.dtype == torch.float32
+        quantize, scaled = x.dtype == torch.float32, w_scale is not None
+        if (w.dtype != torch.int8 or x.dtype not in (torch.int8, torch.float32)
+                or out.dtype != (torch.float32 if scaled else torch.int32)):
+            raise TypeError(f"int8_gemm wants int8 w, int8 or fp32 x, int32 out (fp32 with w_scale); got {w.dtype}, "
+                            f"{x.dtype}, {out.dtype}")
+        if scaled and (not quantize or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()
+                       or tuple(w_scale.shape) != tuple(w.shape[:2])):
+            raise ValueError(f"int8_gemm: w_scale must be a contiguous fp32 [{w.shape[0]}, {w.shape[1]}] with fp32 x, "
+                             f"got {(w_scale.dtype, tuple(w_scale.shape))} with {x.dtype} x")
         if quantize and (scales is None or scales.dtype != torch.float32 or not scales.is_contiguous()
                          or scales.numel() != x.shape[0]):
             raise ValueError(f"int8_gemm with fp32 x wants scales: a contiguous fp32 tensor of {x.shape[0]} "
@@ -89,7 +96,9 @@ class NativeLibrary:
                                                  None if quantize else x.data_ptr(),
                                                  x.data_ptr() if quantize else None,
                                                  scales.data_ptr() if quantize else None, segs[2], w.shape[1],
-                                                 w.shape[2], out.data_ptr(), torch.get_num_threads())
+                                                 w.shape[2], None if scaled else out.data_ptr(),
+                                                 w_scale.data_ptr() if scaled else None,
+                                                 out.data_ptr() if scaled else None, torch.get_num_threads())
         if rc:
             raise MemoryError("int8_gemm could not allocate its scratch rows")
         return out
@@ -236,7 +245,7 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     f = lib.moekit_int8_gemm_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     f = lib.moekit_wo_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]

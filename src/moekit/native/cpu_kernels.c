@@ -151,11 +151,13 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_
     }
 }
 
-/* x_int8 (or, when x_f32 is given, x_f32 quantized per row into scales) against w.
- * Returns 0, or 1 when the scratch for the widened x cannot be allocated. */
+/* x_int8 (or, when x_f32 is given, x_f32 quantized per row into scales) against w, into out
+ * int32; or, with x_f32, w_scale [E, N] and out_f32, rescaled there as the backend does it:
+ * (float(acc) * s_x) * s_w. Returns 0, or 1 when the scratch for the widened x cannot be
+ * allocated. */
 int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int64_t *starts, int64_t segments,
                               const int8_t *x, const float *x_f32, float *scales, int64_t x_stride, int64_t N,
-                              int64_t K, int32_t *out, int threads) {
+                              int64_t K, int32_t *out, const float *w_scale, float *out_f32, int threads) {
     const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1;
     int16_t *x16 = (int16_t *)malloc((size_t)(x_rows * K) * sizeof(int16_t));
     if (x16 == NULL) return 1;
@@ -173,11 +175,25 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
         const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
         const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1);
         const int8_t *ws = w + experts[s] * N * K;
+        const float *sw = out_f32 ? w_scale + experts[s] * N : NULL;
         int64_t r = r0;
+        int32_t acc[4];
         for (; r + 4 <= r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
-            for (int64_t j = j0; j < j1; j++) rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), out + j * N + r);
+            for (int64_t j = j0; j < j1; j++) {
+                if (!out_f32) {
+                    rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), out + j * N + r);
+                    continue;
+                }
+                rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), acc);
+                const float sx = scales[x_stride ? j : 0];
+                for (int i = 0; i < 4; i++) out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
+            }
         for (; r < r1; r++)
-            for (int64_t j = j0; j < j1; j++) out[j * N + r] = row1(ws + r * K, K, x16 + (x_stride ? j * K : 0));
+            for (int64_t j = j0; j < j1; j++) {
+                const int32_t a = row1(ws + r * K, K, x16 + (x_stride ? j * K : 0));
+                if (out_f32) out_f32[j * N + r] = ((float)a * scales[x_stride ? j : 0]) * sw[r];
+                else out[j * N + r] = a;
+            }
     }
     free(x16);
     (void)threads;
@@ -202,6 +218,7 @@ typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_set1(float v) { return _mm512_set1_ps(v); }
 static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
 /* FSTEP consecutive bytes as floats: unsigned, signed; low and high nibbles of FSTEP bytes */
@@ -218,6 +235,7 @@ typedef __m256 vf;
 static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_set1(float v) { return _mm256_set1_ps(v); }
 static inline float vf_sum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -234,34 +252,85 @@ static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
 }
 #endif
 
-/* sum_k q[k] x[k] over one group of g weights of one row (q in the row's storage) */
-static inline float group_dot(int wtype, const uint8_t *q, const float *x, const float *xe, const float *xo, int64_t g) {
+/* One row's weight-only product: sum over groups of s * (sum_k q x - z * sum_k x). With
+ * vectors, each group's products stay in lanes, scaled there, and the row reduces once. */
+static inline float wo_row(int wtype, const uint8_t *q, const float *sc, const uint8_t *z, const float *x,
+                           const float *xe, const float *xo, const float *xs, int64_t K, int64_t g) {
+    const int64_t G = K / g;
+    float corr = 0.0f;
+    for (int64_t c = 0; c < G; c++) corr += sc[c] * (z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f)) * xs[c];
 #ifdef FSTEP
-    vf a = vf_zero(), b = vf_zero();
-    if (wtype == 0) {
-        for (int64_t j = 0; j < g / 2; j += FSTEP) {  /* FSTEP bytes: FSTEP even and FSTEP odd columns */
-            vf lo, hi;
-            vf_nibbles(q + j, &lo, &hi);
-            a = vf_fma(lo, vf_load(xe + j), a);
-            b = vf_fma(hi, vf_load(xo + j), b);
+    vf acc = vf_zero();
+    for (int64_t c = 0; c < G; c++) {
+        vf a = vf_zero(), b = vf_zero();
+        if (wtype == 0) {
+            const uint8_t *qc = q + c * g / 2;
+            const float *xec = xe + c * g / 2, *xoc = xo + c * g / 2;
+            for (int64_t j = 0; j < g / 2; j += FSTEP) {  /* FSTEP bytes: FSTEP even and FSTEP odd columns */
+                vf lo, hi;
+                vf_nibbles(qc + j, &lo, &hi);
+                a = vf_fma(lo, vf_load(xec + j), a);
+                b = vf_fma(hi, vf_load(xoc + j), b);
+            }
+        } else {
+            for (int64_t k = c * g; k < (c + 1) * g; k += 2 * FSTEP) {
+                a = vf_fma(wtype == 1 ? vf_s8(q + k) : vf_u8(q + k), vf_load(x + k), a);
+                b = vf_fma(wtype == 1 ? vf_s8(q + k + FSTEP) : vf_u8(q + k + FSTEP), vf_load(x + k + FSTEP), b);
+            }
         }
-    } else {
-        for (int64_t k = 0; k < g; k += 2 * FSTEP) {
-            a = vf_fma(wtype == 1 ? vf_s8(q + k) : vf_u8(q + k), vf_load(x + k), a);
-            b = vf_fma(wtype == 1 ? vf_s8(q + k + FSTEP) : vf_u8(q + k + FSTEP), vf_load(x + k + FSTEP), b);
-        }
+        acc = vf_fma(vf_add(a, b), vf_set1(sc[c]), acc);
     }
-    return vf_sum(a) + vf_sum(b);
+    return vf_sum(acc) - corr;
 #else
     float acc = 0.0f;
-    if (wtype == 0) {
-        for (int64_t j = 0; j < g / 2; j++) acc += (float)(q[j] & 15) * xe[j] + (float)(q[j] >> 4) * xo[j];
-    } else {
-        for (int64_t k = 0; k < g; k++) acc += (wtype == 1 ? (float)(int8_t)q[k] : (float)q[k]) * x[k];
+    for (int64_t c = 0; c < G; c++) {
+        float d = 0.0f;
+        if (wtype == 0) {
+            for (int64_t j = c * g / 2; j < (c + 1) * g / 2; j++) d += (float)(q[j] & 15) * xe[j] + (float)(q[j] >> 4) * xo[j];
+        } else {
+            for (int64_t k = c * g; k < (c + 1) * g; k++) d += (wtype == 1 ? (float)(int8_t)q[k] : (float)q[k]) * x[k];
+        }
+        acc += sc[c] * d;
     }
-    return acc;
+    return acc - corr;
 #endif
 }
+
+#ifdef FSTEP
+/* wo_row for four consecutive rows at once (row stride row_bytes, G scales a row): four
+ * independent accumulator chains hide the FMA latency, and x's lanes load once for four rows. */
+static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
+                            const float *x, const float *xe, const float *xo, const float *xs, int64_t K, int64_t g,
+                            float *out) {
+    const int64_t G = K / g;
+    vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+    float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < 4; r++)
+        for (int64_t c = 0; c < G; c++)
+            corr[r] += sc[r * G + c] * (z ? (float)z[r * G + c] : (wtype == 0 ? 8.0f : 0.0f)) * xs[c];
+    for (int64_t c = 0; c < G; c++) {
+        vf a[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        if (wtype == 0) {
+            for (int64_t j = c * g / 2; j < (c + 1) * g / 2; j += FSTEP) {
+                const vf xev = vf_load(xe + j), xov = vf_load(xo + j);
+                for (int r = 0; r < 4; r++) {
+                    vf lo, hi;
+                    vf_nibbles(q + r * row_bytes + j, &lo, &hi);
+                    a[r] = vf_fma(hi, xov, vf_fma(lo, xev, a[r]));
+                }
+            }
+        } else {
+            for (int64_t k = c * g; k < (c + 1) * g; k += FSTEP) {
+                const vf xv = vf_load(x + k);
+                for (int r = 0; r < 4; r++)
+                    a[r] = vf_fma(wtype == 1 ? vf_s8(q + r * row_bytes + k) : vf_u8(q + r * row_bytes + k), xv, a[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++) acc[r] = vf_fma(a[r], vf_set1(sc[r * G + c]), acc[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r] = vf_sum(acc[r]) - corr[r];
+}
+#endif
 
 /* Returns 0, 1 when the scratch cannot be allocated, 2 for a bad wtype or g. */
 int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
@@ -291,23 +360,25 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
         const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
         const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
         const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1), e = experts[s];
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+#ifdef FSTEP
+        for (; r + 4 <= r1; r += 4) {
+            const uint8_t *q = w + (e * N + r) * row_bytes;
+            for (int64_t b = 0; b < 4 * row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
+            for (int64_t j = j0; j < j1; j++) {  /* the four weight rows stay in L1 across the segment's x rows */
+                const float *xe = scratch + (x_stride ? j : 0) * per_x;
+                wo_rows4(wtype, q, row_bytes, scale + (e * N + r) * G, zero ? zero + (e * N + r) * G : NULL,
+                         x + (x_stride ? j * x_stride : 0), xe, xe + K / 2, xe + K, K, g, out + j * N + r);
+            }
+        }
+#endif
+        for (; r < r1; r++) {
             const uint8_t *q = w + (e * N + r) * row_bytes;
             const float *sc = scale + (e * N + r) * G;
             const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
-#ifdef STEP
-            for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
-#endif
-            for (int64_t j = j0; j < j1; j++) {  /* the weight row stays in L1 across the segment's x rows */
-                const float *xj = x + (x_stride ? j * x_stride : 0);
-                const float *xe = scratch + (x_stride ? j : 0) * per_x, *xo = xe + K / 2, *xs = xe + K;
-                float acc = 0.0f;
-                for (int64_t c = 0; c < G; c++) {
-                    const float zc = z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f);
-                    const int64_t qoff = wtype == 0 ? c * g / 2 : c * g;
-                    acc += sc[c] * (group_dot(wtype, q + qoff, xj + c * g, xe + c * g / 2, xo + c * g / 2, g) - zc * xs[c]);
-                }
-                out[j * N + r] = acc;
+            for (int64_t j = j0; j < j1; j++) {
+                const float *xe = scratch + (x_stride ? j : 0) * per_x;
+                out[j * N + r] = wo_row(wtype, q, sc, z, x + (x_stride ? j * x_stride : 0), xe, xe + K / 2, xe + K, K, g);
             }
         }
     }
