@@ -15,9 +15,10 @@ path here.
 
 Decode (at most DIRECT_ASSIGNMENTS assignments) runs each token's products over its k experts
 in one call of moekit's native kernel where it is available (moekit.native: compiled on first
-use for this CPU; the same exact int32 products, 1.4x faster than k calls of torch._int_mm at
-E=64, k=8, H=1024, I=512 on the host above), else through torch._int_mm; so do sorted calls
-of up to NATIVE_ROWS rows an expert.
+use for this CPU; x quantized and the exact int32 products rescaled inside it, the same values
+as the torch path: a decode step 1.1 ms against 2.2 through torch._int_mm at E=64, k=8,
+H=1024, I=512 on the host above), else through torch._int_mm; so do sorted calls of up to
+NATIVE_ROWS rows an expert.
 
 Accumulation is exact for K * 127 * 127 < 2^31 (K < 133,000), checked in `unsupported`.
 Supports: CPU, fp32/bf16/fp16 activations, every activation, biases, expert_map, weights
