@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import rel_err
+from conftest import random_expert_map, rel_err
 from moekit import native, quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
@@ -257,12 +257,8 @@ def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, 
     extra = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen)) if bias else {}
     w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
                          torch.randn(E, H, I, generator=gen) * I ** -0.5, "int8_w8a8", **extra)
-    emap = None
-    E_ids = E
-    if use_map:
-        E_ids = 2 * E
-        emap = torch.full((E_ids,), -1, dtype=torch.int32)
-        emap[torch.randperm(E_ids, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    emap = random_expert_map(E, E if use_map else 0, gen)
+    E_ids = E if emap is None else emap.numel()
     x = torch.randn(T, H, generator=gen, dtype=torch.bfloat16)
     ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
     tw = torch.rand(T, k, generator=gen)
@@ -294,12 +290,8 @@ def test_cpu_backend_with_and_without_native_products(dtype, T, k, on_input, bia
                       (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype),
                       torch.randn(E, 2 * I, generator=gen).to(dtype) if bias else None,
                       torch.randn(E, H, generator=gen).to(dtype) if bias else None)
-    emap = None
-    E_ids = E
-    if use_map:
-        E_ids = 2 * E
-        emap = torch.full((E_ids,), -1, dtype=torch.int32)
-        emap[torch.randperm(E_ids, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    emap = random_expert_map(E, E if use_map else 0, gen)
+    E_ids = E if emap is None else emap.numel()
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
     tw = torch.rand(T, k, generator=gen)

@@ -36,7 +36,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, sort_rows, span_segments, token_slots, unsort_rows
+from .common import add_bias_by_span, decode_by_token, sort_rows, span_segments, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "SWAP_ROWS"]
 
@@ -138,54 +138,30 @@ class CPUInt8Backend(ExpertsBackend):
         return native.library()
 
     def _direct(self, x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
-        """Decode path, token by token: [T, H] fp32.
+        """Decode path, token by token (common.decode_by_token): [T, H] fp32.
 
-        At a few tokens a call is a weight stream plus many small operations: here a token's
-        x is quantized once for its k experts, each GEMM's products over the token's n local
-        slots come from one native call (x quantized and the int32 products rescaled in it), else
-        one q_w q_x^T a slot into an [n, N] int32 accumulator; the scales, biases, activation and
-        the quantization of GEMM2's inputs run once over the n slots. The same values as the
-        sorted path; the weighted sum over the slots in slot order (deterministic).
+        At a few tokens a call is a weight stream plus many small operations: here each GEMM's
+        products over a token's n local slots come from one native call (x quantized and the
+        int32 products rescaled in it), else from one q_w q_x^T a slot into an [n, N] int32
+        accumulator, and the biases, activation and GEMM2's input run once over the n slots.
+        The same values either way, and as the sorted path.
         """
-        s = weights.scales
-        q13, q2 = weights.w13, weights.w2
-        H, I = q2.shape[1], q2.shape[2]
         lib = self._library(weights)
-        out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
-        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
-            n = len(es)
-            rows = x[t:t + 1].float()
-            if on_input:
-                rows = rows * w_t[:, None]  # [n, H]: each slot its own input
-            if lib is not None:  # x quantized and the products rescaled by the kernel (the same values)
-                h = lib.int8_gemm(q13, e_idx, rows, rows.new_empty((n, q13.shape[1])),
-                                  scales=rows.new_empty((rows.shape[0], 1)), w_scale=s["w13_scale"], trusted=True)
-            else:
-                q_x, s_x = quantize_activation(rows, _SCHEME)  # [1 or n, H], [1 or n, 1]
-                acc1 = torch.empty((n, q13.shape[1]), dtype=torch.int32)
-                cols = q_x.view(-1, H, 1).unbind(0)  # one column, or one a slot
-                for i, (e, acc) in enumerate(zip(es, acc1.view(n, -1, 1).unbind(0))):
-                    torch._int_mm(q13[e], cols[i if on_input else 0], out=acc)
-                h = torch.mul(acc1, s_x).mul_(s["w13_scale"].index_select(0, e_idx))  # [n, 2I]
-            if weights.b13 is not None:
-                h += weights.b13.index_select(0, e_idx).float()
-            a = apply_activation(h, activation, activation_params).contiguous()  # [n, I] fp32
+
+        def products(name, rows, es, e_idx, out):  # rows [1 or n, K] fp32 -> out [n, N] fp32
+            w, s_w = getattr(weights, name), weights.scales[f"{name}_scale"]
             if lib is not None:
-                y = lib.int8_gemm(q2, e_idx, a, a.new_empty((n, H)), scales=a.new_empty((n, 1)),
-                                  w_scale=s["w2_scale"], trusted=True)
-            else:
-                q_a, s_a = quantize_activation(a, _SCHEME)
-                acc2 = torch.empty((n, H), dtype=torch.int32)
-                for e, col, acc in zip(es, q_a.view(n, I, 1).unbind(0), acc2.view(n, H, 1).unbind(0)):
-                    torch._int_mm(q2[e], col, out=acc)
-                y = torch.mul(acc2, s_a).mul_(s["w2_scale"].index_select(0, e_idx))  # [n, H]
-            if weights.b2 is not None:
-                y += weights.b2.index_select(0, e_idx).float()
-            if on_input:
-                torch.sum(y, dim=0, keepdim=True, out=out[t:t + 1])
-            else:
-                torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
-        return out
+                return lib.int8_gemm(w, e_idx, rows, out, scales=rows.new_empty((rows.shape[0], 1)), w_scale=s_w,
+                                     trusted=True)
+            q, s_x = quantize_activation(rows, _SCHEME)
+            acc = torch.empty(out.shape, dtype=torch.int32)
+            cols = q.view(-1, q.shape[1], 1).unbind(0)  # one column, or one a slot
+            for i, (e, a) in enumerate(zip(es, acc.view(len(es), -1, 1).unbind(0))):
+                torch._int_mm(w[e], cols[i if len(cols) > 1 else 0], out=a)
+            return torch.mul(acc, s_x, out=out).mul_(s_w.index_select(0, e_idx))
+
+        return decode_by_token(products, torch.float32, x, weights, topk_weights, topk_ids, activation,
+                               activation_params, on_input, expert_map)
 
 
 register_backend(CPUInt8Backend())

@@ -127,6 +127,19 @@ static inline int32_t row1(const int8_t *w, int64_t K, const int16_t *x) { retur
 /* Rows of segment s: [starts[s], starts[s + 1]), or the one row s when starts is NULL. */
 static inline int64_t seg_begin(const int64_t *starts, int64_t s) { return starts ? starts[s] : s; }
 
+/* Work item `item` of a kernel's parallel loop (blocks of ROWS weight rows per segment): its
+ * segment s, weight rows [r0, r1) and x / output rows [j0, j1). */
+typedef struct { int64_t s, r0, r1, j0, j1; } work_item;
+static inline work_item item_of(int64_t item, int64_t blocks, const int64_t *starts, int64_t N) {
+    work_item it;
+    it.s = item / blocks;
+    it.r0 = (item % blocks) * ROWS;
+    it.r1 = it.r0 + ROWS < N ? it.r0 + ROWS : N;
+    it.j0 = seg_begin(starts, it.s);
+    it.j1 = seg_begin(starts, it.s + 1);
+    return it;
+}
+
 /* x_f32 [rows, K] fp32 -> x16 int16 values of the int8 quantization per row, as
  * moekit.quant.quantize_activation's "token" granularity does it: s = amax / 127 (1 where that
  * is not > 0), q = round half to even (x / s), clamped to [-127, 127]; scales[j] = s. */
@@ -171,9 +184,8 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
     for (int64_t item = 0; item < segments * blocks; item++) {
-        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
-        const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
-        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1);
+        const work_item it = item_of(item, blocks, starts, N);
+        const int64_t s = it.s, r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1;
         const int8_t *ws = w + experts[s] * N * K;
         const float *sw = out_f32 ? w_scale + experts[s] * N : NULL;
         int64_t r = r0;
@@ -357,9 +369,8 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
     for (int64_t item = 0; item < segments * blocks; item++) {
-        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
-        const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
-        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1), e = experts[s];
+        const work_item it = item_of(item, blocks, starts, N);
+        const int64_t r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1, e = experts[it.s];
         int64_t r = r0;
 #ifdef FSTEP
         for (; r + 4 <= r1; r += 4) {
@@ -488,10 +499,9 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
     for (int64_t item = 0; item < segments * blocks; item++) {
-        const int64_t s = item / blocks, r0 = (item % blocks) * ROWS;
-        const int64_t r1 = r0 + ROWS < N ? r0 + ROWS : N;
-        const int64_t j0 = seg_begin(starts, s), j1 = seg_begin(starts, s + 1);
-        const char *ws = (const char *)w + experts[s] * N * row_bytes;
+        const work_item it = item_of(item, blocks, starts, N);
+        const int64_t r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1;
+        const char *ws = (const char *)w + experts[it.s] * N * row_bytes;
         int64_t r = r0;
         for (; r + 4 <= r1; r += 4)
             for (int64_t j = j0; j < j1; j++)
