@@ -329,3 +329,29 @@ def test_every_fp16_value_widens_exactly(libs, isa):
     expected = w.view(1, -1).float()
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("emulated, expected", [(False, False), (True, True)])
+def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, expected, gen):
+    """8 rows an expert of bf16: torch's products where bf16 is native, the native kernel where
+    it is emulated (NATIVE_ROWS / NATIVE_ROWS_EMULATED)."""
+    from moekit.experts import cpu
+    from moekit.experts.base import ExpertWeights
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32} if emulated else
+                                                                  {torch.float32, torch.bfloat16}))
+    calls = []
+    real = cpu.CPUBackend._native_sorted
+    monkeypatch.setattr(cpu.CPUBackend, "_native_sorted", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    E, H, I, T, k = 4, 64, 32, 16, 2  # 8 rows an expert
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    assert bool(calls) is expected
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2

@@ -59,7 +59,10 @@ DIRECT_ASSIGNMENTS = 16
 # moekit's native kernel (moekit.native: fp32 accumulation), by weight dtype. Measured on the
 # 2-core AVX-512 BF16 host at E=64, k=8, H=1024, I=512 (bench/NOTES-cpu.md): bf16 1.1x torch's
 # swapped bf16 products at 4 rows, 0.78x at 8; fp32 1.2x at 8 and 16; fp16 1.1-1.8x up to 16.
+# Where bf16 is emulated (the same host under AVX2 caps) the native kernel won 1.4-2.2x up to
+# 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED).
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
+NATIVE_ROWS_EMULATED = 16
 
 # Rows of one expert up to which bf16 GEMMs take the weight w [N, K] as the left operand:
 # SWAP_ROWS, or twice that where K <= N. Measured on AVX-512 BF16 / AMX with 2 threads
@@ -192,7 +195,7 @@ class CPUBackend(ExpertsBackend):
             return decode_by_token(self._native_products(lib, weights), torch.float32, x, weights, topk_weights,
                                    topk_ids, activation, activation_params, apply_router_weight_on_input,
                                    expert_map)
-        rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0)
+        rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0) if native else NATIVE_ROWS_EMULATED
         if lib is not None and T * k <= rows_limit * min(E, T * k):
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.float32)
             if sr.rows.shape[0] <= rows_limit * len(sr.spans):
