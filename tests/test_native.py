@@ -227,7 +227,7 @@ def test_missing_compiler_and_switch_off_give_reasons(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEKIT_NATIVE", "0")
     native.reset()
     try:
-        assert native.library() is None
+        assert native.load() is None
         assert native.status() == "unavailable: turned off by MOEKIT_NATIVE=0"
     finally:
         native.reset()
@@ -251,7 +251,7 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
     """Decode and sorted calls: the same exact int32 products either way, rescaled in the same
     order, so the same output bits; and the reference's bound."""
-    if native.library() is None:
+    if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
     E, H, I = 16, 96, 48  # H, I not multiples of the vector width
     extra = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen)) if bias else {}
@@ -283,7 +283,7 @@ def test_cpu_backend_with_and_without_native_products(dtype, T, k, on_input, bia
     from moekit.experts.base import ExpertWeights
     from moekit.experts.cpu import CPUBackend
 
-    if native.library() is None:
+    if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
     E, H, I = 16, 72, 40  # rows and K not multiples of the vector width
     w = ExpertWeights((torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(dtype),
@@ -317,7 +317,7 @@ def test_cpu_backend_keeps_torch_paths_when_a_gradient_is_needed(gen):
     out.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     with torch.no_grad():
-        assert CPUBackend()._native_library(x, w, tw) is native.library()
+        assert CPUBackend()._native_library(x, w, tw) is native.load()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -338,7 +338,7 @@ def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, ex
     from moekit.experts import cpu
     from moekit.experts.base import ExpertWeights
 
-    if native.library() is None:
+    if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32} if emulated else
                                                                   {torch.float32, torch.bfloat16}))

@@ -232,7 +232,7 @@ class CPUBackend(ExpertsBackend):
         tensors = (x, w13, w2, weights.b13, weights.b2, topk_weights)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
             return None
-        return native.library()
+        return native.load()
 
     @staticmethod
     def _native_products(lib, weights):

@@ -135,7 +135,7 @@ class CPUInt8Backend(ExpertsBackend):
         tensors = (weights.w13, weights.w2, weights.scales["w13_scale"], weights.scales["w2_scale"])
         if not (self.native_products and all(t.is_contiguous() for t in tensors)):
             return None
-        return native.library()
+        return native.load()
 
     def _direct(self, x, weights, topk_weights, topk_ids, activation, activation_params, on_input, expert_map):
         """Decode path, token by token (common.decode_by_token): [T, H] fp32.

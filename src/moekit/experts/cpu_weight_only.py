@@ -168,7 +168,7 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         if not self.native_products or scheme.group_size % 32:
             return None
         tensors = (weights.w13, weights.w2, *weights.scales.values())
-        return native.library() if all(t.is_contiguous() for t in tensors) else None
+        return native.load() if all(t.is_contiguous() for t in tensors) else None
 
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map):

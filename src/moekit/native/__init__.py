@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FAST_ISAS", "NativeLibrary", "build", "library", "reset", "status"]
+__all__ = ["FAST_ISAS", "NativeLibrary", "build", "load", "reset", "status"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
@@ -259,7 +259,7 @@ _LIBRARY: Optional[NativeLibrary] = None
 _REASON: Optional[str] = None
 
 
-def library() -> Optional[NativeLibrary]:
+def load() -> Optional[NativeLibrary]:
     """The kernels for this CPU, built on first call; None when unavailable (`status()` says why)."""
     global _LIBRARY, _REASON
     if _LIBRARY is None and _REASON is None:
@@ -282,7 +282,7 @@ def library() -> Optional[NativeLibrary]:
 
 def status() -> str:
     """One line: which native kernels run here, or why none do."""
-    lib = library()
+    lib = load()
     if lib is None:
         return f"unavailable: {_REASON}"
     return f"available ({lib.isa}, OpenMP): {lib.path}"
