@@ -198,6 +198,10 @@ def test_int8_gemm_bad_arguments_are_named(libs):
         lib.int8_gemm(w, experts.int(), x, out)
     with pytest.raises(ValueError, match="contiguous"):
         lib.int8_gemm(w.transpose(1, 2).contiguous().transpose(1, 2), experts, x, out)
+    with pytest.raises(ValueError, match="contiguous"):  # one x row, but strided along K
+        lib.int8_gemm(w, experts, torch.zeros(16, 2, dtype=torch.int8)[:, :1].t(), out)
+    with pytest.raises(TypeError, match="int32 out"):  # the type is checked before anything is written
+        lib.int8_gemm(w, torch.zeros(0, dtype=torch.long), x, torch.empty(0, 8, dtype=torch.int16))
     with pytest.raises(ValueError, match=r"w \(2, 8, 16\), 2 experts, no starts, x \(1, 15\), out \(2, 8\) do not"):
         lib.int8_gemm(w, experts, x[:, :15].contiguous(), out)
     with pytest.raises(ValueError, match="do not fit"):

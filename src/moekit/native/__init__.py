@@ -74,7 +74,6 @@ class NativeLibrary:
             trusted: skip reading experts' and starts' values (the caller built them from its
                 own expert ids and spans); shapes, dtypes and layouts are checked either way.
         """
-        segs = self._segments(w, experts, x, out, starts, w.shape[2], "int8_gemm", trusted)
         quantize, scaled = x.dtype == torch.float32, w_scale is not None
         if (w.dtype != torch.int8 or x.dtype not in (torch.int8, torch.float32)
                 or out.dtype != (torch.float32 if scaled else torch.int32)):
@@ -88,6 +87,7 @@ class NativeLibrary:
                          or scales.numel() != x.shape[0]):
             raise ValueError(f"int8_gemm with fp32 x wants scales: a contiguous fp32 tensor of {x.shape[0]} "
                              f"values, got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+        segs = self._segments(w, experts, x, out, starts, w.shape[2], "int8_gemm", trusted)
         if segs is None:
             if quantize and x.shape[0]:  # nothing to multiply; the scales still come back
                 scales.copy_(_row_scales(x).view_as(scales))
@@ -116,7 +116,6 @@ class NativeLibrary:
             group_size: g, a multiple of 32 dividing K.
         """
         K = w.shape[2] * (2 if int4 else 1)
-        segs = self._segments(w, experts, x, out, starts, K, "wo_gemm", trusted)
         if (w.dtype not in (torch.int8, torch.uint8) or (int4 and w.dtype != torch.uint8)
                 or (x.dtype, out.dtype, scale.dtype) != (torch.float32,) * 3
                 or (zero is not None and zero.dtype != torch.uint8)):
@@ -133,6 +132,7 @@ class NativeLibrary:
                              f" must be [{E}, {N}, {K // group_size}] for w {tuple(w.shape)} and g={group_size}")
         if not (scale.is_contiguous() and (zero is None or zero.is_contiguous())):
             raise ValueError("wo_gemm wants contiguous scale and zero")
+        segs = self._segments(w, experts, x, out, starts, K, "wo_gemm", trusted)
         if segs is not None:
             rc = self._lib.moekit_wo_gemm_segments(wtype, w.data_ptr(), scale.data_ptr(),
                                                    None if zero is None else zero.data_ptr(), experts.data_ptr(),
@@ -150,11 +150,11 @@ class NativeLibrary:
             w: [E, N, K] fp32, bf16 or fp16, contiguous.  x: [R or 1, K] fp32.  out: [R, N] fp32.
             experts, starts, trusted: as in `int8_gemm`.
         """
-        segs = self._segments(w, experts, x, out, starts, w.shape[2], "float_gemm", trusted)
         wtype = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(w.dtype)
         if wtype is None or (x.dtype, out.dtype) != (torch.float32, torch.float32):
             raise TypeError(f"float_gemm wants fp32 / bf16 / fp16 w, fp32 x and out; got {w.dtype}, {x.dtype}, "
                             f"{out.dtype}")
+        segs = self._segments(w, experts, x, out, starts, w.shape[2], "float_gemm", trusted)
         if segs is not None:
             self._lib.moekit_float_gemm_segments(wtype, w.data_ptr(), experts.data_ptr(), segs[0], segs[1],
                                                  x.data_ptr(), segs[2], w.shape[1], w.shape[2], out.data_ptr(),
@@ -169,7 +169,7 @@ class NativeLibrary:
             raise TypeError(f"{what} wants int64 experts and starts, got {experts.dtype}, "
                             f"{None if starts is None else starts.dtype}")
         tensors = (w, experts, out) + (() if starts is None else (starts,))
-        if not all(t.is_contiguous() for t in tensors) or x.dim() != 2 or (x.shape[0] > 1 and x.stride(-1) != 1):
+        if not all(t.is_contiguous() for t in tensors) or x.dim() != 2 or (x.shape[-1] > 1 and x.stride(-1) != 1):
             raise ValueError(f"{what} wants contiguous w, experts, starts, out and x rows")
         S, R, N = experts.shape[0], out.shape[0], w.shape[1]
         fits = (x.shape[-1] == K and x.shape[0] in (1, R) and tuple(out.shape) == (R, N)
