@@ -119,10 +119,10 @@ def unsort_rows(y: torch.Tensor, sr: SortedRows, T: int, k: int, apply_router_we
 
 
 def span_segments(spans):
-    """(experts [S] int64, starts [S + 1] int64, the expert of each row [n] int64) of sort_rows' spans."""
+    """(experts [S] int64, starts [S + 1] int64) of sort_rows' spans: the native kernels' segments."""
     experts = torch.tensor([e for e, _, _ in spans], dtype=torch.long)
     starts = torch.tensor([0] + [b for _, _, b in spans], dtype=torch.long)
-    return experts, starts, torch.repeat_interleave(experts, starts.diff())
+    return experts, starts
 
 
 def add_bias_by_span(h: torch.Tensor, bias: Optional[torch.Tensor], spans) -> torch.Tensor:

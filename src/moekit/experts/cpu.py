@@ -245,7 +245,7 @@ class CPUBackend(ExpertsBackend):
     @staticmethod
     def _native_sorted(lib, sr, weights, T, k, activation, activation_params, on_input):
         """Sorted rows of a few tokens: each GEMM in one call of moekit's native kernel, fp32 out."""
-        experts, starts, _ = span_segments(sr.spans)
+        experts, starts = span_segments(sr.spans)
         h = lib.float_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((sr.rows.shape[0], weights.w13.shape[1])),
                            starts, trusted=True)
         a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation, activation_params).contiguous()

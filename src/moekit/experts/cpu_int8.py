@@ -66,11 +66,11 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
     Args:
         q_w: [E, N, K] int8 weights.  s_w: [E, N] fp32 per-channel scales.
         sr_spans: (e, start, end) row ranges per expert.
-        native_segments: (library, experts, starts, the expert of each row) to run the products
+        native_segments: (library, experts, starts) to run the products
             in one call of moekit's native kernel; None: torch._int_mm per expert.
     """
     if native_segments is not None:  # quantized and rescaled in the kernel, the same values as below
-        lib, experts, starts, _ = native_segments
+        lib, experts, starts = native_segments
         out = rows.new_empty((rows.shape[0], q_w.shape[1]), dtype=torch.float32)
         s_x = rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
         return lib.int8_gemm(q_w, experts, rows.float().contiguous(), out, starts, scales=s_x, w_scale=s_w,

@@ -227,7 +227,7 @@ class CPUWeightOnlyBackend(ExpertsBackend):
     def _native_linear(lib, weights, scheme, segments):
         """(rows [n, K] fp32, projection name, spans) -> [n, N] fp32 in one call of moekit's native kernel."""
         s, int4, g = weights.scales, scheme.weight_dtype == "int4", scheme.group_size
-        experts, starts, _ = segments
+        experts, starts = segments
 
         def linear(rows: torch.Tensor, name: str, spans) -> torch.Tensor:
             w = getattr(weights, name)
