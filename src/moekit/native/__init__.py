@@ -12,8 +12,9 @@ same weights in 0.8 ms (bench/NOTES-cpu.md).
 How: cpu_kernels.c ships with the package. On first use it is compiled for this CPU
 (`-O3 -march=native -fopenmp`) with $CC, else cc, gcc or clang, into $MOEKIT_CACHE_DIR
 (default ~/.cache/moekit) under a name keyed by the source, compiler and flags, and loaded
-with ctypes; OpenMP binds to the runtime torch already loaded (same soname), so the kernel
-and torch share one thread pool. x86-64 Linux only. Anything that fails (no compiler, no
+with ctypes; with GNU OpenMP (the runtime torch's pip wheels ship) the kernel binds to the
+libgomp torch already loaded (same soname), so the kernel and torch share one thread pool; a
+torch on another OpenMP runtime gets a second pool of the same size. x86-64 Linux only. Anything that fails (no compiler, no
 OpenMP, no AVX2) leaves the kernels unavailable with the reason (`status()`, shown by
 `moekit info`), and the backends keep torch's operators. MOEKIT_NATIVE=0 turns them off.
 """
