@@ -359,3 +359,26 @@ def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, ex
     out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
     assert bool(calls) is expected
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
+
+
+def test_cpu_backend_skewed_routing_falls_back_on_the_sorted_rows(monkeypatch, gen):
+    """Few tokens whose assignments crowd two experts: past the native rows limit once sorted,
+    so the torch products run on the rows sorted for the native kernel (no second sort)."""
+    from moekit.experts import cpu
+    from moekit.experts.base import ExpertWeights
+
+    if native.load() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    sorts = []
+    real = cpu.sort_rows
+    monkeypatch.setattr(cpu, "sort_rows", lambda *a: sorts.append(a[-1]) or real(*a))
+    E, H, I, T, k = 16, 64, 32, 10, 2
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.tensor([[3, 7]] * T, dtype=torch.int32)  # 10 rows each for experts 3 and 7
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=True,
+              expert_map=None)
+    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    assert sorts == [torch.float32]
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2

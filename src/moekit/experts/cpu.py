@@ -196,6 +196,7 @@ class CPUBackend(ExpertsBackend):
                                    topk_ids, activation, activation_params, apply_router_weight_on_input,
                                    expert_map)
         rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0) if native else NATIVE_ROWS_EMULATED
+        sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.float32)
             if sr.rows.shape[0] <= rows_limit * len(sr.spans):
@@ -214,7 +215,10 @@ class CPUBackend(ExpertsBackend):
                                   apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map)
         ib = I if native else _block_size(H, I, gated)
         cdt = weights.w13.dtype if native else torch.float32  # compute dtype
-        sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, cdt)
+        if sr is None:
+            sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, cdt)
+        else:  # the same rows: sort_rows rounds fp32 rows to the compute dtype last too
+            sr = sr._replace(rows=sr.rows.to(cdt))
         y = sr.rows.new_empty((T * k, H), dtype=torch.float32)  # [T*k, H]: local rows, then zeros
         y[sr.rows.shape[0]:].zero_()
         for e, start, end in sr.spans:
