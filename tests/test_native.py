@@ -124,9 +124,11 @@ def test_int8_gemm_quantizes_fp32_rows_as_quantize_activation(libs, isa, N, K, s
        sizes=st.one_of(st.none(), segment_sizes), n=st.integers(0, 9), shared=st.booleans(),
        seed=st.integers(0, 2 ** 31 - 1))
 def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, E, N, groups, sizes, n, shared, seed):
-    """fp32 products from int4 / int8 group-quantized weights (with or without zero points) equal
+    """Products from int4 / int8 group-quantized weights (with or without zero points) equal
     x @ dequantized w^T up to fp32 summation order: within K * 2^-23 of the sum of the
-    magnitudes the kernel adds (s |q| |x| and s |z| |x|, q = (q - z) + z)."""
+    magnitudes the kernel adds (s |q| |x| and s |z| |x|, q = (q - z) + z); where the VNNI
+    products run, plus x's rounding to 16-bit fixed point: 2^-14 max|x| of each group times
+    the group's sum |w|."""
     gen = torch.Generator().manual_seed(seed)
     scheme = get_scheme(name, group_size=g, symmetric=symmetric)
     K = g * groups
@@ -136,15 +138,73 @@ def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, 
     R = len(row_expert)
     x = torch.randn(1 if shared else R, K, generator=gen)
     out = torch.full((R, N), float("nan"))
-    libs[isa].wo_gemm(q.q, q.scale, q.zero, experts, x, out, int4=name.startswith("int4"), group_size=g,
-                      starts=starts)
-    z = q.zero.float() if q.zero is not None else torch.full_like(q.scale, 8.0 if name.startswith("int4") else 0.0)
+    int4 = name.startswith("int4")
+    libs[isa].wo_gemm(q.q, q.scale, q.zero, experts, x, out, int4=int4, group_size=g, starts=starts)
+    vnni = _vnni_products(libs[isa], int4, K, g)
+    z = q.zero.float() if q.zero is not None else torch.full_like(q.scale, 8.0 if int4 else (128.0 if vnni else 0.0))
     sz = (q.scale * z).repeat_interleave(g, dim=2)  # [E, N, K]
     for j, e in enumerate(row_expert.tolist()):
         xj = x[j if x.shape[0] > 1 else 0].double()
         ref = w[e].double() @ xj
         bound = K * 2.0 ** -23 * ((w[e].double().abs() + 2 * sz[e].double()) @ xj.abs())
+        if vnni:
+            amax = xj.abs().view(-1, g).amax(dim=1).repeat_interleave(g)
+            bound += w[e].double().abs() @ (amax * 2.0 ** -14)
         assert ((out[j].double() - ref).abs() <= bound + 1e-30).all()
+
+
+def _vnni_products(lib, int4: bool, K: int, g: int) -> bool:
+    """Whether wo_gemm takes its VNNI products (x in fixed point) for this build and shape."""
+    C = 128 if int4 else 64
+    return lib.isa == "avx512_vnni" and K % C == 0 and (g % C == 0 or C % g == 0)
+
+
+def _fixed_point(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x rounded as the VNNI products round it: per group of g columns, to the step 2^e with
+    e = E - 14, max|x| < 2^E (frexp), half to even."""
+    amax = x.abs().view(x.shape[0], -1, g).amax(dim=2, keepdim=True)
+    step = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - 14)
+    step = torch.where(amax > 0, step, torch.ones_like(step))
+    return (torch.round(x.view(x.shape[0], -1, g) / step) * step).view_as(x)
+
+
+@pytest.mark.skipif("avx512_vnni" not in _cpu_flags(), reason="VNNI products need AVX-512 VNNI")
+@pytest.mark.parametrize("name, symmetric, g, K", [
+    ("int4_w4a16", True, 128, 256), ("int4_w4a16", False, 32, 256), ("int4_w4a16", True, 64, 384),
+    ("int8_w8a16", True, 64, 192), ("int8_w8a16", False, 32, 128), ("int8_w8a16", True, 128, 256),
+])
+def test_wo_gemm_vnni_rounds_x_to_the_documented_fixed_point(libs, name, symmetric, g, K, gen):
+    """The VNNI products equal dequantized w @ x rounded to the fixed point (not just close to
+    x @ w): within fp32 summation error of the rounded x; rows that cannot take fixed point
+    (inf, nan, maxima below 2^-100) take the fp32 path in the same call, and a zero row gives 0."""
+    lib = libs["native"]
+    assert lib.isa == "avx512_vnni"
+    scheme = get_scheme(name, group_size=g, symmetric=symmetric)
+    int4 = name.startswith("int4")
+    q = quantize_weight(torch.randn(3, 37, K, generator=gen), scheme)
+    w = dequantize_weight(q.q, q.scale, q.zero, scheme).double()
+    x = torch.randn(6, K, generator=gen) * torch.tensor([1.0, 3e30, 1e-3, 1.0, 1e-35, 0.0])[:, None]
+    x[3, 5] = float("inf")
+    x[0, : g // 2] *= 1e-4  # small values beside large ones in one group
+    experts = torch.tensor([0, 1, 2, 0, 1, 2])
+    out = torch.full((6, 37), float("nan"))
+    lib.wo_gemm(q.q, q.scale, q.zero, experts, x, out, int4=int4, group_size=g)
+    z = q.zero.double() if q.zero is not None else torch.full_like(q.scale, 8.0 if int4 else 128.0).double()
+    sz = (q.scale.double() * z).repeat_interleave(g, dim=2)
+    for j, e in enumerate(experts.tolist()):
+        xr = (_fixed_point(x[j:j + 1].double(), g)[0] if j in (0, 1, 2) else x[j].double())
+        if j == 4:  # fp32 path: the zero point is the stored one
+            sz_e = (q.scale.double() * (q.zero.double() if q.zero is not None else
+                                        torch.full_like(q.scale, 8.0 if int4 else 0.0).double())).repeat_interleave(g, 2)[e]
+        else:
+            sz_e = sz[e]
+        if j == 3:
+            assert out[j].isnan().any() or out[j].isinf().any()
+            continue
+        ref = w[e] @ xr
+        bound = K * 2.0 ** -23 * ((w[e].abs() + 2 * sz_e) @ xr.abs())
+        assert ((out[j].double() - ref).abs() <= bound + 1e-300).all(), j
+    assert torch.equal(out[5], torch.zeros(37))
 
 
 @pytest.mark.parametrize("isa", ISAS)

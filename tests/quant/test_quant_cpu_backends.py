@@ -17,8 +17,10 @@ GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 # Exact paths: the int8 GEMM is exact and the fp32 block path dequantizes to the same values
 # as the emulation; only summation order (and, for int8, a rare rounding flip of a GEMM2
 # input) differs. The int4 kernel path rounds its inputs and group scales to bf16 (~2^-9).
-# The native decode products (moekit.native) compute in fp32 from fp32 scales: as tight as the blocks.
-TIGHT = {"cpu_int8": 1e-4, "cpu_wo blocks": 1e-5, "cpu_wo native": 1e-5, "cpu_wo int4 kernel": 1e-2}
+# The native decode products (moekit.native) compute in fp32 from fp32 scales, on AVX-512 VNNI
+# against x rounded to 16-bit fixed point per group (at most 2^-14 of the group's max |x| an
+# element, under 7e-4 of the group's norm; 1e-5 to 2e-4 seen on these shapes).
+TIGHT = {"cpu_int8": 1e-4, "cpu_wo blocks": 1e-5, "cpu_wo native": 1e-3, "cpu_wo int4 kernel": 1e-2}
 
 CASES = [
     # id, scheme, options, dtype, E, H, I, k, T, activation, bias, on_input, expert_map
@@ -218,6 +220,8 @@ def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, o
     ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
     slow_path = "cpu_wo int4 kernel" if CPUWeightOnlyBackend.uses_int4_kernel(dtype, get_scheme(name, **opts)) \
         else "cpu_wo blocks"
-    fast_path = "cpu_wo native" if T * k <= cpu_weight_only.DIRECT_ASSIGNMENTS else slow_path
+    # sorted calls (a few rows an expert here) keep torch's int4 kernel, else take the native products
+    sorted_kernel = T * k > cpu_weight_only.DIRECT_ASSIGNMENTS and slow_path == "cpu_wo int4 kernel"
+    fast_path = slow_path if sorted_kernel else "cpu_wo native"
     assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]

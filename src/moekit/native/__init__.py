@@ -107,7 +107,10 @@ class NativeLibrary:
     def wo_gemm(self, w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], experts: torch.Tensor,
                 x: torch.Tensor, out: torch.Tensor, *, int4: bool, group_size: int,
                 starts: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
-        """Weight-only products in fp32 of rows grouped by expert: out[j] = dequant(w[experts[s]]) @ x[j].
+        """Weight-only products of rows grouped by expert: out[j] = dequant(w[experts[s]]) @ x[j], in fp32;
+        on AVX-512 VNNI builds (isa "avx512_vnni") as integer products against x rounded to 16-bit
+        fixed point per group (a power-of-two step, at most 2^-14 of the group's max |x| an
+        element), where the 64-byte weight chunks fit the groups (cpu_kernels.c says how).
 
         Args:
             w: [E, N, K/2] uint8 (int4, two per byte; stored u = q + 8 without zero points) or

@@ -344,6 +344,180 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ---- weight-only products on AVX-512 VNNI: integer products against x in 16-bit fixed point ----
+ * Widening every weight to an fp32 lane costs about as many instructions as streaming it
+ * (int4: 55 us per million weights per core, a third of a decode token's time on two cores).
+ * vpdpbusd instead multiplies 64 unsigned weight bytes by 64 signed bytes into 16 int32 lanes,
+ * four products a lane, in one instruction. So each group of g columns of x goes to fixed point
+ * once per call: X = round(x / 2^e), the step 2^e the smallest power of two with
+ * max |x| < 2^(e + XBITS), and X = lo + 256 hi in two signed bytes. A 64-byte chunk of a weight
+ * row (128 int4 columns: low and high nibbles; 64 uint8 columns; int8 ones as uint8 q + 128 with
+ * zero point 128) takes two (uint8) or four (int4) vpdpbusd; the lanes' integer sums are exact,
+ * and (256 sum q hi + sum q lo) 2^e times the lane's weight scale accumulates in fp32. The zero
+ * points subtract s z sum_k X 2^e per group, so (q - z) multiplies the same rounded x.
+ *
+ * The only rounding beyond fp32 accumulation is x's to the step: |x - X 2^e| <= 2^-XBITS max|x|
+ * of its group. That is finer than x's own rounding to bf16 (2^-9 |x|) except for the values
+ * more than 2^5 below their group's largest, and over a group it stays under
+ * sqrt(g) 2^-XBITS max|x| <= sqrt(g) 2^-XBITS ||x_group|| in norm (7e-4 ||x_group|| at g = 128,
+ * against 2e-3 for bf16 rounding). A third byte (x to fp32 accuracy) cost 10 % more time at
+ * decode (bench/NOTES-cpu.md). Rows whose x is not finite, or whose group maxima fall below
+ * 2^-100 (where 2^e would leave fp32's normal range), take the fp32 path. */
+#define WO_VNNI 1
+#define XBITS 14            /* |X| <= 2^14: lo in [-128, 127], |hi| <= 64 */
+#define L2_AHEAD 16384      /* weight bytes ahead a row group prefetches into L2 ... */
+#define L1_AHEAD 2048       /* ... and into L1 (measured: one distance alone streamed 20-30 % slower) */
+
+/* A call's x rows prepared for the VNNI products. Each row: lane_f [T][16] (T = K / C chunks
+ * of C columns: 128 for int4, 64 else): 2^e of each lane's group; xsum [G]: the groups' sums
+ * of X 2^e; lo [K], hi [K] int8 in the weight bytes' column order (int4: even columns, then odd
+ * columns). */
+typedef struct {
+    int64_t C, T, per_row;
+    int32_t *chunk_group;   /* [T]: the group of chunk t's first column */
+    __m512i lane_group;     /* groups narrower than a chunk: lane l's group within its chunk */
+    char *rows, *ok;        /* [x_rows * per_row] prepared rows; [x_rows] whether each could be */
+} vnni_x;
+
+static inline const float *vx_lane_f(const vnni_x *vx, int64_t j) { return (const float *)(vx->rows + j * vx->per_row); }
+
+/* Prepares x row xj into row j of vx; returns 0 where it must take the fp32 path instead. */
+static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
+    const int64_t G = K / g, C = vx->C;
+    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * 16;
+    int8_t *lo = (int8_t *)(xsum + G), *hi = lo + K;
+    const __m512 big = _mm512_set1_ps(3.4028235e38f);
+    const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
+    /* int4: the even and the odd columns of 32 */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    float gf[G];
+    for (int64_t c = 0; c < G; c++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = c * g; k < (c + 1) * g; k += 16) {
+            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xj + k));
+            if (_mm512_cmp_ps_mask(a, big, _CMP_NLE_UQ)) return 0;  /* inf or nan */
+            amax = _mm512_max_ps(amax, a);
+        }
+        const float m = _mm512_reduce_max_ps(amax);
+        if (m > 0.0f && m < 0x1p-100f) return 0;
+        int E = 0;
+        if (m > 0.0f) frexpf(m, &E);  /* m < 2^E */
+        const int e = m > 0.0f ? E - XBITS : 0;
+        const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e));
+        gf[c] = ldexpf(1.0f, e);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = c * g; k < (c + 1) * g; k += 32) {
+            __m512i X0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xj + k), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i X1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xj + k + 16), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            sum = _mm512_add_epi32(sum, _mm512_add_epi32(X0, X1));
+            int64_t p0 = k, p1 = k + 16;
+            if (wtype == 0) {  /* to the nibbles' order */
+                const __m512i e16 = _mm512_permutex2var_epi32(X0, even, X1), o16 = _mm512_permutex2var_epi32(X0, odd, X1);
+                X0 = e16, X1 = o16, p0 = k / 2, p1 = K / 2 + k / 2;
+            }
+            const __m512i l0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X0, b128), b255), b128);
+            const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, b128), b255), b128);
+            _mm_storeu_si128((__m128i *)(lo + p0), _mm512_cvtepi32_epi8(l0));
+            _mm_storeu_si128((__m128i *)(lo + p1), _mm512_cvtepi32_epi8(l1));
+            _mm_storeu_si128((__m128i *)(hi + p0), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(X0, l0), 8)));
+            _mm_storeu_si128((__m128i *)(hi + p1), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(X1, l1), 8)));
+        }
+        xsum[c] = (float)((double)_mm512_reduce_add_epi32(sum) * gf[c]);
+    }
+    for (int64_t t = 0; t < vx->T; t++)
+        for (int l = 0; l < 16; l++) lane_f[t * 16 + l] = gf[(t * C + l * (C / 16)) / g];
+    return 1;
+}
+
+/* n (1 or 4) consecutive weight rows q (stride row_bytes; their scales sc and zero points z,
+ * G a row) against prepared x row j, prefetching the rows L2_AHEAD and L1_AHEAD bytes ahead
+ * when prefetch is set. */
+static inline __attribute__((always_inline)) void vnni_rows_impl(
+        const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
+        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
+    const int64_t G = K / g, C = vx->C, half = K / 2;
+    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * 16;
+    const int8_t *lo = (const int8_t *)(xsum + G), *hi = lo + K;
+    const int64_t l2 = (L2_AHEAD + row_bytes - 1) / row_bytes * row_bytes, l1 = (L1_AHEAD + row_bytes - 1) / row_bytes * row_bytes;
+    const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    const __mmask16 gmask = (__mmask16)((1u << (g < C ? C / g : 1)) - 1);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t t = 0; t < vx->T; t++) {
+        if (prefetch)
+            for (int r = 0; r < n; r++) {
+                _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 64, _MM_HINT_T2);
+                _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 64, _MM_HINT_T0);
+            }
+        const __m512i xl = _mm512_loadu_si512((const void *)(lo + t * 64)), xh = _mm512_loadu_si512((const void *)(hi + t * 64));
+        const __m512i xlo = wtype == 0 ? _mm512_loadu_si512((const void *)(lo + half + t * 64)) : xl;
+        const __m512i xho = wtype == 0 ? _mm512_loadu_si512((const void *)(hi + half + t * 64)) : xh;
+        const __m512 lf = _mm512_loadu_ps(lane_f + t * 16);
+        for (int r = 0; r < n; r++) {
+            const __m512i wb = _mm512_loadu_si512((const void *)(q + r * row_bytes + t * 64));
+            __m512i al, ah;
+            if (wtype == 0) {  /* even columns in the low nibbles, odd ones in the high */
+                const __m512i we = _mm512_and_si512(wb, nib), wo = _mm512_and_si512(_mm512_srli_epi16(wb, 4), nib);
+                al = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), we, xl), wo, xlo);
+                ah = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), we, xh), wo, xho);
+            } else {
+                const __m512i wu = wtype == 1 ? _mm512_xor_si512(wb, flip) : wb;  /* int8: q + 128 */
+                al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xl);
+                ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xh);
+            }
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al));
+            const float *scr = sc + r * G;
+            const int32_t c0 = vx->chunk_group[t];
+            const __m512 sv = g >= C ? _mm512_set1_ps(scr[c0])
+                                     : _mm512_permutexvar_ps(vx->lane_group, _mm512_maskz_loadu_ps(gmask, scr + c0));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, lf), sv, acc[r]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float corr = 0.0f;
+        for (int64_t c = 0; c < G; c++)
+            corr += sc[r * G + c] * (z ? (float)z[r * G + c] : (wtype == 0 ? 8.0f : 128.0f)) * xsum[c];
+        out[r] = _mm512_reduce_add_ps(acc[r]) - corr;
+    }
+}
+
+#define VNNI_ROWS(NAME, N, WT)                                                                          \
+    static void NAME(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx, \
+                     int64_t j, int64_t K, int64_t g, int prefetch, float *out) {                         \
+        vnni_rows_impl(N, WT, q, row_bytes, sc, z, vx, j, K, g, prefetch, out);                           \
+    }
+VNNI_ROWS(vnni_rows4_int4, 4, 0)
+VNNI_ROWS(vnni_row_int4, 1, 0)
+VNNI_ROWS(vnni_rows4_int8, 4, 1)
+VNNI_ROWS(vnni_row_int8, 1, 1)
+VNNI_ROWS(vnni_rows4_uint8, 4, 2)
+VNNI_ROWS(vnni_row_uint8, 1, 2)
+typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
+                             int64_t, int64_t, int, float *);
+
+/* Sets up vx for this call and prepares its x rows; 0 where the VNNI products do not fit this
+ * call (chunks straddling groups) or the scratch cannot be allocated: the fp32 path runs. */
+static int vnni_setup(vnni_x *vx, int wtype, const float *x, int64_t x_stride, int64_t x_rows, int64_t K, int64_t g) {
+    const int64_t C = wtype == 0 ? 128 : 64, G = K / g;
+    vx->rows = NULL;
+    if (K % C || (g % C && C % g)) return 0;
+    vx->C = C, vx->T = K / C, vx->per_row = 4 * (vx->T * 16 + G) + 2 * K;
+    vx->rows = (char *)malloc((size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T));
+    if (vx->rows == NULL) return 0;
+    vx->chunk_group = (int32_t *)(vx->rows + x_rows * vx->per_row);
+    vx->ok = (char *)(vx->chunk_group + vx->T);
+    for (int64_t t = 0; t < vx->T; t++) vx->chunk_group[t] = (int32_t)(t * C / g);
+    int32_t idx[16];
+    for (int l = 0; l < 16; l++) idx[l] = g < C ? (int32_t)(l * (C / 16) / g) : 0;
+    vx->lane_group = _mm512_loadu_si512((const void *)idx);
+    for (int64_t j = 0; j < x_rows; j++) vx->ok[j] = (char)vnni_prepare(vx, j, wtype, x + j * x_stride, K, g);
+    return 1;
+}
+#endif
+
 /* Returns 0, 1 when the scratch cannot be allocated, 2 for a bad wtype or g. */
 int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
                             const int64_t *experts, const int64_t *starts, int64_t segments, const float *x,
@@ -365,6 +539,12 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
         }
     }
     const int64_t blocks = (N + ROWS - 1) / ROWS;
+#ifdef WO_VNNI
+    vnni_x vx;
+    const int vnni = vnni_setup(&vx, wtype, x, x_stride, x_rows, K, g);
+    const vnni_rows_fn rows4 = wtype == 0 ? vnni_rows4_int4 : (wtype == 1 ? vnni_rows4_int8 : vnni_rows4_uint8);
+    const vnni_rows_fn row1 = wtype == 0 ? vnni_row_int4 : (wtype == 1 ? vnni_row_int8 : vnni_row_uint8);
+#endif
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
@@ -372,6 +552,30 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
         const work_item it = item_of(item, blocks, starts, N);
         const int64_t r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1, e = experts[it.s];
         int64_t r = r0;
+#ifdef WO_VNNI
+        if (vnni)
+            for (; r < r1; r += 4) {
+                const int n = r1 - r < 4 ? (int)(r1 - r) : 4;
+                const uint8_t *q = w + (e * N + r) * row_bytes;
+                const float *sc = scale + (e * N + r) * G;
+                const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
+                for (int64_t j = j0; j < j1; j++) {  /* the weight rows stay in L1 across the segment's x rows */
+                    const int64_t jx = x_stride ? j : 0;
+                    if (vx.ok[jx]) {
+                        if (n == 4) rows4(q, row_bytes, sc, z, &vx, jx, K, g, j == j0, out + j * N + r);
+                        else
+                            for (int i = 0; i < n; i++)
+                                row1(q + i * row_bytes, row_bytes, sc + i * G, z ? z + i * G : NULL, &vx, jx, K, g,
+                                     j == j0, out + j * N + r + i);
+                        continue;
+                    }
+                    const float *xe = scratch + jx * per_x;
+                    for (int i = 0; i < n; i++)
+                        out[j * N + r + i] = wo_row(wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL,
+                                                    x + jx * x_stride, xe, xe + K / 2, xe + K, K, g);
+                }
+            }
+#endif
 #ifdef FSTEP
         for (; r + 4 <= r1; r += 4) {
             const uint8_t *q = w + (e * N + r) * row_bytes;
@@ -394,6 +598,9 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
         }
     }
     free(scratch);
+#ifdef WO_VNNI
+    free(vx.rows);
+#endif
     (void)threads;
     return 0;
 }
