@@ -328,12 +328,17 @@ def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, 
     tw = torch.rand(T, k, generator=gen)
     kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
               expert_map=emap)
-    fast, plain = CPUInt8Backend(), CPUInt8Backend()
+    fast, plain, fused = CPUInt8Backend(), CPUInt8Backend(), CPUInt8Backend()
     plain.native_products = False
+    fast.native_decode = False  # one native call a GEMM: the torch path's operations, the same bits
     a = fast.apply(x, w, tw, ids, **kw)
     b = plain.apply(x, w, tw, ids, **kw)
     assert torch.equal(a, b)
-    assert rel_err(a, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-4
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+    assert rel_err(a, ref) <= 1e-4
+    # decode through the fused call: its activation may differ from torch's in the last bit (and
+    # so, rarely, a quantized GEMM2 input by one step)
+    assert rel_err(fused.apply(x, w, tw, ids, **kw), ref) <= 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -361,11 +366,12 @@ def test_cpu_backend_with_and_without_native_products(dtype, T, k, on_input, bia
     tw = torch.rand(T, k, generator=gen)
     kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
               expert_map=emap)
-    fast, plain = CPUBackend(), CPUBackend()
+    fast, plain, per_gemm = CPUBackend(), CPUBackend(), CPUBackend()
     plain.native_products = False
+    per_gemm.native_decode = False  # decode: one native call a GEMM instead of the fused FFN
     ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
-    assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TOL[dtype]
-    assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TOL[dtype]
+    for backend in (fast, plain, per_gemm):
+        assert rel_err(backend.apply(x, w, tw, ids, **kw), ref) <= TOL[dtype]
 
 
 def test_cpu_backend_keeps_torch_paths_when_a_gradient_is_needed(gen):
@@ -442,3 +448,141 @@ def test_cpu_backend_skewed_routing_falls_back_on_the_sorted_rows(monkeypatch, g
     out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
     assert sorts == [torch.float32]
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
+
+
+# ---- decode_ffn: one token's whole FFN in one call ------------------------------------------
+
+def _ffn_float64(w13, w2, experts, sw, x, activation, on_input, b13=None, b2=None, params=None):
+    """The FFN in float64 from float weights, torch's activation (in fp32, as the kernel computes it)."""
+    from moekit.activations import apply_activation
+
+    out = torch.zeros(w2.shape[1], dtype=torch.float64)
+    for j, e in enumerate(experts.tolist()):
+        xj = x.double() * float(sw[j]) if on_input else x.double()
+        h = w13[e].double() @ xj + (0 if b13 is None else b13[j].double())
+        a = apply_activation(h.float()[None], activation, params)[0].double()
+        y = w2[e].double() @ a + (0 if b2 is None else b2[j].double())
+        out += y if on_input else float(sw[j]) * y
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("activation", list(native.ACTIVATION_CODES))
+@pytest.mark.parametrize("on_input, bias", [(False, False), (True, True)])
+def test_decode_ffn_float_weights_match_float64(libs, isa, activation, on_input, bias, gen):
+    """fp32 weights, every activation: the fused FFN against float64 GEMMs around torch's
+    activation, within fp32 rounding; odd sizes and repeated experts."""
+    from moekit.activations import is_gated
+
+    E, H, I, n = 5, 37, 19, 6
+    N1 = 2 * I if is_gated(activation) else I
+    w13, w2 = torch.randn(E, N1, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5
+    experts = torch.tensor([3, 0, 3, 4, 1, 2])
+    sw, x = torch.rand(n, generator=gen), torch.randn(H, generator=gen) * 2
+    b13 = torch.randn(n, N1, generator=gen) if bias else None
+    b2 = torch.randn(n, H, generator=gen) if bias else None
+    params = ActivationParams(alpha=1.5, limit=1.0)  # a limit the values cross
+    lib = libs[isa]
+    out = torch.full((H,), float("nan"))
+    lib.decode_ffn(native.projection(w13, "float"), native.projection(w2, "float"), experts, sw, x, out,
+                   activation=activation, alpha=params.alpha, limit=params.limit, on_input=on_input, b13=b13, b2=b2)
+    assert rel_err(out, _ffn_float64(w13, w2, experts, sw, x, activation, on_input, b13, b2, params)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name, opts, kind", [
+    ("int8_w8a8", {}, "int8_w8a8"), ("int4_w4a16", {}, "int4"),
+    ("int4_w4a16", dict(group_size=32, symmetric=False), "int4"), ("int8_w8a16", dict(group_size=64), "int8"),
+    ("int8_w8a16", dict(group_size=32, symmetric=False), "int8"),
+])
+def test_decode_ffn_quantized_weights_match_the_per_gemm_products(libs, isa, name, opts, kind, gen):
+    """Quantized projections: the fused call against the same library's per-GEMM products with
+    torch's activation between them (the unfused decode path): the same GEMM kernels, so only
+    the activation's last bits differ (and, for int8 W8A8, rarely a quantized input by a step)."""
+    g = get_scheme(name, **opts).group_size if name != "int8_w8a8" else 0
+    E, H, I, n = 6, 256, 128, 5
+    w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
+                         torch.randn(E, H, I, generator=gen) * I ** -0.5, name, **opts)
+    lib, s = libs[isa], w.scales
+    p13, p2 = (native.projection(getattr(w, p), kind, scale=s[f"{p}_scale"], zero=s.get(f"{p}_zero"), group_size=g)
+               for p in ("w13", "w2"))
+    experts, sw, x = torch.tensor([5, 1, 1, 0, 2]), torch.rand(n, generator=gen), torch.randn(H, generator=gen)
+    out = torch.full((H,), float("nan"))
+    lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu")
+
+    def gemm(p, rows, wname):
+        res = torch.empty(n, getattr(w, wname).shape[1])
+        if kind == "int8_w8a8":
+            return lib.int8_gemm(getattr(w, wname), experts, rows, res, scales=torch.empty(rows.shape[0], 1),
+                                 w_scale=s[f"{wname}_scale"])
+        return lib.wo_gemm(getattr(w, wname), s[f"{wname}_scale"], s.get(f"{wname}_zero"), experts, rows, res,
+                           int4=kind == "int4", group_size=g)
+
+    from moekit.activations import apply_activation
+    a = apply_activation(gemm(p13, x[None], "w13"), "silu").contiguous()
+    expected = sw @ gemm(p2, a, "w2")
+    assert rel_err(out, expected) <= (2e-3 if kind == "int8_w8a8" else 1e-6)
+
+
+def test_decode_ffn_propagates_nan_and_checks_its_arguments(libs, gen):
+    lib = libs["native"]
+    w13, w2 = torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 8, generator=gen)
+    p13, p2 = native.projection(w13, "float"), native.projection(w2, "float")
+    experts, sw, x, out = torch.tensor([0, 2]), torch.rand(2, generator=gen), torch.randn(8, generator=gen), torch.empty(8)
+    x[3] = float("nan")
+    for activation in ("silu", "swigluoai", "gelu"):
+        lib.decode_ffn(p13, p2, experts, sw, x, out, activation=activation)
+        assert out.isnan().all()
+    x[3] = 0.0
+    with pytest.raises(ValueError, match="activation must be one of"):
+        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="tanh")
+    with pytest.raises(ValueError, match=r"experts must lie in \[0, 3\), got \[0, 3\]"):
+        lib.decode_ffn(p13, p2, torch.tensor([0, 3]), sw, x, out, activation="silu")
+    with pytest.raises(TypeError, match="wants int64 experts and fp32"):
+        lib.decode_ffn(p13, p2, experts, sw.double(), x, out, activation="silu")
+    with pytest.raises(ValueError, match="do not fit H=8, N1=16"):
+        lib.decode_ffn(p13, p2, experts, sw, x[:7], out, activation="silu")
+    with pytest.raises(ValueError, match="do not fit H=8, N1=16"):
+        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu", b13=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"p13 \[N1=16, H=8\] and p2 \[H=8, I=8\] do not fit 'silu_no_mul'"):
+        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu_no_mul")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        native.projection(w13, "fp8")
+    with pytest.raises(TypeError, match="a float projection wants fp32 / bf16 / fp16 w and no scales"):
+        native.projection(w13.to(torch.int8), "float")
+    q = quantize_weight(torch.randn(2, 8, 64, generator=gen), get_scheme("int4_w4a16", group_size=32))
+    with pytest.raises(ValueError, match="wants g a multiple of 32 dividing K=64"):
+        native.projection(q.q, "int4", scale=q.scale, group_size=64)
+    with pytest.raises(TypeError, match="an fp32 scale"):
+        native.projection(q.q, "int4", group_size=32)
+
+
+def test_native_decode_projections_are_kept_per_weights_and_rebuilt_for_copies(gen):
+    """common.native_decode builds the projections once while the weights live; a copy (new
+    tensors, new addresses) gets its own, and pickling the weights carries nothing derived."""
+    import copy
+    import gc
+    import pickle
+
+    from moekit.experts import base
+    from moekit.experts.common import native_decode
+
+    if native.load() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    w = quantize_experts(torch.randn(4, 64, 32, generator=gen), torch.randn(4, 32, 32, generator=gen), "int8_w8a8")
+    lib = native.load()
+    first = native_decode(lib, w, "int8_w8a8")
+    assert native_decode(lib, w, "int8_w8a8") is first
+    dup = copy.deepcopy(w)
+    other = native_decode(lib, dup, "int8_w8a8")
+    assert other is not first and other[1].struct.w == dup.w13.data_ptr() != first[1].struct.w
+    assert pickle.loads(pickle.dumps(w)).w13.equal(w.w13)
+    calls = []
+    assert base.cached_for(w, "test", (1, "a", w.w13), lambda: calls.append(1) or len(calls)) == 1
+    assert base.cached_for(w, "test", (1, "a", w.w13), lambda: calls.append(1) or len(calls)) == 1
+    assert base.cached_for(w, "test", (2, "a", w.w13), lambda: calls.append(1) or len(calls)) == 2
+    assert base.cached_for(w, "test", (2, "a", w.w2), lambda: calls.append(1) or len(calls)) == 3
+    key = id(dup)
+    del dup, other
+    gc.collect()
+    assert key not in base._DERIVED

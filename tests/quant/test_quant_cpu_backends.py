@@ -223,5 +223,8 @@ def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, o
     # sorted calls (a few rows an expert here) keep torch's int4 kernel, else take the native products
     sorted_kernel = T * k > cpu_weight_only.DIRECT_ASSIGNMENTS and slow_path == "cpu_wo int4 kernel"
     fast_path = slow_path if sorted_kernel else "cpu_wo native"
+    per_gemm = CPUWeightOnlyBackend()
+    per_gemm.native_decode = False  # decode: one native call a GEMM instead of the fused FFN
     assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
+    assert rel_err(per_gemm.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]

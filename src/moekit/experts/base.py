@@ -12,8 +12,9 @@ x's dtype. Experts mapped to -1 by an expert_map contribute zero.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -26,7 +27,33 @@ __all__ = [
     "BACKENDS",
     "register_backend",
     "get_backend",
+    "cached_for",
 ]
+
+
+_DERIVED: Dict[int, tuple] = {}  # id(obj) -> (weakref to obj, {purpose: (key, value)})
+
+
+def cached_for(obj: Any, purpose: str, key: tuple, compute: Callable[[], Any]) -> Any:
+    """compute(), kept while obj lives (one value per purpose) and reused while key holds the
+    same items (objects by identity: tensors, schemes, libraries; ints and strings by value).
+
+    For what backends derive from weights on every call (a decode step is short and runs
+    cold: reading the scheme and describing the projections again took ~60 us of it). Kept
+    beside obj, not on it, so copies and pickles of obj carry nothing derived.
+    """
+    entry = _DERIVED.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        entry = (weakref.ref(obj), {})
+        _DERIVED[id(obj)] = entry
+        weakref.finalize(obj, _DERIVED.pop, id(obj), None)
+    hit = entry[1].get(purpose)
+    if (hit is not None and len(hit[0]) == len(key)
+            and all(a is b or (isinstance(a, (int, str)) and a == b) for a, b in zip(hit[0], key))):
+        return hit[1]
+    value = compute()
+    entry[1][purpose] = (key, value)
+    return value
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import native
+from .base import cached_for
 from ..activations import apply_activation
+from ..config import ActivationParams
 
 __all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span",
            "span_segments", "token_slots", "decode_by_token"]
@@ -146,17 +149,53 @@ def token_slots(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: 
             yield t, experts, torch.tensor(experts, dtype=torch.long), topk_weights[t, slots].float()
 
 
+def native_decode(lib, weights, kind: str, group_size: int = 0):
+    """decode_by_token's `fused` for these weights: (lib, w13's and w2's native.Projection of
+    `kind`, scales and zero points from weights.scales).
+
+    Built once while the weights live (base.cached_for), again when the library, kind, group
+    size, any of the tensors or where their data lies (a projection holds their addresses)
+    differs.
+    """
+    s = weights.scales
+    tensors = (weights.w13, weights.w2, *(s.get(n) for n in _PROJECTION_SCALES))
+    key = (lib, kind, group_size, *tensors, *(0 if t is None else t.data_ptr() for t in tensors))
+
+    def build():
+        return (lib, *(native.projection(getattr(weights, name), kind, scale=s.get(f"{name}_scale"),
+                                         zero=s.get(f"{name}_zero"), group_size=group_size) for name in ("w13", "w2")))
+
+    return cached_for(weights, "native_decode", key, build)
+
+
+_PROJECTION_SCALES = ("w13_scale", "w13_zero", "w2_scale", "w2_zero")
+
+
 def decode_by_token(products, gemm_dtype, x, weights, topk_weights, topk_ids, activation, activation_params,
-                    on_input, expert_map) -> torch.Tensor:
+                    on_input, expert_map, fused=None) -> torch.Tensor:
     """Decode path of the host-driven backends, token by token, no sort: [T, H] fp32.
 
     A token's products over its n local slots fill one [n, N] buffer per GEMM
     (`products(name, rows, experts, expert ids [n] int64, out)`: rows [1 or n, K] in gemm_dtype,
     out [n, N] gemm_dtype, returns out), then its biases and activation run over all n slots
-    at once. The weighted sum over the slots in slot order (deterministic).
+    at once. The weighted sum over the slots in slot order (deterministic). With `fused`
+    (moekit's native library and the two projections' `native.Projection`s, gemm_dtype fp32),
+    each token's whole FFN instead runs in one native call (NativeLibrary.decode_ffn): the
+    same products, the activation as torch's kernels write it (up to the last bit of exp, erf,
+    tanh), the same sum order.
     """
     H, N1 = weights.w2.shape[1], weights.w13.shape[1]
     out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
+    if fused is not None and min(H, N1, weights.w2.shape[2]) > 0:
+        lib, p13, p2 = fused
+        params = activation_params or ActivationParams()
+        xf, b13, b2 = x.float().contiguous(), weights.b13, weights.b2
+        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
+            lib.decode_ffn(p13, p2, e_idx, w_t.contiguous(), xf[t], out[t], activation=activation, alpha=params.alpha,
+                           limit=params.limit, on_input=on_input, trusted=True,
+                           b13=None if b13 is None else b13.index_select(0, e_idx).float(),
+                           b2=None if b2 is None else b2.index_select(0, e_idx).float())
+        return out
     for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
         n = len(es)
         rows = (x[t:t + 1].float() * w_t[:, None]).to(gemm_dtype) if on_input else x[t:t + 1].to(gemm_dtype)

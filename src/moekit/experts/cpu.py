@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from .. import native
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, decode_by_token, local_ids, sort_rows, span_segments, unsort_rows
+from .common import add_bias_by_span, decode_by_token, local_ids, native_decode, sort_rows, span_segments, unsort_rows
 from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
@@ -174,6 +174,9 @@ class CPUBackend(ExpertsBackend):
     # decode and few-row products through moekit's native kernel where it is available
     # (moekit.native) and nothing needs a gradient; False keeps torch's GEMMs (tests compare them)
     native_products = True
+    # decode: each token's whole FFN in one native call (common.decode_by_token's `fused`);
+    # False keeps one native call per GEMM (tests and benchmarks compare them)
+    native_decode = True
 
     def unsupported(self, problem: ExpertsProblem) -> Optional[str]:
         if problem.device != "cpu":
@@ -194,7 +197,7 @@ class CPUBackend(ExpertsBackend):
         if lib is not None and T * k <= DIRECT_ASSIGNMENTS:
             return decode_by_token(self._native_products(lib, weights), torch.float32, x, weights, topk_weights,
                                    topk_ids, activation, activation_params, apply_router_weight_on_input,
-                                   expert_map)
+                                   expert_map, native_decode(lib, weights, "float") if self.native_decode else None)
         rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0) if native else NATIVE_ROWS_EMULATED
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):

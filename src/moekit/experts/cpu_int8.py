@@ -36,7 +36,7 @@ from ..activations import apply_activation
 from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, decode_by_token, sort_rows, span_segments, unsort_rows
+from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
 
 __all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "SWAP_ROWS"]
 
@@ -95,6 +95,9 @@ class CPUInt8Backend(ExpertsBackend):
     # decode and few-row products through moekit's native kernel where it is available
     # (moekit.native); False keeps torch._int_mm (tests compare the two)
     native_products = True
+    # decode: each token's whole FFN in one native call (common.decode_by_token's `fused`);
+    # False keeps one native call per GEMM (tests and benchmarks compare them)
+    native_decode = True
 
     def available(self) -> Optional[str]:
         if not hasattr(torch, "_int_mm"):
@@ -160,8 +163,9 @@ class CPUInt8Backend(ExpertsBackend):
                 torch._int_mm(w[e], cols[i if len(cols) > 1 else 0], out=a)
             return torch.mul(acc, s_x, out=out).mul_(s_w.index_select(0, e_idx))
 
+        fused = native_decode(lib, weights, "int8_w8a8") if lib is not None and self.native_decode else None
         return decode_by_token(products, torch.float32, x, weights, topk_weights, topk_ids, activation,
-                               activation_params, on_input, expert_map)
+                               activation_params, on_input, expert_map, fused)
 
 
 register_backend(CPUInt8Backend())

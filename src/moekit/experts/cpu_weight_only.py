@@ -44,7 +44,7 @@ from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, decode_by_token, sort_rows, span_segments, unsort_rows
+from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -149,6 +149,9 @@ class CPUWeightOnlyBackend(ExpertsBackend):
     # decode and few-row products through moekit's native kernel where it is available
     # (moekit.native); False keeps the other paths (tests compare them)
     native_products = True
+    # decode: each token's whole FFN in one native call (common.decode_by_token's `fused`);
+    # False keeps one native call per GEMM (tests and benchmarks compare them)
+    native_decode = True
 
     def __init__(self) -> None:
         self._repacked = _Int4Repacked()
@@ -180,9 +183,11 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         if T * k <= DIRECT_ASSIGNMENTS:
             lib = self.native_library(weights, scheme)
             if lib is not None:
+                fused = native_decode(lib, weights, "int4" if scheme.weight_dtype == "int4" else "int8",
+                                      scheme.group_size) if self.native_decode else None
                 return decode_by_token(self._native_products(lib, weights, scheme), torch.float32, x, weights,
                                     topk_weights, topk_ids, activation, activation_params,
-                                    apply_router_weight_on_input, expert_map)
+                                    apply_router_weight_on_input, expert_map, fused)
             if kernel:
                 return decode_by_token(self._int4_kernel_products(weights, scheme), torch.bfloat16, x, weights,
                                     topk_weights, topk_ids, activation, activation_params,

@@ -1,5 +1,6 @@
 /* moekit's native CPU kernels (compiled on first use by moekit/native/__init__.py): int8,
- * weight-only int4 / int8 and float products of rows grouped by expert.
+ * weight-only int4 / int8 and float products of rows grouped by expert, and a decode token's
+ * whole FFN on them in one call (moekit_decode_ffn, at the end).
  *
  * moekit_int8_gemm_segments: int8 products of rows grouped by expert, in one call,
  *
@@ -164,6 +165,46 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_
     }
 }
 
+/* One int8 product call: its weights, segments, prepared x rows (x16 [rows or 1, K], their
+ * scales) and output (int32 out, or fp32 out_f32 rescaled by w_scale [E, N]). */
+typedef struct {
+    const int8_t *w;
+    const int64_t *experts, *starts;
+    const int16_t *x16;
+    const float *scales, *w_scale;
+    int shared;  /* one x row for every segment */
+    int64_t N, K, blocks;
+    int32_t *out;
+    float *out_f32;
+} int8_call;
+
+/* Work item `item` (a segment's block of ROWS weight rows) of an int8 call. */
+static void int8_item(const int8_call *c, int64_t item) {
+    const int64_t N = c->N, K = c->K;
+    const work_item it = item_of(item, c->blocks, c->starts, N);
+    const int8_t *ws = c->w + c->experts[it.s] * N * K;
+    const float *sw = c->out_f32 ? c->w_scale + c->experts[it.s] * N : NULL;
+    int64_t r = it.r0;
+    int32_t acc[4];
+    for (; r + 4 <= it.r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
+        for (int64_t j = it.j0; j < it.j1; j++) {
+            const int16_t *xj = c->x16 + (c->shared ? 0 : j * K);
+            if (!c->out_f32) {
+                rows4(ws + r * K, K, xj, c->out + j * N + r);
+                continue;
+            }
+            rows4(ws + r * K, K, xj, acc);
+            const float sx = c->scales[c->shared ? 0 : j];
+            for (int i = 0; i < 4; i++) c->out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
+        }
+    for (; r < it.r1; r++)
+        for (int64_t j = it.j0; j < it.j1; j++) {
+            const int32_t a = row1(ws + r * K, K, c->x16 + (c->shared ? 0 : j * K));
+            if (c->out_f32) c->out_f32[j * N + r] = ((float)a * c->scales[c->shared ? 0 : j]) * sw[r];
+            else c->out[j * N + r] = a;
+        }
+}
+
 /* x_int8 (or, when x_f32 is given, x_f32 quantized per row into scales) against w, into out
  * int32; or, with x_f32, w_scale [E, N] and out_f32, rescaled there as the backend does it:
  * (float(acc) * s_x) * s_w. Returns 0, or 1 when the scratch for the widened x cannot be
@@ -179,34 +220,12 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
     else
         for (int64_t j = 0; j < x_rows; j++)
             for (int64_t k = 0; k < K; k++) x16[j * K + k] = x[j * x_stride + k];
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
+    const int8_call c = {w, experts, starts, x16, scales, w_scale, x_stride == 0, N, K, (N + ROWS - 1) / ROWS,
+                         out, out_f32};
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t item = 0; item < segments * blocks; item++) {
-        const work_item it = item_of(item, blocks, starts, N);
-        const int64_t s = it.s, r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1;
-        const int8_t *ws = w + experts[s] * N * K;
-        const float *sw = out_f32 ? w_scale + experts[s] * N : NULL;
-        int64_t r = r0;
-        int32_t acc[4];
-        for (; r + 4 <= r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
-            for (int64_t j = j0; j < j1; j++) {
-                if (!out_f32) {
-                    rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), out + j * N + r);
-                    continue;
-                }
-                rows4(ws + r * K, K, x16 + (x_stride ? j * K : 0), acc);
-                const float sx = scales[x_stride ? j : 0];
-                for (int i = 0; i < 4; i++) out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
-            }
-        for (; r < r1; r++)
-            for (int64_t j = j0; j < j1; j++) {
-                const int32_t a = row1(ws + r * K, K, x16 + (x_stride ? j * K : 0));
-                if (out_f32) out_f32[j * N + r] = ((float)a * scales[x_stride ? j : 0]) * sw[r];
-                else out[j * N + r] = a;
-            }
-    }
+    for (int64_t item = 0; item < segments * c.blocks; item++) int8_item(&c, item);
     free(x16);
     (void)threads;
     return 0;
@@ -498,9 +517,10 @@ VNNI_ROWS(vnni_row_uint8, 1, 2)
 typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
                              int64_t, int64_t, int, float *);
 
-/* Sets up vx for this call and prepares its x rows; 0 where the VNNI products do not fit this
- * call (chunks straddling groups) or the scratch cannot be allocated: the fp32 path runs. */
-static int vnni_setup(vnni_x *vx, int wtype, const float *x, int64_t x_stride, int64_t x_rows, int64_t K, int64_t g) {
+/* Sets up vx for x_rows rows of this call (each prepared later by vnni_prepare); 0 where the
+ * VNNI products do not fit this call (chunks straddling groups) or the scratch cannot be
+ * allocated: the fp32 path runs. */
+static int vnni_init(vnni_x *vx, int wtype, int64_t x_rows, int64_t K, int64_t g) {
     const int64_t C = wtype == 0 ? 128 : 64, G = K / g;
     vx->rows = NULL;
     if (K % C || (g % C && C % g)) return 0;
@@ -513,94 +533,131 @@ static int vnni_setup(vnni_x *vx, int wtype, const float *x, int64_t x_stride, i
     int32_t idx[16];
     for (int l = 0; l < 16; l++) idx[l] = g < C ? (int32_t)(l * (C / 16) / g) : 0;
     vx->lane_group = _mm512_loadu_si512((const void *)idx);
-    for (int64_t j = 0; j < x_rows; j++) vx->ok[j] = (char)vnni_prepare(vx, j, wtype, x + j * x_stride, K, g);
     return 1;
 }
 #endif
+
+/* One weight-only product call: weights, segments, x rows (x_stride 0: one shared row) and
+ * their prepared forms (scratch: per row its even and odd columns and its group sums, for the
+ * fp32 path; vx for the VNNI products), output out [rows, N]. */
+typedef struct {
+    int wtype;
+    const uint8_t *w, *zero;
+    const float *scale, *x;
+    const int64_t *experts, *starts;
+    int64_t x_stride, N, K, g, G, row_bytes, per_x, blocks;
+    float *scratch, *out;
+#ifdef WO_VNNI
+    int vnni;
+    vnni_x vx;
+    vnni_rows_fn rows4, row1;
+#endif
+} wo_call;
+
+/* Allocates c's scratch for x_rows rows; 0 when it cannot. */
+static int wo_init(wo_call *c, int64_t x_rows) {
+    c->G = c->K / c->g, c->row_bytes = c->wtype == 0 ? c->K / 2 : c->K, c->per_x = 2 * c->K + c->G;
+    c->blocks = (c->N + ROWS - 1) / ROWS;
+    c->scratch = (float *)malloc((size_t)(x_rows * c->per_x) * sizeof(float));
+    if (c->scratch == NULL) return 0;
+#ifdef WO_VNNI
+    c->vnni = vnni_init(&c->vx, c->wtype, x_rows, c->K, c->g);
+    c->rows4 = c->wtype == 0 ? vnni_rows4_int4 : (c->wtype == 1 ? vnni_rows4_int8 : vnni_rows4_uint8);
+    c->row1 = c->wtype == 0 ? vnni_row_int4 : (c->wtype == 1 ? vnni_row_int8 : vnni_row_uint8);
+#endif
+    return 1;
+}
+
+static void wo_free(wo_call *c) {
+    free(c->scratch);
+#ifdef WO_VNNI
+    free(c->vx.rows);
+#endif
+}
+
+/* Prepares x row j (c->x + j x_stride) for the products. */
+static void wo_prepare_row(wo_call *c, int64_t j) {
+    const int64_t K = c->K, g = c->g;
+    const float *xj = c->x + j * c->x_stride;
+    float *xe = c->scratch + j * c->per_x, *xo = xe + K / 2, *xs = xe + K;
+    for (int64_t k = 0; k < K / 2; k++) { xe[k] = xj[2 * k]; xo[k] = xj[2 * k + 1]; }
+    for (int64_t k = 0; k < c->G; k++) {
+        float t = 0.0f;
+        for (int64_t i = k * g; i < (k + 1) * g; i++) t += xj[i];
+        xs[k] = t;
+    }
+#ifdef WO_VNNI
+    if (c->vnni) c->vx.ok[j] = (char)vnni_prepare(&c->vx, j, c->wtype, xj, K, g);
+#endif
+}
+
+/* Work item `item` (a segment's block of ROWS weight rows) of a weight-only call. */
+static void wo_item(const wo_call *c, int64_t item) {
+    const int64_t N = c->N, K = c->K, g = c->g, G = c->G, row_bytes = c->row_bytes, per_x = c->per_x;
+    const work_item it = item_of(item, c->blocks, c->starts, N);
+    const int64_t e = c->experts[it.s], jstep = c->x_stride ? 1 : 0;
+    int64_t r = it.r0;
+#ifdef WO_VNNI
+    if (c->vnni)
+        for (; r < it.r1; r += 4) {
+            const int n = it.r1 - r < 4 ? (int)(it.r1 - r) : 4;
+            const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
+            const float *sc = c->scale + (e * N + r) * G;
+            for (int64_t j = it.j0; j < it.j1; j++) {  /* the weight rows stay in L1 across the segment's x rows */
+                const int64_t jx = j * jstep;
+                float *o = c->out + j * N + r;
+                if (c->vx.ok[jx]) {
+                    if (n == 4) c->rows4(q, row_bytes, sc, z, &c->vx, jx, K, g, j == it.j0, o);
+                    else
+                        for (int i = 0; i < n; i++)
+                            c->row1(q + i * row_bytes, row_bytes, sc + i * G, z ? z + i * G : NULL, &c->vx, jx, K, g,
+                                    j == it.j0, o + i);
+                    continue;
+                }
+                const float *xe = c->scratch + jx * per_x;
+                for (int i = 0; i < n; i++)
+                    o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
+                                  xe, xe + K / 2, xe + K, K, g);
+            }
+        }
+#endif
+#ifdef FSTEP
+    for (; r + 4 <= it.r1; r += 4) {
+        const uint8_t *q = c->w + (e * N + r) * row_bytes;
+        for (int64_t b = 0; b < 4 * row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
+        for (int64_t j = it.j0; j < it.j1; j++) {  /* the four weight rows stay in L1 across the segment's x rows */
+            const float *xe = c->scratch + j * jstep * per_x;
+            wo_rows4(c->wtype, q, row_bytes, c->scale + (e * N + r) * G, c->zero ? c->zero + (e * N + r) * G : NULL,
+                     c->x + j * jstep * c->x_stride, xe, xe + K / 2, xe + K, K, g, c->out + j * N + r);
+        }
+    }
+#endif
+    for (; r < it.r1; r++) {
+        const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
+        const float *sc = c->scale + (e * N + r) * G;
+        for (int64_t j = it.j0; j < it.j1; j++) {
+            const float *xe = c->scratch + j * jstep * per_x;
+            c->out[j * N + r] = wo_row(c->wtype, q, sc, z, c->x + j * jstep * c->x_stride, xe, xe + K / 2, xe + K, K, g);
+        }
+    }
+}
 
 /* Returns 0, 1 when the scratch cannot be allocated, 2 for a bad wtype or g. */
 int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, const uint8_t *zero,
                             const int64_t *experts, const int64_t *starts, int64_t segments, const float *x,
                             int64_t x_stride, int64_t N, int64_t K, int64_t g, float *out, int threads) {
     if (wtype < 0 || wtype > 2 || g <= 0 || g % 32 || K % g) return 2;
-    const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1, G = K / g;
-    const int64_t row_bytes = wtype == 0 ? K / 2 : K, per_x = 2 * K + G;
-    /* per x row: its even and odd columns (int4), and its group sums */
-    float *scratch = (float *)malloc((size_t)(x_rows * per_x) * sizeof(float));
-    if (scratch == NULL) return 1;
-    for (int64_t j = 0; j < x_rows; j++) {
-        const float *xj = x + j * x_stride;
-        float *xe = scratch + j * per_x, *xo = xe + K / 2, *xs = xe + K;
-        for (int64_t c = 0; c < K / 2; c++) { xe[c] = xj[2 * c]; xo[c] = xj[2 * c + 1]; }
-        for (int64_t c = 0; c < G; c++) {
-            float t = 0.0f;
-            for (int64_t k = c * g; k < (c + 1) * g; k++) t += xj[k];
-            xs[c] = t;
-        }
-    }
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
-#ifdef WO_VNNI
-    vnni_x vx;
-    const int vnni = vnni_setup(&vx, wtype, x, x_stride, x_rows, K, g);
-    const vnni_rows_fn rows4 = wtype == 0 ? vnni_rows4_int4 : (wtype == 1 ? vnni_rows4_int8 : vnni_rows4_uint8);
-    const vnni_rows_fn row1 = wtype == 0 ? vnni_row_int4 : (wtype == 1 ? vnni_row_int8 : vnni_row_uint8);
-#endif
+    const int64_t x_rows = x_stride ? seg_begin(starts, segments) : 1;
+    wo_call c = {0};
+    c.wtype = wtype, c.w = w, c.zero = zero, c.scale = scale, c.x = x, c.experts = experts, c.starts = starts;
+    c.x_stride = x_stride, c.N = N, c.K = K, c.g = g, c.out = out;
+    if (!wo_init(&c, x_rows)) return 1;
+    for (int64_t j = 0; j < x_rows; j++) wo_prepare_row(&c, j);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t item = 0; item < segments * blocks; item++) {
-        const work_item it = item_of(item, blocks, starts, N);
-        const int64_t r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1, e = experts[it.s];
-        int64_t r = r0;
-#ifdef WO_VNNI
-        if (vnni)
-            for (; r < r1; r += 4) {
-                const int n = r1 - r < 4 ? (int)(r1 - r) : 4;
-                const uint8_t *q = w + (e * N + r) * row_bytes;
-                const float *sc = scale + (e * N + r) * G;
-                const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
-                for (int64_t j = j0; j < j1; j++) {  /* the weight rows stay in L1 across the segment's x rows */
-                    const int64_t jx = x_stride ? j : 0;
-                    if (vx.ok[jx]) {
-                        if (n == 4) rows4(q, row_bytes, sc, z, &vx, jx, K, g, j == j0, out + j * N + r);
-                        else
-                            for (int i = 0; i < n; i++)
-                                row1(q + i * row_bytes, row_bytes, sc + i * G, z ? z + i * G : NULL, &vx, jx, K, g,
-                                     j == j0, out + j * N + r + i);
-                        continue;
-                    }
-                    const float *xe = scratch + jx * per_x;
-                    for (int i = 0; i < n; i++)
-                        out[j * N + r + i] = wo_row(wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL,
-                                                    x + jx * x_stride, xe, xe + K / 2, xe + K, K, g);
-                }
-            }
-#endif
-#ifdef FSTEP
-        for (; r + 4 <= r1; r += 4) {
-            const uint8_t *q = w + (e * N + r) * row_bytes;
-            for (int64_t b = 0; b < 4 * row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
-            for (int64_t j = j0; j < j1; j++) {  /* the four weight rows stay in L1 across the segment's x rows */
-                const float *xe = scratch + (x_stride ? j : 0) * per_x;
-                wo_rows4(wtype, q, row_bytes, scale + (e * N + r) * G, zero ? zero + (e * N + r) * G : NULL,
-                         x + (x_stride ? j * x_stride : 0), xe, xe + K / 2, xe + K, K, g, out + j * N + r);
-            }
-        }
-#endif
-        for (; r < r1; r++) {
-            const uint8_t *q = w + (e * N + r) * row_bytes;
-            const float *sc = scale + (e * N + r) * G;
-            const uint8_t *z = zero ? zero + (e * N + r) * G : NULL;
-            for (int64_t j = j0; j < j1; j++) {
-                const float *xe = scratch + (x_stride ? j : 0) * per_x;
-                out[j * N + r] = wo_row(wtype, q, sc, z, x + (x_stride ? j * x_stride : 0), xe, xe + K / 2, xe + K, K, g);
-            }
-        }
-    }
-    free(scratch);
-#ifdef WO_VNNI
-    free(vx.rows);
-#endif
+    for (int64_t item = 0; item < segments * c.blocks; item++) wo_item(&c, item);
+    wo_free(&c);
     (void)threads;
     return 0;
 }
@@ -695,28 +752,219 @@ static inline void frows4(int wtype, const char *w, int64_t row_bytes, int64_t K
 #endif
 }
 
+/* One float product call. */
+typedef struct {
+    int wtype;
+    const void *w;
+    const int64_t *experts, *starts;
+    const float *x;
+    int64_t x_stride, N, K, row_bytes, blocks;
+    float *out;
+} float_call;
+
+/* Work item `item` (a segment's block of ROWS weight rows) of a float call. */
+static void float_item(const float_call *c, int64_t item) {
+    const int64_t N = c->N, K = c->K, row_bytes = c->row_bytes;
+    const work_item it = item_of(item, c->blocks, c->starts, N);
+    const char *ws = (const char *)c->w + c->experts[it.s] * N * row_bytes;
+    int64_t r = it.r0;
+    for (; r + 4 <= it.r1; r += 4)
+        for (int64_t j = it.j0; j < it.j1; j++)
+            frows4(c->wtype, ws + r * row_bytes, row_bytes, K, c->x + (c->x_stride ? j * c->x_stride : 0), c->out + j * N + r);
+    for (; r < it.r1; r++)
+        for (int64_t j = it.j0; j < it.j1; j++)
+            c->out[j * N + r] = fdot_tail(c->wtype, ws + r * row_bytes, c->x + (c->x_stride ? j * c->x_stride : 0), 0, K);
+}
+
 /* Returns 0, or 2 for a bad wtype. */
 int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts, const int64_t *starts,
                                int64_t segments, const float *x, int64_t x_stride, int64_t N, int64_t K,
                                float *out, int threads) {
     if (wtype < 0 || wtype > 2) return 2;
-    const int64_t esize = wtype == 0 ? 4 : 2, row_bytes = K * esize;
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
+    const int64_t row_bytes = K * (wtype == 0 ? 4 : 2);
+    const float_call c = {wtype, w, experts, starts, x, x_stride, N, K, row_bytes, (N + ROWS - 1) / ROWS, out};
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t item = 0; item < segments * blocks; item++) {
-        const work_item it = item_of(item, blocks, starts, N);
-        const int64_t r0 = it.r0, r1 = it.r1, j0 = it.j0, j1 = it.j1;
-        const char *ws = (const char *)w + experts[it.s] * N * row_bytes;
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4)
-            for (int64_t j = j0; j < j1; j++)
-                frows4(wtype, ws + r * row_bytes, row_bytes, K, x + (x_stride ? j * x_stride : 0), out + j * N + r);
-        for (; r < r1; r++)
-            for (int64_t j = j0; j < j1; j++)
-                out[j * N + r] = fdot_tail(wtype, ws + r * row_bytes, x + (x_stride ? j * x_stride : 0), 0, K);
+    for (int64_t item = 0; item < segments * c.blocks; item++) float_item(&c, item);
+    (void)threads;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * moekit_decode_ffn: one token's whole experts FFN at decode in one call and one parallel region:
+ *
+ *     h_j = W13[e_j] x_j (+ b13_j),  a_j = act(h_j),  y_j = W2[e_j] a_j (+ b2_j),
+ *     out = sum_j c_j y_j  (slot order; c_j = w_j, or 1 with x_j = w_j x: weights on the input)
+ *
+ * for the token's n slots j (experts e_j), each GEMM on the kernels above (float, int8 W8A8 or
+ * weight-only weights, one `moekit_projection` each). At decode a layer is a weight stream
+ * plus a dozen small operations, and between two streams those ran cold (caches and the
+ * interpreter's state evicted by the weights, h and y written by the other core): about
+ * 150-250 us a token on two cores, a quarter of an int4 layer's time. Here the activation of
+ * slot j runs on the thread that computed h_j, the threads meet at a barrier between the
+ * steps, and nothing returns to Python in between.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct {    /* one projection's weights, as moekit/native/__init__.py lays it out */
+    int32_t kind;   /* 0: float weights (wtype 0 fp32, 1 bf16, 2 fp16) */
+                    /* 1: int8 W8A8 (scale [E, N] per output channel, x quantized per row) */
+                    /* 2: weight-only (wtype 0 int4, 1 int8, 2 uint8 with zero; scale [E, N, K/g]) */
+    int32_t wtype;
+    const void *w;
+    const float *scale;
+    const uint8_t *zero;
+    int64_t N, K, g;
+} moekit_projection;
+
+/* A product of any kind over one segment a row (a decode token's slots). */
+typedef struct {
+    int kind;
+    float_call fl;
+    int8_call i8;
+    wo_call wo;
+    int16_t *x16;
+    float *scales;
+    const float *x;
+    int64_t x_stride, items;
+} product;
+
+static int product_init(product *p, const moekit_projection *d, const int64_t *experts, int64_t segments,
+                        const float *x, int64_t x_stride, int64_t x_rows, float *out) {
+    memset(p, 0, sizeof *p);
+    p->kind = d->kind, p->x = x, p->x_stride = x_stride;
+    const int64_t blocks = (d->N + ROWS - 1) / ROWS;
+    p->items = segments * blocks;
+    if (d->kind == 0) {
+        const float_call c = {d->wtype, d->w, experts, NULL, x, x_stride, d->N, d->K, d->K * (d->wtype == 0 ? 4 : 2),
+                              blocks, out};
+        p->fl = c;
+        return 1;
     }
+    if (d->kind == 1) {
+        p->x16 = (int16_t *)malloc((size_t)(x_rows * d->K) * sizeof(int16_t) + (size_t)x_rows * sizeof(float));
+        if (p->x16 == NULL) return 0;
+        p->scales = (float *)(p->x16 + x_rows * d->K);
+        const int8_call c = {(const int8_t *)d->w, experts, NULL, p->x16, p->scales, d->scale, x_stride == 0, d->N,
+                             d->K, blocks, NULL, out};
+        p->i8 = c;
+        return 1;
+    }
+    wo_call *c = &p->wo;
+    c->wtype = d->wtype, c->w = (const uint8_t *)d->w, c->zero = d->zero, c->scale = d->scale, c->x = x;
+    c->experts = experts, c->x_stride = x_stride, c->N = d->N, c->K = d->K, c->g = d->g, c->out = out;
+    return wo_init(c, x_rows);
+}
+
+static void product_prepare_row(product *p, int64_t j) {
+    if (p->kind == 1) quantize_rows(p->x + j * p->x_stride, 0, 1, p->i8.K, p->x16 + j * p->i8.K, p->scales + j);
+    else if (p->kind == 2) wo_prepare_row(&p->wo, j);
+}
+
+static void product_item(const product *p, int64_t item) {
+    if (p->kind == 0) float_item(&p->fl, item);
+    else if (p->kind == 1) int8_item(&p->i8, item);
+    else wo_item(&p->wo, item);
+}
+
+static void product_free(product *p) {
+    free(p->x16);
+    if (p->kind == 2 && p->wo.scratch) wo_free(&p->wo);
+}
+
+/* The activations of moekit.activations, in the order of its ACTIVATIONS (the gated ones take
+ * h = [gate | up] of 2 I values, the others I), computed as torch's CPU kernels write them. */
+static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
+    const float *u = h + I;
+    for (int64_t i = 0; i < I; i++) {
+        float g = h[i], v;
+        switch (act) {
+        case 0: v = (g / (1.0f + expf(-g))) * u[i]; break;                                   /* silu */
+        case 1: v = ((g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f))) * u[i]; break;    /* gelu */
+        case 2: {                                                                              /* gelu_tanh */
+            const float inner = 0.79788456080286536f * (g + 0.044715f * (g * g * g));
+            v = ((0.5f * g) * (1.0f + tanhf(inner))) * u[i];
+            break;
+        }
+        case 3: {                                                                              /* swigluoai */
+            g = g > limit ? limit : g;  /* NaN stays NaN, as in torch's clamp */
+            const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+            v = (g * (1.0f / (1.0f + expf(-(alpha * g))))) * (up + 1.0f);
+            break;
+        }
+        case 4: v = g / (1.0f + expf(-g)); break;                                             /* silu_no_mul */
+        case 5: v = (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f)); break;               /* gelu_no_mul */
+        default: { const float r = g < 0.0f ? 0.0f : g; v = r * r; }                          /* relu2_no_mul */
+        }
+        a[i] = v;
+    }
+}
+
+/* Returns 0, 1 when the scratch cannot be allocated, 2 for shapes that do not fit together. */
+int moekit_decode_ffn(const moekit_projection *p13, const moekit_projection *p2, int act, float alpha, float limit,
+                      const int64_t *experts, const float *slot_w, int64_t n, int on_input, const float *x,
+                      const float *b13, const float *b2, float *out, int threads) {
+    const int64_t H = p13->K, N1 = p13->N, I = p2->K;
+    if (act < 0 || act > 6 || p2->N != H || N1 != (act < 4 ? 2 * I : I) || n <= 0) return 2;
+    const int64_t x_rows = on_input ? n : 1, nx = on_input ? n * H : 0;
+    float *buf = (float *)malloc((size_t)(nx + n * (N1 + I + H)) * sizeof(float));
+    if (buf == NULL) return 1;
+    float *h = buf + nx, *a = h + n * N1, *y = a + n * I;
+    product g1, g2;
+    const int ok1 = product_init(&g1, p13, experts, n, on_input ? buf : x, on_input ? H : 0, x_rows, h);
+    const int ok2 = ok1 && product_init(&g2, p2, experts, n, a, I, n, y);
+    if (!ok2) {
+        if (ok1) product_free(&g1);
+        free(buf);
+        return 1;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t j = 0; j < x_rows; j++) {
+            if (on_input)
+                for (int64_t k = 0; k < H; k++) buf[j * H + k] = x[k] * slot_w[j];
+            product_prepare_row(&g1, j);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < g1.items; item++) product_item(&g1, item);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t j = 0; j < n; j++) {  /* static: slot j on the thread that computed most of h_j */
+            float *hj = h + j * N1;
+            if (b13)
+                for (int64_t k = 0; k < N1; k++) hj[k] += b13[j * N1 + k];
+            activate(act, alpha, limit, hj, I, a + j * I);
+            product_prepare_row(&g2, j);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < g2.items; item++) product_item(&g2, item);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t c0 = 0; c0 < H; c0 += 256) {
+            const int64_t c1 = c0 + 256 < H ? c0 + 256 : H;
+            for (int64_t c = c0; c < c1; c++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    const float v = b2 ? y[j * H + c] + b2[j * H + c] : y[j * H + c];
+                    acc += on_input ? v : slot_w[j] * v;
+                }
+                out[c] = acc;
+            }
+        }
+    }
+    product_free(&g1);
+    product_free(&g2);
+    free(buf);
     (void)threads;
     return 0;
 }

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..activations import is_gated
-from ..experts.base import ExpertWeights
+from ..experts.base import ExpertWeights, cached_for
 from .quantize import check_fits
 from .schemes import QuantScheme, get_scheme
 
@@ -22,7 +22,15 @@ SCALE_KEYS = ("w13_scale", "w2_scale", "w13_zero", "w2_zero", "a13_scale", "a2_s
 
 
 def scheme_of(weights: ExpertWeights) -> QuantScheme:
-    """The full QuantScheme of quantized weights (group size and zero points read off the scales)."""
+    """The full QuantScheme of quantized weights (group size and zero points read off the scales).
+
+    Kept while the weights live (backends ask every call; experts.base.cached_for) and read
+    again when the scheme name or the w13 scales change."""
+    key = (weights.quant, weights.scales.get("w13_scale"), weights.scales.get("w13_zero"), weights.w2)
+    return cached_for(weights, "scheme", key, lambda: _read_scheme(weights))
+
+
+def _read_scheme(weights: ExpertWeights) -> QuantScheme:
     base = get_scheme(weights.quant)
     if base.weight_granularity != "group":
         return base

@@ -23,6 +23,8 @@ its low nibble and column 2j+1 in its high nibble.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple, Union
 
@@ -194,8 +196,13 @@ def get_scheme(scheme: Union[str, QuantScheme], *, group_size: Optional[int] = N
         raise ValueError(f"group_size must be one of {list(GROUP_SIZES)}, got {group_size!r}")
     if symmetric is not None and not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-    return replace(base, group_size=group_size or base.group_size,
-                   symmetric=base.symmetric if symmetric is None else symmetric)
+    return _variant(base, group_size or base.group_size, base.symmetric if symmetric is None else symmetric)
+
+
+@functools.lru_cache(maxsize=256)
+def _variant(base: QuantScheme, group_size: int, symmetric: bool) -> QuantScheme:
+    """One object per (scheme, options): backends read the scheme off the weights every call."""
+    return replace(base, group_size=group_size, symmetric=symmetric)
 
 
 def precision_of_scheme(name: str) -> str:
