@@ -450,43 +450,53 @@ def test_cpu_backend_skewed_routing_falls_back_on_the_sorted_rows(monkeypatch, g
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 
-# ---- decode_ffn: one token's whole FFN in one call ------------------------------------------
+# ---- decode: each token's whole FFN in one parallel region -----------------------------------
 
-def _ffn_float64(w13, w2, experts, sw, x, activation, on_input, b13=None, b2=None, params=None):
-    """The FFN in float64 from float weights, torch's activation (in fp32, as the kernel computes it)."""
+def _ffn_float64(w13, w2, ids, tw, x, activation, on_input, b13=None, b2=None, params=None, emap=None):
+    """[T, H] float64 from float weights around torch's activation (in fp32, as the kernel computes it)."""
     from moekit.activations import apply_activation
 
-    out = torch.zeros(w2.shape[1], dtype=torch.float64)
-    for j, e in enumerate(experts.tolist()):
-        xj = x.double() * float(sw[j]) if on_input else x.double()
-        h = w13[e].double() @ xj + (0 if b13 is None else b13[j].double())
-        a = apply_activation(h.float()[None], activation, params)[0].double()
-        y = w2[e].double() @ a + (0 if b2 is None else b2[j].double())
-        out += y if on_input else float(sw[j]) * y
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            e = e if emap is None else int(emap[e])
+            if e < 0:
+                continue
+            xj = x[t].double() * float(tw[t, j]) if on_input else x[t].double()
+            h = w13[e].double() @ xj + (0 if b13 is None else b13[e].double())
+            a = apply_activation(h.float()[None], activation, params)[0].double()
+            y = w2[e].double() @ a + (0 if b2 is None else b2[e].double())
+            out[t] += y if on_input else float(tw[t, j]) * y
     return out
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("activation", list(native.ACTIVATION_CODES))
-@pytest.mark.parametrize("on_input, bias", [(False, False), (True, True)])
-def test_decode_ffn_float_weights_match_float64(libs, isa, activation, on_input, bias, gen):
+@pytest.mark.parametrize("on_input, bias, use_map", [(False, False, False), (True, True, True)])
+def test_decode_float_weights_match_float64(libs, isa, activation, on_input, bias, use_map, gen):
     """fp32 weights, every activation: the fused FFN against float64 GEMMs around torch's
-    activation, within fp32 rounding; odd sizes and repeated experts."""
+    activation, within fp32 rounding; odd sizes, repeated experts, three tokens (with a map,
+    the last one's experts all elsewhere: zeros)."""
     from moekit.activations import is_gated
 
-    E, H, I, n = 5, 37, 19, 6
+    E, H, I, k = 5, 37, 19, 4
     N1 = 2 * I if is_gated(activation) else I
     w13, w2 = torch.randn(E, N1, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5
-    experts = torch.tensor([3, 0, 3, 4, 1, 2])
-    sw, x = torch.rand(n, generator=gen), torch.randn(H, generator=gen) * 2
-    b13 = torch.randn(n, N1, generator=gen) if bias else None
-    b2 = torch.randn(n, H, generator=gen) if bias else None
+    emap = torch.tensor([3, -1, 0, 4, 1, 2, -1], dtype=torch.int32) if use_map else None
+    ids = (torch.tensor([[0, 5, 0, 3], [2, 4, 6, 0], [1, 6, 1, 6]]) if use_map
+           else torch.tensor([[3, 0, 3, 4], [1, 2, 0, 4], [2, 2, 1, 0]])).to(torch.int32)
+    tw, x = torch.rand(3, k, generator=gen), torch.randn(3, H, generator=gen) * 2
+    b13 = torch.randn(E, N1, generator=gen) if bias else None
+    b2 = torch.randn(E, H, generator=gen) if bias else None
     params = ActivationParams(alpha=1.5, limit=1.0)  # a limit the values cross
-    lib = libs[isa]
-    out = torch.full((H,), float("nan"))
-    lib.decode_ffn(native.projection(w13, "float"), native.projection(w2, "float"), experts, sw, x, out,
-                   activation=activation, alpha=params.alpha, limit=params.limit, on_input=on_input, b13=b13, b2=b2)
-    assert rel_err(out, _ffn_float64(w13, w2, experts, sw, x, activation, on_input, b13, b2, params)) <= 1e-5
+    out = torch.full((3, H), float("nan"))
+    libs[isa].decode(native.projection(w13, "float"), native.projection(w2, "float"), ids, tw, x, out,
+                     activation=activation, alpha=params.alpha, limit=params.limit, on_input=on_input,
+                     expert_map=emap, b13=b13, b2=b2)
+    ref = _ffn_float64(w13, w2, ids, tw, x, activation, on_input, b13, b2, params, emap)
+    assert rel_err(out, ref) <= 1e-5
+    if use_map:
+        assert torch.equal(out[2], torch.zeros(H))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -495,10 +505,12 @@ def test_decode_ffn_float_weights_match_float64(libs, isa, activation, on_input,
     ("int4_w4a16", dict(group_size=32, symmetric=False), "int4"), ("int8_w8a16", dict(group_size=64), "int8"),
     ("int8_w8a16", dict(group_size=32, symmetric=False), "int8"),
 ])
-def test_decode_ffn_quantized_weights_match_the_per_gemm_products(libs, isa, name, opts, kind, gen):
+def test_decode_quantized_weights_match_the_per_gemm_products(libs, isa, name, opts, kind, gen):
     """Quantized projections: the fused call against the same library's per-GEMM products with
     torch's activation between them (the unfused decode path): the same GEMM kernels, so only
     the activation's last bits differ (and, for int8 W8A8, rarely a quantized input by a step)."""
+    from moekit.activations import apply_activation
+
     g = get_scheme(name, **opts).group_size if name != "int8_w8a8" else 0
     E, H, I, n = 6, 256, 128, 5
     w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
@@ -507,10 +519,10 @@ def test_decode_ffn_quantized_weights_match_the_per_gemm_products(libs, isa, nam
     p13, p2 = (native.projection(getattr(w, p), kind, scale=s[f"{p}_scale"], zero=s.get(f"{p}_zero"), group_size=g)
                for p in ("w13", "w2"))
     experts, sw, x = torch.tensor([5, 1, 1, 0, 2]), torch.rand(n, generator=gen), torch.randn(H, generator=gen)
-    out = torch.full((H,), float("nan"))
-    lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu")
+    out = torch.full((1, H), float("nan"))
+    lib.decode(p13, p2, experts[None], sw[None], x[None], out, activation="silu")
 
-    def gemm(p, rows, wname):
+    def gemm(rows, wname):
         res = torch.empty(n, getattr(w, wname).shape[1])
         if kind == "int8_w8a8":
             return lib.int8_gemm(getattr(w, wname), experts, rows, res, scales=torch.empty(rows.shape[0], 1),
@@ -518,34 +530,35 @@ def test_decode_ffn_quantized_weights_match_the_per_gemm_products(libs, isa, nam
         return lib.wo_gemm(getattr(w, wname), s[f"{wname}_scale"], s.get(f"{wname}_zero"), experts, rows, res,
                            int4=kind == "int4", group_size=g)
 
-    from moekit.activations import apply_activation
-    a = apply_activation(gemm(p13, x[None], "w13"), "silu").contiguous()
-    expected = sw @ gemm(p2, a, "w2")
-    assert rel_err(out, expected) <= (2e-3 if kind == "int8_w8a8" else 1e-6)
+    expected = sw @ gemm(apply_activation(gemm(x[None], "w13"), "silu").contiguous(), "w2")
+    assert rel_err(out[0], expected) <= (2e-3 if kind == "int8_w8a8" else 1e-6)
 
 
-def test_decode_ffn_propagates_nan_and_checks_its_arguments(libs, gen):
+def test_decode_propagates_nan_and_checks_its_arguments(libs, gen):
     lib = libs["native"]
     w13, w2 = torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 8, generator=gen)
     p13, p2 = native.projection(w13, "float"), native.projection(w2, "float")
-    experts, sw, x, out = torch.tensor([0, 2]), torch.rand(2, generator=gen), torch.randn(8, generator=gen), torch.empty(8)
-    x[3] = float("nan")
+    ids, tw, x, out = torch.tensor([[0, 2]]), torch.rand(1, 2, generator=gen), torch.randn(1, 8, generator=gen), torch.empty(1, 8)
+    x[0, 3] = float("nan")
     for activation in ("silu", "swigluoai", "gelu"):
-        lib.decode_ffn(p13, p2, experts, sw, x, out, activation=activation)
+        lib.decode(p13, p2, ids, tw, x, out, activation=activation)
         assert out.isnan().all()
-    x[3] = 0.0
+    x[0, 3] = 0.0
     with pytest.raises(ValueError, match="activation must be one of"):
-        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="tanh")
-    with pytest.raises(ValueError, match=r"experts must lie in \[0, 3\), got \[0, 3\]"):
-        lib.decode_ffn(p13, p2, torch.tensor([0, 3]), sw, x, out, activation="silu")
-    with pytest.raises(TypeError, match="wants int64 experts and fp32"):
-        lib.decode_ffn(p13, p2, experts, sw.double(), x, out, activation="silu")
-    with pytest.raises(ValueError, match="do not fit H=8, N1=16"):
-        lib.decode_ffn(p13, p2, experts, sw, x[:7], out, activation="silu")
-    with pytest.raises(ValueError, match="do not fit H=8, N1=16"):
-        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu", b13=torch.zeros(2, 8))
+        lib.decode(p13, p2, ids, tw, x, out, activation="tanh")
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 3\)"):
+        lib.decode(p13, p2, torch.tensor([[0, 3]]), tw, x, out, activation="silu", trusted=True)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 2\) and the expert_map in \[-1, 3\)"):
+        lib.decode(p13, p2, ids, tw, x, out, activation="silu", expert_map=torch.tensor([0, 3]))
+    with pytest.raises(TypeError, match="wants int32 / int64 topk_ids and expert_map, fp32 topk_weights"):
+        lib.decode(p13, p2, ids, tw.double(), x, out, activation="silu")
+    with pytest.raises(ValueError, match="do not fit E=3 .p2: 3., H=8, N1=16"):
+        lib.decode(p13, p2, ids, tw, x[:, :7], out, activation="silu")
+    with pytest.raises(ValueError, match="do not fit E=3"):
+        lib.decode(p13, p2, ids, tw, x, out, activation="silu", b13=torch.zeros(3, 8))
     with pytest.raises(ValueError, match=r"p13 \[N1=16, H=8\] and p2 \[H=8, I=8\] do not fit 'silu_no_mul'"):
-        lib.decode_ffn(p13, p2, experts, sw, x, out, activation="silu_no_mul")
+        lib.decode(p13, p2, ids, tw, x, out, activation="silu_no_mul")
+    assert lib.decode(p13, p2, ids[:0], tw[:0], x[:0], out[:0], activation="silu").shape == (0, 8)
     with pytest.raises(ValueError, match="kind must be one of"):
         native.projection(w13, "fp8")
     with pytest.raises(TypeError, match="a float projection wants fp32 / bf16 / fp16 w and no scales"):
@@ -586,3 +599,11 @@ def test_native_decode_projections_are_kept_per_weights_and_rebuilt_for_copies(g
     del dup, other
     gc.collect()
     assert key not in base._DERIVED
+    # bf16 biases are kept as fp32 copies: an in-place change (a checkpoint loaded into the
+    # tensors) makes new ones
+    from moekit.experts.base import ExpertWeights
+    wb = ExpertWeights(torch.randn(4, 64, 32, generator=gen), torch.randn(4, 32, 32, generator=gen),
+                       torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16))
+    assert native_decode(lib, wb, "float")[3].abs().sum() == 0
+    wb.b13.add_(1.0)
+    assert torch.equal(native_decode(lib, wb, "float")[3], torch.ones(4, 64))

@@ -151,19 +151,22 @@ def token_slots(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: 
 
 def native_decode(lib, weights, kind: str, group_size: int = 0):
     """decode_by_token's `fused` for these weights: (lib, w13's and w2's native.Projection of
-    `kind`, scales and zero points from weights.scales).
+    `kind` with scales and zero points from weights.scales, the biases as fp32 tables or None).
 
     Built once while the weights live (base.cached_for), again when the library, kind, group
     size, any of the tensors or where their data lies (a projection holds their addresses)
     differs.
     """
     s = weights.scales
-    tensors = (weights.w13, weights.w2, *(s.get(n) for n in _PROJECTION_SCALES))
-    key = (lib, kind, group_size, *tensors, *(0 if t is None else t.data_ptr() for t in tensors))
+    tensors = (weights.w13, weights.w2, weights.b13, weights.b2, *(s.get(n) for n in _PROJECTION_SCALES))
+    key = (lib, kind, group_size, *tensors, *(0 if t is None else t.data_ptr() for t in tensors),
+           *(0 if b is None else b._version for b in (weights.b13, weights.b2)))  # fp32 copies of biases go stale
 
     def build():
-        return (lib, *(native.projection(getattr(weights, name), kind, scale=s.get(f"{name}_scale"),
-                                         zero=s.get(f"{name}_zero"), group_size=group_size) for name in ("w13", "w2")))
+        projections = (native.projection(getattr(weights, name), kind, scale=s.get(f"{name}_scale"),
+                                         zero=s.get(f"{name}_zero"), group_size=group_size) for name in ("w13", "w2"))
+        biases = (None if b is None else b.detach().float().contiguous() for b in (weights.b13, weights.b2))
+        return (lib, *projections, *biases)
 
     return cached_for(weights, "native_decode", key, build)
 
@@ -179,23 +182,20 @@ def decode_by_token(products, gemm_dtype, x, weights, topk_weights, topk_ids, ac
     (`products(name, rows, experts, expert ids [n] int64, out)`: rows [1 or n, K] in gemm_dtype,
     out [n, N] gemm_dtype, returns out), then its biases and activation run over all n slots
     at once. The weighted sum over the slots in slot order (deterministic). With `fused`
-    (moekit's native library and the two projections' `native.Projection`s, gemm_dtype fp32),
-    each token's whole FFN instead runs in one native call (NativeLibrary.decode_ffn): the
-    same products, the activation as torch's kernels write it (up to the last bit of exp, erf,
-    tanh), the same sum order.
+    (`native_decode`'s, gemm_dtype fp32) every token's whole FFN instead runs in one native
+    call (NativeLibrary.decode): the same products, the activation as torch's kernels write
+    it (up to the last bit of exp, erf, tanh), the same sum order.
     """
     H, N1 = weights.w2.shape[1], weights.w13.shape[1]
-    out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
-    if fused is not None and min(H, N1, weights.w2.shape[2]) > 0:
-        lib, p13, p2 = fused
+    if fused is not None and min(H, N1, weights.w2.shape[2], topk_ids.shape[1]) > 0:
+        lib, p13, p2, b13, b2 = fused
         params = activation_params or ActivationParams()
-        xf, b13, b2 = x.float().contiguous(), weights.b13, weights.b2
-        for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
-            lib.decode_ffn(p13, p2, e_idx, w_t.contiguous(), xf[t], out[t], activation=activation, alpha=params.alpha,
-                           limit=params.limit, on_input=on_input, trusted=True,
-                           b13=None if b13 is None else b13.index_select(0, e_idx).float(),
-                           b2=None if b2 is None else b2.index_select(0, e_idx).float())
-        return out
+        out = x.new_empty((topk_ids.shape[0], H), dtype=torch.float32)
+        return lib.decode(p13, p2, topk_ids.contiguous(), topk_weights.float().contiguous(), x.float().contiguous(),
+                          out, activation=activation, alpha=params.alpha, limit=params.limit, on_input=on_input,
+                          expert_map=None if expert_map is None else expert_map.contiguous(), b13=b13, b2=b2,
+                          trusted=True)
+    out = x.new_zeros((topk_ids.shape[0], H), dtype=torch.float32)
     for t, es, e_idx, w_t in token_slots(topk_weights, topk_ids, expert_map):
         n = len(es)
         rows = (x[t:t + 1].float() * w_t[:, None]).to(gemm_dtype) if on_input else x[t:t + 1].to(gemm_dtype)

@@ -2,9 +2,9 @@
 
 What: `int8_gemm`, `wo_gemm` and `float_gemm` (int8, int4 / int8 group-scaled, and fp32 / bf16
 / fp16 weights), products of rows grouped by expert (a decode token's slots, or the sorted
-rows of a few tokens) in one call each (cpu_kernels.c says how); and `decode_ffn`, a decode
+rows of a few tokens) in one call each (cpu_kernels.c says how); and a decode
 token's whole FFN (both GEMMs on those kernels, biases, activation, the weighted sum over its
-slots) in one call and one parallel region. The `cpu`, `cpu_int8` and `cpu_wo` backends use
+slots) in one parallel region, `decode` (every token of a decode step in one call). The `cpu`, `cpu_int8` and `cpu_wo` backends use
 them for decode and calls of a few rows an expert. torch offers
 one int8 GEMM per expert (torch._int_mm): at one token each is a short weight stream with its
 own parallel region, and the CPU int8 backend's decode spent about 1.1 ms of 1.5 in 16 of
@@ -52,7 +52,7 @@ _ISA_FLAGS = {
 }
 
 
-# moekit.activations' names -> moekit_decode_ffn's activation codes
+# moekit.activations' names -> moekit_decode's activation codes
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3, "silu_no_mul": 4, "gelu_no_mul": 5,
                     "relu2_no_mul": 6}
 
@@ -65,9 +65,10 @@ class _ProjectionStruct(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Projection:
-    """One GEMM's weights for `NativeLibrary.decode_ffn`, checked once (`projection` builds it);
+    """One GEMM's weights for `NativeLibrary.decode`, checked once (`projection` builds it);
     it holds its tensors, so they live as long as it does."""
     kind: str
+    E: int
     N: int
     K: int
     tensors: tuple
@@ -79,7 +80,7 @@ _PROJECTION_KINDS = ("float", "int8_w8a8", "int4", "int8")
 
 def projection(w: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = None,
                zero: Optional[torch.Tensor] = None, group_size: int = 0) -> Projection:
-    """Describe one projection's stored weights for `NativeLibrary.decode_ffn`.
+    """Describe one projection's stored weights for `NativeLibrary.decode`.
 
     Args:
         w: [E, N, K] (int4: [E, N, K/2] uint8, two a byte), contiguous.
@@ -98,14 +99,14 @@ def projection(w: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = No
         wtype = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(w.dtype)
         if wtype is None or scale is not None or zero is not None:
             raise TypeError(f"a float projection wants fp32 / bf16 / fp16 w and no scales, got {w.dtype}")
-        return Projection(kind, N, K, tensors, _ProjectionStruct(0, wtype, w.data_ptr(), None, None, N, K, 0))
+        return Projection(kind, E, N, K, tensors, _ProjectionStruct(0, wtype, w.data_ptr(), None, None, N, K, 0))
     if scale is None or scale.dtype != torch.float32:
         raise TypeError(f"a {kind} projection wants an fp32 scale, got {None if scale is None else scale.dtype}")
     if kind == "int8_w8a8":
         if w.dtype != torch.int8 or zero is not None or tuple(scale.shape) != (E, N):
             raise ValueError(f"an int8_w8a8 projection wants int8 w and an [E, N] scale, no zero; got {w.dtype}, "
                              f"scale {tuple(scale.shape)}")
-        return Projection(kind, N, K, tensors, _ProjectionStruct(1, 0, w.data_ptr(), scale.data_ptr(), None, N, K, 0))
+        return Projection(kind, E, N, K, tensors, _ProjectionStruct(1, 0, w.data_ptr(), scale.data_ptr(), None, N, K, 0))
     K = K * 2 if kind == "int4" else K
     wtype = 0 if kind == "int4" else (1 if w.dtype == torch.int8 else 2)
     if (w.dtype != (torch.uint8 if kind == "int4" else w.dtype) or w.dtype not in (torch.int8, torch.uint8)
@@ -116,7 +117,7 @@ def projection(w: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = No
     if g <= 0 or g % 32 or K % g or tuple(scale.shape) != (E, N, K // g) or (zero is not None and zero.shape != scale.shape):
         raise ValueError(f"a {kind} projection wants g a multiple of 32 dividing K={K} and scale (and zero) "
                          f"[{E}, {N}, K/g], got g={g}, scale {tuple(scale.shape)}")
-    return Projection(kind, N, K, tensors, _ProjectionStruct(2, wtype, w.data_ptr(), scale.data_ptr(),
+    return Projection(kind, E, N, K, tensors, _ProjectionStruct(2, wtype, w.data_ptr(), scale.data_ptr(),
                                                              None if zero is None else zero.data_ptr(), N, K, g))
 
 
@@ -236,53 +237,71 @@ class NativeLibrary:
                                                  torch.get_num_threads())
         return out
 
-    def decode_ffn(self, p13: Projection, p2: Projection, experts: torch.Tensor, slot_weights: torch.Tensor,
-                   x: torch.Tensor, out: torch.Tensor, *, activation: str, alpha: float = 1.702, limit: float = 7.0,
-                   on_input: bool = False, b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
-                   trusted: bool = False) -> torch.Tensor:
-        """One token's experts FFN over its n slots in one call (cpu_kernels.c, moekit_decode_ffn):
-        out = sum_j c_j (W2[e_j] act(W13[e_j] x_j + b13_j) + b2_j), c_j = slot_weights[j] (or 1
-        with on_input, where x_j = slot_weights[j] x), in slot order, fp32.
+    def decode(self, p13: Projection, p2: Projection, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               x: torch.Tensor, out: torch.Tensor, *, activation: str, alpha: float = 1.702, limit: float = 7.0,
+               on_input: bool = False, expert_map: Optional[torch.Tensor] = None, b13: Optional[torch.Tensor] = None,
+               b2: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
+        """Decode: each token's experts FFN in one parallel region (cpu_kernels.c, moekit_decode),
+        out[t] = sum_j c_j (W2[e_j] act(W13[e_j] x_j + b13[e_j]) + b2[e_j]) over token t's local
+        slots j in slot order (c_j = topk_weights[t, j] and x_j = x[t]; with on_input, c_j = 1
+        and x_j = topk_weights[t, j] x[t]), fp32; zeros for a token with no local slot.
 
         Args:
-            p13, p2: the projections (`projection`); p13 [E, N1, H], p2 [E, H, I], N1 = 2I for
+            p13, p2: the projections (`projection`): p13 [E, N1, H], p2 [E, H, I], N1 = 2I for
                 gated activations, else I.
-            experts: [n] int64 (n >= 1).  slot_weights: [n] fp32.  x: [H] fp32.  out: [H] fp32 (written).
+            topk_ids: [T, k] int32 / int64 expert ids (global ones with expert_map).
+            topk_weights: [T, k] fp32.  x: [T, H] fp32.  out: [T, H] fp32 (written).
             activation: a name of moekit.activations (alpha and limit for "swigluoai").
-            b13, b2: [n, N1], [n, H] fp32 biases of the slots' experts, or None.
-            trusted: skip reading experts' values (the caller built them from its own ids).
+            expert_map: [E_global] int32 / int64, global -> local id (-1: elsewhere), or None.
+            b13, b2: [E, N1], [E, H] fp32 bias tables, or None.
+            trusted: skip the dtype, shape and layout checks (ids are range-checked either way).
         """
-        n, H, I = experts.shape[0], p13.K, p2.K
         code = ACTIVATION_CODES.get(activation)
         if code is None:
             raise ValueError(f"activation must be one of {list(ACTIVATION_CODES)}, got {activation!r}")
+        T, k = topk_ids.shape
         if not trusted:
-            tensors = (experts, slot_weights, x, out) + tuple(b for b in (b13, b2) if b is not None)
-            dtypes = (experts.dtype, slot_weights.dtype, x.dtype, out.dtype) + tuple(
-                b.dtype for b in (b13, b2) if b is not None)
-            if dtypes != (torch.int64,) + (torch.float32,) * (len(dtypes) - 1):
-                raise TypeError(f"decode_ffn wants int64 experts and fp32 slot_weights, x, out, biases; got {dtypes}")
-            shapes_fit = (n >= 1 and tuple(slot_weights.shape) == (n,) and x.numel() == H and out.numel() == H
-                          and (b13 is None or tuple(b13.shape) == (n, p13.N))
-                          and (b2 is None or tuple(b2.shape) == (n, H)))
-            if not shapes_fit or not all(t.is_contiguous() for t in tensors):
-                raise ValueError(f"decode_ffn: {n} experts, slot_weights {tuple(slot_weights.shape)}, x "
-                                 f"{tuple(x.shape)}, out {tuple(out.shape)}, biases "
-                                 f"{None if b13 is None else tuple(b13.shape)} / {None if b2 is None else tuple(b2.shape)}"
-                                 f" do not fit H={H}, N1={p13.N} (contiguous tensors wanted)")
-            E = min(p13.tensors[0].shape[0], p2.tensors[0].shape[0])
-            if int(experts.min()) < 0 or int(experts.max()) >= E:
-                raise ValueError(f"decode_ffn: experts must lie in [0, {E}), got {experts.tolist()}")
-        rc = self._lib.moekit_decode_ffn(
-            ctypes.byref(p13.struct), ctypes.byref(p2.struct), code, alpha, limit, experts.data_ptr(),
-            slot_weights.data_ptr(), n, int(on_input), x.data_ptr(), None if b13 is None else b13.data_ptr(),
-            None if b2 is None else b2.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            self._check_decode(p13, p2, topk_ids, topk_weights, x, out, expert_map, b13, b2)
+        if T == 0:
+            return out
+        rc = self._lib.moekit_decode(
+            ctypes.byref(p13.struct), ctypes.byref(p2.struct), code, alpha, limit, topk_ids.data_ptr(),
+            int(topk_ids.dtype == torch.int64), topk_weights.data_ptr(), T, k,
+            None if expert_map is None else expert_map.data_ptr(),
+            int(expert_map is not None and expert_map.dtype == torch.int64),
+            0 if expert_map is None else expert_map.shape[0], p13.E, int(on_input), x.data_ptr(),
+            None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(), out.data_ptr(),
+            torch.get_num_threads())
         if rc == 2:
-            raise ValueError(f"decode_ffn: p13 [N1={p13.N}, H={H}] and p2 [H={p2.N}, I={I}] do not fit "
-                             f"{activation!r} (N1 = 2I gated, I otherwise)")
+            raise ValueError(f"decode: p13 [N1={p13.N}, H={p13.K}] and p2 [H={p2.N}, I={p2.K}] do not fit "
+                             f"{activation!r} (N1 = 2I gated, I otherwise) or k={k}")
+        if rc == 3:
+            bound = p13.E if expert_map is None else expert_map.shape[0]
+            raise ValueError(f"decode: topk_ids must lie in [0, {bound}) and the expert_map in [-1, {p13.E}); "
+                             f"got ids {topk_ids.tolist()}")
         if rc:
-            raise MemoryError("decode_ffn could not allocate its scratch")
+            raise MemoryError("decode could not allocate its scratch")
         return out
+
+    @staticmethod
+    def _check_decode(p13, p2, topk_ids, topk_weights, x, out, expert_map, b13, b2):
+        T, k = topk_ids.shape
+        H = p13.K
+        if (topk_ids.dtype not in (torch.int32, torch.int64)
+                or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))
+                or any(t.dtype != torch.float32 for t in (topk_weights, x, out, b13, b2) if t is not None)):
+            raise TypeError(f"decode wants int32 / int64 topk_ids and expert_map, fp32 topk_weights, x, out and "
+                            f"biases; got {topk_ids.dtype}, {topk_weights.dtype}, {x.dtype}, {out.dtype}")
+        tensors = [t for t in (topk_ids, topk_weights, x, out, expert_map, b13, b2) if t is not None]
+        fits = (p13.E == p2.E and tuple(topk_weights.shape) == (T, k) and tuple(x.shape) == (T, H)
+                and tuple(out.shape) == (T, H) and (expert_map is None or expert_map.dim() == 1)
+                and (b13 is None or tuple(b13.shape) == (p13.E, p13.N))
+                and (b2 is None or tuple(b2.shape) == (p13.E, H)))
+        if not fits or not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"decode: topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+                             f"x {tuple(x.shape)}, out {tuple(out.shape)}, biases "
+                             f"{None if b13 is None else tuple(b13.shape)} / {None if b2 is None else tuple(b2.shape)} "
+                             f"do not fit E={p13.E} (p2: {p2.E}), H={H}, N1={p13.N} (contiguous tensors wanted)")
 
     @staticmethod
     def _segments(w, experts, x, out, starts, K, what, trusted):
@@ -375,10 +394,10 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f = lib.moekit_float_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    f = lib.moekit_decode_ffn
+    f = lib.moekit_decode
     f.restype = ctypes.c_int
-    f.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr,
-                  ptr, ctypes.c_int]
+    f.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ptr, i64, i64, ptr,
+                  ctypes.c_int, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int]
     return NativeLibrary(path, lib.moekit_isa().decode(), bool(lib.moekit_openmp()), lib)
 
 

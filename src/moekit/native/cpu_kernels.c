@@ -1,6 +1,6 @@
 /* moekit's native CPU kernels (compiled on first use by moekit/native/__init__.py): int8,
  * weight-only int4 / int8 and float products of rows grouped by expert, and a decode token's
- * whole FFN on them in one call (moekit_decode_ffn, at the end).
+ * whole FFN on them in one parallel region (moekit_decode, at the end).
  *
  * moekit_int8_gemm_segments: int8 products of rows grouped by expert, in one call,
  *
@@ -792,7 +792,7 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
 }
 
 /* ---------------------------------------------------------------------------------------------
- * moekit_decode_ffn: one token's whole experts FFN at decode in one call and one parallel region:
+ * moekit_decode: each decode token's whole experts FFN in one parallel region, all tokens in one call:
  *
  *     h_j = W13[e_j] x_j (+ b13_j),  a_j = act(h_j),  y_j = W2[e_j] a_j (+ b2_j),
  *     out = sum_j c_j y_j  (slot order; c_j = w_j, or 1 with x_j = w_j x: weights on the input)
@@ -899,12 +899,12 @@ static void activate(int act, float alpha, float limit, const float *h, int64_t 
     }
 }
 
-/* Returns 0, 1 when the scratch cannot be allocated, 2 for shapes that do not fit together. */
-int moekit_decode_ffn(const moekit_projection *p13, const moekit_projection *p2, int act, float alpha, float limit,
-                      const int64_t *experts, const float *slot_w, int64_t n, int on_input, const float *x,
-                      const float *b13, const float *b2, float *out, int threads) {
+/* One token's FFN over its n local slots (experts[j], slot_w[j]); b13 [E, N1] and b2 [E, H]
+ * fp32 bias tables or NULL. Returns 0, or 1 when the scratch cannot be allocated. */
+static int decode_token(const moekit_projection *p13, const moekit_projection *p2, int act, float alpha,
+                        float limit, const int64_t *experts, const float *slot_w, int64_t n, int on_input,
+                        const float *x, const float *b13, const float *b2, float *out, int threads) {
     const int64_t H = p13->K, N1 = p13->N, I = p2->K;
-    if (act < 0 || act > 6 || p2->N != H || N1 != (act < 4 ? 2 * I : I) || n <= 0) return 2;
     const int64_t x_rows = on_input ? n : 1, nx = on_input ? n * H : 0;
     float *buf = (float *)malloc((size_t)(nx + n * (N1 + I + H)) * sizeof(float));
     if (buf == NULL) return 1;
@@ -939,7 +939,7 @@ int moekit_decode_ffn(const moekit_projection *p13, const moekit_projection *p2,
         for (int64_t j = 0; j < n; j++) {  /* static: slot j on the thread that computed most of h_j */
             float *hj = h + j * N1;
             if (b13)
-                for (int64_t k = 0; k < N1; k++) hj[k] += b13[j * N1 + k];
+                for (int64_t k = 0; k < N1; k++) hj[k] += b13[experts[j] * N1 + k];
             activate(act, alpha, limit, hj, I, a + j * I);
             product_prepare_row(&g2, j);
         }
@@ -955,7 +955,7 @@ int moekit_decode_ffn(const moekit_projection *p13, const moekit_projection *p2,
             for (int64_t c = c0; c < c1; c++) {
                 float acc = 0.0f;
                 for (int64_t j = 0; j < n; j++) {
-                    const float v = b2 ? y[j * H + c] + b2[j * H + c] : y[j * H + c];
+                    const float v = b2 ? y[j * H + c] + b2[experts[j] * H + c] : y[j * H + c];
                     acc += on_input ? v : slot_w[j] * v;
                 }
                 out[c] = acc;
@@ -967,4 +967,38 @@ int moekit_decode_ffn(const moekit_projection *p13, const moekit_projection *p2,
     free(buf);
     (void)threads;
     return 0;
+}
+
+/* Decode of T tokens, token by token: ids [T, k] (int32, or int64 with ids_int64), topk_w
+ * [T, k] fp32, expert_map [map_size] (int32, or int64 with map_int64; -1: elsewhere) or NULL, x
+ * [T, H] fp32, out [T, H] fp32 (a token without local slots gets zeros). E: the local experts
+ * the projections hold. Returns 0; 1 when scratch cannot be allocated; 2 for shapes that do
+ * not fit together; 3 for an id outside [0, map_size or E) or a mapped id outside [-1, E). */
+int moekit_decode(const moekit_projection *p13, const moekit_projection *p2, int act, float alpha, float limit,
+                  const void *ids, int ids_int64, const float *topk_w, int64_t T, int64_t k, const void *expert_map,
+                  int map_int64, int64_t map_size, int64_t E, int on_input, const float *x, const float *b13, const float *b2,
+                  float *out, int threads) {
+    const int64_t H = p13->K;
+    if (act < 0 || act > 6 || p2->N != H || p13->N != (act < 4 ? 2 * p2->K : p2->K) || k <= 0) return 2;
+    int64_t *experts = (int64_t *)malloc((size_t)k * (sizeof(int64_t) + sizeof(float)));
+    if (experts == NULL) return 1;
+    float *slot_w = (float *)(experts + k);
+    int rc = 0;
+    for (int64_t t = 0; t < T && rc == 0; t++) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t id = ids_int64 ? ((const int64_t *)ids)[t * k + j] : ((const int32_t *)ids)[t * k + j];
+            if (id < 0 || id >= (expert_map ? map_size : E)) { rc = 3; break; }
+            const int64_t e = !expert_map ? id
+                              : (map_int64 ? ((const int64_t *)expert_map)[id] : ((const int32_t *)expert_map)[id]);
+            if (e < -1 || e >= E) { rc = 3; break; }
+            if (e >= 0) experts[n] = e, slot_w[n++] = topk_w[t * k + j];
+        }
+        if (rc) break;
+        if (n == 0) memset(out + t * H, 0, (size_t)H * sizeof(float));
+        else rc = decode_token(p13, p2, act, alpha, limit, experts, slot_w, n, on_input, x + t * H, b13, b2, out + t * H,
+                               threads);
+    }
+    free(experts);
+    return rc;
 }
