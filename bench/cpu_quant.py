@@ -3,11 +3,12 @@
 Shape E=64, k=8, H=1024, I=512 (SwiGLU), bf16 activations, M in {1, 32} tokens, uniform
 random routing drawn fresh per call. Variants:
 
-- bf16 weights, backend `cpu` (the baseline);
+- bf16 weights, backend `cpu` (the baseline), and the same with its decode as one native call
+  a GEMM instead of the fused decode (NativeLibrary.decode);
 - int8_w8a8, backend `cpu_int8` (exact int8 products), and the same with its decode products
   through torch._int_mm instead of moekit's native kernel (moekit.native);
-- int4_w4a16 (group 128, symmetric), backend `cpu_wo`, and the same without the native kernel
-  (torch's int4 kernel on bf16 inputs);
+- int4_w4a16 (group 128, symmetric), backend `cpu_wo`, the same with one native call a GEMM,
+  and the same without the native kernels (torch's int4 kernel on bf16 inputs);
 - int8_w8a16 (group 128) and int4_w4a16 with fp32 activations, backend `cpu_wo`: the native
   kernel at decode, fp32 GEMMs from weights dequantized in blocks otherwise.
 
@@ -38,7 +39,7 @@ import moekit.native
 from moekit import quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS, ExpertWeights
-from moekit.experts.cpu import native_dtypes
+from moekit.experts.cpu import CPUBackend, native_dtypes
 from moekit.experts.cpu_int8 import CPUInt8Backend
 from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend
 
@@ -97,16 +98,27 @@ def _without_native(cls):
     return b
 
 
+def _per_gemm(cls):
+    """A backend of `cls` whose decode makes one native call a GEMM (the fused decode off)."""
+    b = cls()
+    b.native_decode = False
+    return b
+
+
 def make_variants(gen: torch.Generator, l3_bytes: int):
     """name -> (backend, x dtype, [ExpertWeights copies], bytes per layer)."""
     w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
     w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
     specs = [
         ("bf16 cpu", "cpu", torch.bfloat16, lambda a, b: ExpertWeights(a.bfloat16(), b.bfloat16())),
+        ("bf16 cpu (one native call a GEMM)", _per_gemm(CPUBackend), torch.bfloat16,
+         lambda a, b: ExpertWeights(a.bfloat16(), b.bfloat16())),
         ("int8_w8a8 cpu_int8", "cpu_int8", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a8")),
         ("int8_w8a8 cpu_int8 (torch._int_mm products)", _without_native(CPUInt8Backend), torch.bfloat16,
          lambda a, b: quantize_experts(a, b, "int8_w8a8")),
         ("int4_w4a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
+        ("int4_w4a16 cpu_wo (one native call a GEMM)", _per_gemm(CPUWeightOnlyBackend), torch.bfloat16,
+         lambda a, b: quantize_experts(a, b, "int4_w4a16")),
         ("int4_w4a16 cpu_wo (torch's int4 kernel)", _without_native(CPUWeightOnlyBackend), torch.bfloat16,
          lambda a, b: quantize_experts(a, b, "int4_w4a16")),
         ("int8_w8a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a16")),

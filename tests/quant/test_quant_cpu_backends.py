@@ -228,3 +228,28 @@ def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, o
     assert rel_err(fast.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
     assert rel_err(per_gemm.apply(x, w, tw, ids, **kw), ref) <= TIGHT[fast_path]
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]
+
+
+@pytest.mark.parametrize("T, expected", [(5, "native"), (40, "kernel")])  # 2.5 and 20 rows an expert
+def test_sorted_bf16_int4_takes_vnni_products_for_a_few_rows_an_expert(monkeypatch, T, expected, gen):
+    """cpu_weight_only.NATIVE_ROWS_INT4_VNNI: sorted bf16 int4 calls of a few rows an expert take
+    the native VNNI products, more rows torch's int4 kernel (measured crossover)."""
+    backend = CPUWeightOnlyBackend()
+    w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
+                         "int4_w4a16")
+    lib = backend.native_library(w, get_scheme("int4_w4a16"))
+    if lib is None or lib.isa != "avx512_vnni" or not CPUWeightOnlyBackend.uses_int4_kernel(
+            torch.bfloat16, get_scheme("int4_w4a16")):
+        pytest.skip("needs the native kernels' VNNI build and torch's int4 kernel")
+    taken = []
+    native_linear, kernel_linear = backend._native_linear, backend._int4_kernel_linear
+    monkeypatch.setattr(backend, "_native_linear", lambda *a: taken.append("native") or native_linear(*a))
+    monkeypatch.setattr(backend, "_int4_kernel_linear", lambda *a: taken.append("kernel") or kernel_linear(*a))
+    x = torch.randn(T, 128, generator=gen, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, 4, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = backend.apply(x, w, tw, ids, **kw)
+    assert taken == [expected]
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {'int4 kernel' if expected == 'kernel' else 'native'}"]
