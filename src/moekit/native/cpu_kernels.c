@@ -899,6 +899,13 @@ static void activate(int act, float alpha, float limit, const float *h, int64_t 
     }
 }
 
+/* The loops of a parallel region, split statically over its threads (a loop in a row). */
+#ifdef _OPENMP
+#define OMP_FOR _Pragma("omp for schedule(static)")
+#else
+#define OMP_FOR
+#endif
+
 /* One token's FFN over its n local slots (experts[j], slot_w[j]); b13 [E, N1] and b2 [E, H]
  * fp32 bias tables or NULL. Returns 0, or 1 when the scratch cannot be allocated. */
 static int decode_token(const moekit_projection *p13, const moekit_projection *p2, int act, float alpha,
@@ -921,21 +928,15 @@ static int decode_token(const moekit_projection *p13, const moekit_projection *p
 #pragma omp parallel num_threads(threads)
 #endif
     {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
+        OMP_FOR
         for (int64_t j = 0; j < x_rows; j++) {
             if (on_input)
                 for (int64_t k = 0; k < H; k++) buf[j * H + k] = x[k] * slot_w[j];
             product_prepare_row(&g1, j);
         }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
+        OMP_FOR
         for (int64_t item = 0; item < g1.items; item++) product_item(&g1, item);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
+        OMP_FOR
         for (int64_t j = 0; j < n; j++) {  /* static: slot j on the thread that computed most of h_j */
             float *hj = h + j * N1;
             if (b13)
@@ -943,13 +944,9 @@ static int decode_token(const moekit_projection *p13, const moekit_projection *p
             activate(act, alpha, limit, hj, I, a + j * I);
             product_prepare_row(&g2, j);
         }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
+        OMP_FOR
         for (int64_t item = 0; item < g2.items; item++) product_item(&g2, item);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
+        OMP_FOR
         for (int64_t c0 = 0; c0 < H; c0 += 256) {
             const int64_t c1 = c0 + 256 < H ? c0 + 256 : H;
             for (int64_t c = c0; c < c1; c++) {
