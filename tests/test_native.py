@@ -32,7 +32,8 @@ def _cpu_flags() -> set:
     return set()
 
 
-ISAS = ["native", "scalar"] + (["avx2"] if "avx2" in _cpu_flags() else [])
+ISAS = (["native", "scalar"] + (["avx2"] if "avx2" in _cpu_flags() else [])
+        + (["avx2_vnni"] if {"avx2", "avx_vnni"} <= _cpu_flags() else []))
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +155,11 @@ def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, 
 
 
 def _vnni_products(lib, int4: bool, K: int, g: int) -> bool:
-    """Whether wo_gemm takes its VNNI products (x in fixed point) for this build and shape."""
-    C = 128 if int4 else 64
-    return lib.isa == "avx512_vnni" and K % C == 0 and (g % C == 0 or C % g == 0)
+    """Whether wo_gemm takes its VNNI products (x in fixed point) for this build and shape:
+    chunks of 8 (int4) or 4 columns a lane, 16 lanes with AVX-512, 8 with AVX2."""
+    lanes = {"avx512_vnni": 16, "avx2_vnni": 8}.get(lib.isa)
+    C = lanes and (8 if int4 else 4) * lanes
+    return bool(lanes) and K % C == 0 and (g % C == 0 or C % g == 0)
 
 
 def _fixed_point(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -168,17 +171,18 @@ def _fixed_point(x: torch.Tensor, g: int) -> torch.Tensor:
     return (torch.round(x.view(x.shape[0], -1, g) / step) * step).view_as(x)
 
 
-@pytest.mark.skipif("avx512_vnni" not in _cpu_flags(), reason="VNNI products need AVX-512 VNNI")
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2_vnni")])
 @pytest.mark.parametrize("name, symmetric, g, K", [
     ("int4_w4a16", True, 128, 256), ("int4_w4a16", False, 32, 256), ("int4_w4a16", True, 64, 384),
     ("int8_w8a16", True, 64, 192), ("int8_w8a16", False, 32, 128), ("int8_w8a16", True, 128, 256),
 ])
-def test_wo_gemm_vnni_rounds_x_to_the_documented_fixed_point(libs, name, symmetric, g, K, gen):
+def test_wo_gemm_vnni_rounds_x_to_the_documented_fixed_point(libs, isa, name, symmetric, g, K, gen):
     """The VNNI products equal dequantized w @ x rounded to the fixed point (not just close to
     x @ w): within fp32 summation error of the rounded x; rows that cannot take fixed point
     (inf, nan, maxima below 2^-100) take the fp32 path in the same call, and a zero row gives 0."""
-    lib = libs["native"]
-    assert lib.isa == "avx512_vnni"
+    lib = libs[isa]
+    if not _vnni_products(lib, name.startswith("int4"), K, g):
+        pytest.skip(f"the {lib.isa} build has no VNNI products for this shape")
     scheme = get_scheme(name, group_size=g, symmetric=symmetric)
     int4 = name.startswith("int4")
     q = quantize_weight(torch.randn(3, 37, K, generator=gen), scheme)
@@ -278,9 +282,11 @@ def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path)
     assert libs["scalar"].isa == "scalar" and libs["scalar"].openmp
     if "avx2" in libs:
         assert libs["avx2"].isa == "avx2"
+    if "avx2_vnni" in libs:
+        assert libs["avx2_vnni"].isa == "avx2_vnni"
     again = native.build("native", cache_dir=libs["native"].path.parent)
     assert again.path == libs["native"].path and again.isa == libs["native"].isa
-    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'native', 'scalar'\], got 'sse'"):
+    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'avx2_vnni', 'native', 'scalar'\], got 'sse'"):
         native.build("sse", cache_dir=tmp_path)
 
 

@@ -5,7 +5,7 @@ Compute paths, chosen per call by a fixed rule (each tested against the emulatio
 - native (where moekit's native kernels build: moekit.native): decode (at most
   DIRECT_ASSIGNMENTS assignments) runs each token's products over its k experts in one call
   per GEMM, in fp32 straight from the stored int4 / int8 weights and fp32 group scales, any
-  activation dtype (on AVX-512 VNNI CPUs as integer products against x in 16-bit fixed point
+  activation dtype (on CPUs with VNNI, AVX-512 or AVX-VNNI, as integer products against x in 16-bit fixed point
   per group: x's rounding is at most 2^-14 of its group's max |x|, finer than bf16's for all
   but the values 2^5 below that max); sorted calls that would take the fp32 blocks run on the same kernel up to
   NATIVE_ROWS rows an expert. At E=64, k=8, H=1024, I=512 on a 2-core AVX-512 host

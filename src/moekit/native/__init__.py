@@ -43,11 +43,12 @@ __all__ = ["ACTIVATION_CODES", "FAST_ISAS", "NativeLibrary", "Projection", "buil
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 # Instruction sets whose kernels beat torch's operators (measured); "scalar" builds exist for tests.
-FAST_ISAS = ("avx512_vnni", "avx512", "avx2")
+FAST_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 
 _ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],  # the AVX2 path on an AVX-512 machine (tests)
+    "avx2_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"],  # AVX2 with AVX-VNNI (tests)
     "scalar": ["-mno-avx2", "-mno-avx512f"],
 }
 
@@ -180,7 +181,7 @@ class NativeLibrary:
                 x: torch.Tensor, out: torch.Tensor, *, int4: bool, group_size: int,
                 starts: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
         """Weight-only products of rows grouped by expert: out[j] = dequant(w[experts[s]]) @ x[j], in fp32;
-        on AVX-512 VNNI builds (isa "avx512_vnni") as integer products against x rounded to 16-bit
+        on VNNI builds (isa "avx512_vnni", or "avx2_vnni": AVX-VNNI beside AVX2) as integer products against x rounded to 16-bit
         fixed point per group (a power-of-two step, at most 2^-14 of the group's max |x| an
         element), where the 64-byte weight chunks fit the groups (cpu_kernels.c says how).
 

@@ -32,6 +32,8 @@
 #define MOEKIT_ISA "avx512_vnni"
 #elif defined(__AVX512BW__)
 #define MOEKIT_ISA "avx512"
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+#define MOEKIT_ISA "avx2_vnni"
 #elif defined(__AVX2__)
 #define MOEKIT_ISA "avx2"
 #else
@@ -363,17 +365,18 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* ---- weight-only products on AVX-512 VNNI: integer products against x in 16-bit fixed point ----
+#if (defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__AVXVNNI__))
+/* ---- weight-only products with VNNI: integer products against x in 16-bit fixed point ----
  * Widening every weight to an fp32 lane costs about as many instructions as streaming it
  * (int4: 55 us per million weights per core, a third of a decode token's time on two cores).
- * vpdpbusd instead multiplies 64 unsigned weight bytes by 64 signed bytes into 16 int32 lanes,
- * four products a lane, in one instruction. So each group of g columns of x goes to fixed point
- * once per call: X = round(x / 2^e), the step 2^e the smallest power of two with
- * max |x| < 2^(e + XBITS), and X = lo + 256 hi in two signed bytes. A 64-byte chunk of a weight
- * row (128 int4 columns: low and high nibbles; 64 uint8 columns; int8 ones as uint8 q + 128 with
- * zero point 128) takes two (uint8) or four (int4) vpdpbusd; the lanes' integer sums are exact,
- * and (256 sum q hi + sum q lo) 2^e times the lane's weight scale accumulates in fp32. The zero
+ * vpdpbusd instead multiplies 4 VL unsigned weight bytes by as many signed bytes into VL int32
+ * lanes, four products a lane, in one instruction (VL = 16 with AVX-512 VNNI, 8 with AVX-VNNI on
+ * AVX2 CPUs). So each group of g columns of x goes to fixed point once per call:
+ * X = round(x / 2^e), the step 2^e the smallest power of two with max |x| < 2^(e + XBITS), and
+ * X = lo + 256 hi in two signed bytes. A chunk of 4 VL weight bytes (8 VL int4 columns: low and
+ * high nibbles; 4 VL uint8 columns; int8 ones as uint8 q + 128 with zero point 128) takes two
+ * (uint8) or four (int4) vpdpbusd; the lanes' integer sums are exact, and
+ * (256 sum q hi + sum q lo) 2^e times the lane's weight scale accumulates in fp32. The zero
  * points subtract s z sum_k X 2^e per group, so (q - z) multiplies the same rounded x.
  *
  * The only rounding beyond fp32 accumulation is x's to the step: |x - X 2^e| <= 2^-XBITS max|x|
@@ -384,27 +387,33 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
  * decode (bench/NOTES-cpu.md). Rows whose x is not finite, or whose group maxima fall below
  * 2^-100 (where 2^e would leave fp32's normal range), take the fp32 path. */
 #define WO_VNNI 1
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VL 16               /* int32 lanes of a vector */
+#else
+#define VL 8
+#endif
 #define XBITS 14            /* |X| <= 2^14: lo in [-128, 127], |hi| <= 64 */
 #define L2_AHEAD 16384      /* weight bytes ahead a row group prefetches into L2 ... */
 #define L1_AHEAD 2048       /* ... and into L1 (measured: one distance alone streamed 20-30 % slower) */
 
-/* A call's x rows prepared for the VNNI products. Each row: lane_f [T][16] (T = K / C chunks
- * of C columns: 128 for int4, 64 else): 2^e of each lane's group; xsum [G]: the groups' sums
+/* A call's x rows prepared for the VNNI products. Each row: lane_f [T][VL] (T = K / C chunks
+ * of C columns: 8 VL for int4, 4 VL else): 2^e of each lane's group; xsum [G]: the groups' sums
  * of X 2^e; lo [K], hi [K] int8 in the weight bytes' column order (int4: even columns, then odd
  * columns). */
 typedef struct {
     int64_t C, T, per_row;
     int32_t *chunk_group;   /* [T]: the group of chunk t's first column */
-    __m512i lane_group;     /* groups narrower than a chunk: lane l's group within its chunk */
+    int32_t lane_idx[16];   /* groups narrower than a chunk: lane l's group within its chunk */
     char *rows, *ok;        /* [x_rows * per_row] prepared rows; [x_rows] whether each could be */
 } vnni_x;
 
 static inline const float *vx_lane_f(const vnni_x *vx, int64_t j) { return (const float *)(vx->rows + j * vx->per_row); }
 
+#if VL == 16
 /* Prepares x row xj into row j of vx; returns 0 where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
     const int64_t G = K / g, C = vx->C;
-    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * 16;
+    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * VL;
     int8_t *lo = (int8_t *)(xsum + G), *hi = lo + K;
     const __m512 big = _mm512_set1_ps(3.4028235e38f);
     const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
@@ -448,7 +457,7 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         xsum[c] = (float)((double)_mm512_reduce_add_epi32(sum) * gf[c]);
     }
     for (int64_t t = 0; t < vx->T; t++)
-        for (int l = 0; l < 16; l++) lane_f[t * 16 + l] = gf[(t * C + l * (C / 16)) / g];
+        for (int l = 0; l < VL; l++) lane_f[t * VL + l] = gf[(t * C + l * (C / VL)) / g];
     return 1;
 }
 
@@ -459,11 +468,12 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, C = vx->C, half = K / 2;
-    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * 16;
+    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * VL;
     const int8_t *lo = (const int8_t *)(xsum + G), *hi = lo + K;
     const int64_t l2 = (L2_AHEAD + row_bytes - 1) / row_bytes * row_bytes, l1 = (L1_AHEAD + row_bytes - 1) / row_bytes * row_bytes;
     const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const __mmask16 gmask = (__mmask16)((1u << (g < C ? C / g : 1)) - 1);
+    const __m512i lane_group = _mm512_loadu_si512((const void *)vx->lane_idx);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t t = 0; t < vx->T; t++) {
         if (prefetch)
@@ -491,7 +501,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
             const float *scr = sc + r * G;
             const int32_t c0 = vx->chunk_group[t];
             const __m512 sv = g >= C ? _mm512_set1_ps(scr[c0])
-                                     : _mm512_permutexvar_ps(vx->lane_group, _mm512_maskz_loadu_ps(gmask, scr + c0));
+                                     : _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(gmask, scr + c0));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, lf), sv, acc[r]);
         }
     }
@@ -502,6 +512,96 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         out[r] = _mm512_reduce_add_ps(acc[r]) - corr;
     }
 }
+
+#else
+/* Prepares x row xj into row j of vx (as the AVX-512 version, one value at a time); returns 0
+ * where it must take the fp32 path instead. */
+static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
+    const int64_t G = K / g, C = vx->C;
+    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * VL;
+    int8_t *lo = (int8_t *)(xsum + G), *hi = lo + K;
+    float gf[G];
+    for (int64_t c = 0; c < G; c++) {
+        float m = 0.0f;
+        for (int64_t k = c * g; k < (c + 1) * g; k++) {
+            const float a = fabsf(xj[k]);
+            if (!(a <= 3.4028235e38f)) return 0;  /* inf or nan */
+            m = a > m ? a : m;
+        }
+        if (m > 0.0f && m < 0x1p-100f) return 0;
+        int E = 0;
+        if (m > 0.0f) frexpf(m, &E);  /* m < 2^E */
+        const int e = m > 0.0f ? E - XBITS : 0;
+        const float inv = ldexpf(1.0f, -e);
+        gf[c] = ldexpf(1.0f, e);
+        int64_t sum = 0;
+        for (int64_t k = c * g; k < (c + 1) * g; k++) {
+            const int32_t X = (int32_t)nearbyintf(xj[k] * inv), l = ((X + 128) & 255) - 128;
+            const int64_t pos = wtype == 0 ? (k & 1) * (K / 2) + k / 2 : k;  /* int4: the nibbles' order */
+            sum += X;
+            lo[pos] = (int8_t)l;
+            hi[pos] = (int8_t)((X - l) / 256);
+        }
+        xsum[c] = (float)((double)sum * gf[c]);
+    }
+    for (int64_t t = 0; t < vx->T; t++)
+        for (int l = 0; l < VL; l++) lane_f[t * VL + l] = gf[(t * C + l * (C / VL)) / g];
+    return 1;
+}
+
+/* vnni_rows_impl with AVX-VNNI on 256-bit vectors (chunks of 32 weight bytes). */
+static inline __attribute__((always_inline)) void vnni_rows_impl(
+        const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
+        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
+    const int64_t G = K / g, C = vx->C, half = K / 2;
+    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * VL;
+    const int8_t *lo = (const int8_t *)(xsum + G), *hi = lo + K;
+    const int64_t l2 = (L2_AHEAD + row_bytes - 1) / row_bytes * row_bytes, l1 = (L1_AHEAD + row_bytes - 1) / row_bytes * row_bytes;
+    const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    const __m256i lane_group = _mm256_loadu_si256((const __m256i *)vx->lane_idx);
+    int32_t mask[8];
+    for (int l = 0; l < 8; l++) mask[l] = g < C && l < C / g ? -1 : 0;
+    const __m256i gmask = _mm256_loadu_si256((const __m256i *)mask);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t t = 0; t < vx->T; t++) {
+        if (prefetch && (t & 1) == 0)  /* a 64-byte line holds two chunks */
+            for (int r = 0; r < n; r++) {
+                _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 32, _MM_HINT_T2);
+                _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 32, _MM_HINT_T0);
+            }
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(lo + t * 32));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(hi + t * 32));
+        const __m256i xlo = wtype == 0 ? _mm256_loadu_si256((const __m256i *)(lo + half + t * 32)) : xl;
+        const __m256i xho = wtype == 0 ? _mm256_loadu_si256((const __m256i *)(hi + half + t * 32)) : xh;
+        const __m256 lf = _mm256_loadu_ps(lane_f + t * 8);
+        for (int r = 0; r < n; r++) {
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(q + r * row_bytes + t * 32));
+            __m256i al, ah;
+            if (wtype == 0) {  /* even columns in the low nibbles, odd ones in the high */
+                const __m256i we = _mm256_and_si256(wb, nib), wo = _mm256_and_si256(_mm256_srli_epi16(wb, 4), nib);
+                al = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, we, xl), wo, xlo);
+                ah = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, we, xh), wo, xho);
+            } else {
+                const __m256i wu = wtype == 1 ? _mm256_xor_si256(wb, flip) : wb;  /* int8: q + 128 */
+                al = _mm256_dpbusd_avx_epi32(zero, wu, xl);
+                ah = _mm256_dpbusd_avx_epi32(zero, wu, xh);
+            }
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ah, 8), al));
+            const float *scr = sc + r * G;
+            const int32_t c0 = vx->chunk_group[t];
+            const __m256 sv = g >= C ? _mm256_set1_ps(scr[c0])
+                                     : _mm256_permutevar8x32_ps(_mm256_maskload_ps(scr + c0, gmask), lane_group);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(f, lf), sv, acc[r]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float corr = 0.0f;
+        for (int64_t c = 0; c < G; c++)
+            corr += sc[r * G + c] * (z ? (float)z[r * G + c] : (wtype == 0 ? 8.0f : 128.0f)) * xsum[c];
+        out[r] = vf_sum(acc[r]) - corr;
+    }
+}
+#endif
 
 #define VNNI_ROWS(NAME, N, WT)                                                                          \
     static void NAME(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx, \
@@ -521,18 +621,16 @@ typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint
  * VNNI products do not fit this call (chunks straddling groups) or the scratch cannot be
  * allocated: the fp32 path runs. */
 static int vnni_init(vnni_x *vx, int wtype, int64_t x_rows, int64_t K, int64_t g) {
-    const int64_t C = wtype == 0 ? 128 : 64, G = K / g;
+    const int64_t C = (wtype == 0 ? 8 : 4) * VL, G = K / g;
     vx->rows = NULL;
     if (K % C || (g % C && C % g)) return 0;
-    vx->C = C, vx->T = K / C, vx->per_row = 4 * (vx->T * 16 + G) + 2 * K;
+    vx->C = C, vx->T = K / C, vx->per_row = 4 * (vx->T * VL + G) + 2 * K;
     vx->rows = (char *)malloc((size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T));
     if (vx->rows == NULL) return 0;
     vx->chunk_group = (int32_t *)(vx->rows + x_rows * vx->per_row);
     vx->ok = (char *)(vx->chunk_group + vx->T);
     for (int64_t t = 0; t < vx->T; t++) vx->chunk_group[t] = (int32_t)(t * C / g);
-    int32_t idx[16];
-    for (int l = 0; l < 16; l++) idx[l] = g < C ? (int32_t)(l * (C / 16) / g) : 0;
-    vx->lane_group = _mm512_loadu_si512((const void *)idx);
+    for (int l = 0; l < 16; l++) vx->lane_idx[l] = g < C && l < VL ? (int32_t)(l * (C / VL) / g) : 0;
     return 1;
 }
 #endif
