@@ -77,7 +77,11 @@ static inline vacc vzero(void) { return _mm256_setzero_si256(); }
 static inline vacc vload_x(const int16_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
 static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
     __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w16, xv);
+#else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, xv));
+#endif
 }
 static inline int32_t vsum(vacc a) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
