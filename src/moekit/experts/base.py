@@ -42,6 +42,8 @@ def cached_for(obj: Any, purpose: str, key: tuple, compute: Callable[[], Any]) -
     cold: reading the scheme and describing the projections again took ~60 us of it). Kept
     beside obj, not on it, so copies and pickles of obj carry nothing derived.
     """
+    if torch.compiler.is_compiling():  # traced code: no host-side cache to consult
+        return compute()
     entry = _DERIVED.get(id(obj))
     if entry is None or entry[0]() is not obj:
         entry = (weakref.ref(obj), {})
