@@ -33,7 +33,8 @@ def _cpu_flags() -> set:
 
 
 ISAS = (["native", "scalar"] + (["avx2"] if "avx2" in _cpu_flags() else [])
-        + (["avx2_vnni"] if {"avx2", "avx_vnni"} <= _cpu_flags() else []))
+        + (["avx2_vnni"] if {"avx2", "avx_vnni"} <= _cpu_flags() else [])
+        + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() else []))
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +77,21 @@ def test_int8_gemm_is_exact(libs, isa, E, N, K, sizes, n, shared, seed):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int8_gemm_extremes_and_long_rows_stay_exact(libs, isa):
-    """-127 * -127 in every lane over K = 7168 (int16 pairs summed into int32), and mixed signs."""
-    w = torch.full((2, 9, 7168), -127, dtype=torch.int8)
+@pytest.mark.parametrize("K", [7168, 100_003])
+def test_int8_gemm_extremes_and_long_rows_stay_exact(libs, isa, K):
+    """-127 * -127 in every lane over long rows, and mixed signs; at K = 100003 the VNNI builds'
+    unsigned-weight sums (w + 128) x pass 2^31 before the offset comes off (modulo 2^32, as the
+    lanes wrap), while the products themselves fit int32; x = -128 (int8 inputs) too."""
+    w = torch.full((2, 9, K), -127, dtype=torch.int8)
     w[1, ::2] = 127
-    x = torch.full((1, 7168), -127, dtype=torch.int8)
+    x = torch.full((1, K), -127, dtype=torch.int8)
     out = torch.empty(2, 9, dtype=torch.int32)
     libs[isa].int8_gemm(w, torch.tensor([0, 1]), x, out)
-    assert out[0].tolist() == [127 * 127 * 7168] * 9
-    assert out[1].tolist() == [-127 * 127 * 7168 if r % 2 == 0 else 127 * 127 * 7168 for r in range(9)]
+    assert out[0].tolist() == [127 * 127 * K] * 9
+    assert out[1].tolist() == [-127 * 127 * K if r % 2 == 0 else 127 * 127 * K for r in range(9)]
+    x[0, :1000] = -128
+    libs[isa].int8_gemm(w, torch.tensor([0, 1]), x, out)
+    assert out[0, 0].item() == 127 * 127 * (K - 1000) + 127 * 128 * 1000
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -282,11 +289,12 @@ def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path)
     assert libs["scalar"].isa == "scalar" and libs["scalar"].openmp
     if "avx2" in libs:
         assert libs["avx2"].isa == "avx2"
-    if "avx2_vnni" in libs:
-        assert libs["avx2_vnni"].isa == "avx2_vnni"
+    for isa in ("avx2_vnni", "avx512"):
+        if isa in libs:
+            assert libs[isa].isa == isa
     again = native.build("native", cache_dir=libs["native"].path.parent)
     assert again.path == libs["native"].path and again.isa == libs["native"].isa
-    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'avx2_vnni', 'native', 'scalar'\], got 'sse'"):
+    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'avx2_vnni', 'avx512', 'native', 'scalar'\], got 'sse'"):
         native.build("sse", cache_dir=tmp_path)
 
 
@@ -316,7 +324,7 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
     (1, 8, False, False, False), (2, 8, False, True, False), (3, 2, True, False, False),
     (4, 4, False, True, True), (1, 1, False, False, False),
     (6, 4, False, True, False), (9, 3, True, False, True),  # sorted, a few rows an expert: native
-    (40, 4, False, False, False),  # sorted, 10 rows an expert: torch._int_mm either way
+    (40, 4, False, False, False),  # sorted, 10 rows an expert: native on AVX-512 VNNI, else torch._int_mm
 ])
 def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
     """Decode and sorted calls: the same exact int32 products either way, rescaled in the same

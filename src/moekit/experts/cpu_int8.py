@@ -38,7 +38,7 @@ from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
 
-__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "SWAP_ROWS"]
+__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "NATIVE_ROWS_VNNI", "SWAP_ROWS"]
 
 # Rows of one expert up to which the int8 GEMM runs as q_w q_x^T (transposed back): measured
 # 1.2-1.7x faster than q_x q_w^T at 1-128 rows on weights of 1024-7168 x 512-3584 on a 2-core
@@ -51,8 +51,12 @@ DIRECT_ASSIGNMENTS = 16
 
 # Sorted calls with at most this many rows an expert (on average over the experts with rows)
 # run their products on moekit's native kernel, which streams each expert's weights once for
-# all its rows; torch._int_mm's GEMMs win from 16 rows an expert (bench/NOTES-cpu.md).
+# all its rows; torch._int_mm's GEMMs win from 16 rows an expert (bench/NOTES-cpu.md). The
+# kernel's AVX-512 VNNI build (vpdpbusd, 64 products an instruction) leads up to 32 rows: at
+# E=64, k=8, H=1024, I=512 M=32 8.9 against 13.4 ms, M=128 20.5 / 24.9, M=256 (32 rows) 37.4 /
+# 39.9, M=512 72.3 / 71.9.
 NATIVE_ROWS = 8
+NATIVE_ROWS_VNNI = 32
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_K = (2 ** 31 - 1) // (127 * 127)
@@ -125,7 +129,8 @@ class CPUInt8Backend(ExpertsBackend):
         s = weights.scales
         lib = self._library(weights)
         segs = None
-        if lib is not None and sr.rows.shape[0] <= NATIVE_ROWS * len(sr.spans):
+        limit = NATIVE_ROWS_VNNI if lib is not None and lib.isa == "avx512_vnni" else NATIVE_ROWS
+        if lib is not None and sr.rows.shape[0] <= limit * len(sr.spans):
             segs = (lib, *span_segments(sr.spans))
         h = _int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans, segs)
         h = add_bias_by_span(h, weights.b13, sr.spans)  # [n, 2I]

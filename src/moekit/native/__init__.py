@@ -49,6 +49,8 @@ _ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],  # the AVX2 path on an AVX-512 machine (tests)
     "avx2_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"],  # AVX2 with AVX-VNNI (tests)
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mno-avx512vnni",
+               "-mno-avxvnni"],  # AVX-512 without VNNI (tests)
     "scalar": ["-mno-avx2", "-mno-avx512f"],
 }
 

@@ -12,9 +12,8 @@
  * weight rows in blocks of ROWS, so the weights of all the experts stream under one parallel
  * region, each weight row once, and each row group prefetches the rows PREFETCH_ROWS ahead of
  * it: with few rows an expert the products are bound by how many weight lines are in flight,
- * not by arithmetic. x is widened to int16 once and
- * multiplied by sign-extended weights into int32 lanes (pairs of products of at most 127 * 127
- * each), exact for K below 2^31 / 127^2.
+ * not by arithmetic. The products are exact int32 sums (see xq_t below for how each
+ * instruction set forms them).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,39 +49,61 @@ int moekit_openmp(void) {
 #endif
 }
 
-static inline int32_t dot_tail(const int8_t *w, const int16_t *x, int64_t k0, int64_t K) {
+/* x rows of the int8 products: with VNNI (AVX-512 or AVX-VNNI) int8, multiplied by vpdpbusd
+ * against the weights as unsigned bytes w + 128 (an xor), so a row's products are
+ * sum (w + 128) x - 128 sum x, exact; else widened to int16 once and multiplied by
+ * sign-extended weights into int32 lanes (vpdpwssd / pmaddwd). */
+#if (defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__AVXVNNI__))
+#define XQ_OFFSET 128
+typedef int8_t xq_t;
+#else
+#define XQ_OFFSET 0
+typedef int16_t xq_t;
+#endif
+
+static inline int32_t dot_tail(const int8_t *w, const xq_t *x, int64_t k0, int64_t K) {
     int32_t acc = 0;
     for (int64_t k = k0; k < K; k++) acc += (int32_t)w[k] * x[k];
     return acc;
 }
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define STEP 64
+typedef __m512i vacc;
+static inline vacc vzero(void) { return _mm512_setzero_si512(); }
+static inline vacc vload_x(const xq_t *x) { return _mm512_loadu_si512((const void *)x); }
+static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
+    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)w), _mm512_set1_epi8((char)0x80));
+    return _mm512_dpbusd_epi32(acc, wu, xv);
+}
+static inline int32_t vsum(vacc a) { return _mm512_reduce_add_epi32(a); }
+#elif defined(__AVX512BW__)
 #define STEP 32
 typedef __m512i vacc;
 static inline vacc vzero(void) { return _mm512_setzero_si512(); }
-static inline vacc vload_x(const int16_t *x) { return _mm512_loadu_si512((const void *)x); }
+static inline vacc vload_x(const xq_t *x) { return _mm512_loadu_si512((const void *)x); }
 static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
     __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(acc, w16, xv);
-#else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(w16, xv));
-#endif
 }
 static inline int32_t vsum(vacc a) { return _mm512_reduce_add_epi32(a); }
 #elif defined(__AVX2__)
-#define STEP 16
 typedef __m256i vacc;
 static inline vacc vzero(void) { return _mm256_setzero_si256(); }
-static inline vacc vload_x(const int16_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
+static inline vacc vload_x(const xq_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
+#if defined(__AVXVNNI__)
+#define STEP 32
+static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
+    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w), _mm256_set1_epi8((char)0x80));
+    return _mm256_dpbusd_avx_epi32(acc, wu, xv);
+}
+#else
+#define STEP 16
 static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
     __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, w16, xv);
-#else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, xv));
-#endif
 }
+#endif
 static inline int32_t vsum(vacc a) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -91,11 +112,30 @@ static inline int32_t vsum(vacc a) {
 }
 #endif
 
+/* The sum of x over the columns the vector loops take (those below K - K % STEP): the offset
+ * the VNNI products subtract (128 of it). */
+static inline int32_t xq_vector_sum(const xq_t *x, int64_t K) {
+    int32_t t = 0;
+#if XQ_OFFSET
+    for (int64_t k = 0; k < K - K % STEP; k++) t += x[k];
+#else
+    (void)x, (void)K;
+#endif
+    return t;
+}
+
 #ifdef STEP
 static inline void prefetch_line(const int8_t *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
-/* Four rows w[0..3] (row stride K) against x; prefetches the four rows PREFETCH_ROWS ahead. */
-static inline void rows4(const int8_t *w, int64_t K, const int16_t *x, int32_t *out) {
+/* A row's product from its vector lanes' sum, x's vector sum and the tail: modulo 2^32 (the
+ * lanes wrap the same way), so exact wherever the product itself fits int32. */
+static inline int32_t combine(int32_t lanes, int32_t xs, int32_t tail) {
+    return (int32_t)((uint32_t)lanes - (uint32_t)XQ_OFFSET * (uint32_t)xs + (uint32_t)tail);
+}
+
+/* Four rows w[0..3] (row stride K) against x (xs = xq_vector_sum(x)); prefetches the four rows
+ * PREFETCH_ROWS ahead. */
+static inline void rows4(const int8_t *w, int64_t K, const xq_t *x, int32_t xs, int32_t *out) {
     const int64_t kv = K - K % STEP;
     const int8_t *ahead = w + PREFETCH_ROWS * K;
     vacc a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
@@ -112,23 +152,27 @@ static inline void rows4(const int8_t *w, int64_t K, const int16_t *x, int32_t *
         a2 = vmadd(a2, w + 2 * K + k, xv);
         a3 = vmadd(a3, w + 3 * K + k, xv);
     }
-    out[0] = vsum(a0) + dot_tail(w, x, kv, K);
-    out[1] = vsum(a1) + dot_tail(w + K, x, kv, K);
-    out[2] = vsum(a2) + dot_tail(w + 2 * K, x, kv, K);
-    out[3] = vsum(a3) + dot_tail(w + 3 * K, x, kv, K);
+    out[0] = combine(vsum(a0), xs, dot_tail(w, x, kv, K));
+    out[1] = combine(vsum(a1), xs, dot_tail(w + K, x, kv, K));
+    out[2] = combine(vsum(a2), xs, dot_tail(w + 2 * K, x, kv, K));
+    out[3] = combine(vsum(a3), xs, dot_tail(w + 3 * K, x, kv, K));
 }
 
-static inline int32_t row1(const int8_t *w, int64_t K, const int16_t *x) {
+static inline int32_t row1(const int8_t *w, int64_t K, const xq_t *x, int32_t xs) {
     const int64_t kv = K - K % STEP;
     vacc a = vzero();
     for (int64_t k = 0; k < kv; k += STEP) a = vmadd(a, w + k, vload_x(x + k));
-    return vsum(a) + dot_tail(w, x, kv, K);
+    return combine(vsum(a), xs, dot_tail(w, x, kv, K));
 }
 #else
-static inline void rows4(const int8_t *w, int64_t K, const int16_t *x, int32_t *out) {
+static inline void rows4(const int8_t *w, int64_t K, const xq_t *x, int32_t xs, int32_t *out) {
+    (void)xs;
     for (int j = 0; j < 4; j++) out[j] = dot_tail(w + j * K, x, 0, K);
 }
-static inline int32_t row1(const int8_t *w, int64_t K, const int16_t *x) { return dot_tail(w, x, 0, K); }
+static inline int32_t row1(const int8_t *w, int64_t K, const xq_t *x, int32_t xs) {
+    (void)xs;
+    return dot_tail(w, x, 0, K);
+}
 #endif
 
 /* Rows of segment s: [starts[s], starts[s + 1]), or the one row s when starts is NULL. */
@@ -147,10 +191,11 @@ static inline work_item item_of(int64_t item, int64_t blocks, const int64_t *sta
     return it;
 }
 
-/* x_f32 [rows, K] fp32 -> x16 int16 values of the int8 quantization per row, as
+/* x_f32 [rows, K] fp32 -> xq: the int8 quantization per row (xsum: their xq_vector_sum), as
  * moekit.quant.quantize_activation's "token" granularity does it: s = amax / 127 (1 where that
  * is not > 0), q = round half to even (x / s), clamped to [-127, 127]; scales[j] = s. */
-static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_t K, int16_t *x16, float *scales) {
+static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_t K, xq_t *xq, float *scales,
+                          int32_t *xsum) {
     for (int64_t j = 0; j < rows; j++) {
         const float *xj = x + j * x_stride;
         float amax = 0.0f;
@@ -166,17 +211,19 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_
         for (int64_t k = 0; k < K; k++) {
             float q = nearbyintf(xj[k] / s);
             q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-            x16[j * K + k] = (int16_t)q;
+            xq[j * K + k] = (xq_t)q;
         }
+        xsum[j] = xq_vector_sum(xq + j * K, K);
     }
 }
 
-/* One int8 product call: its weights, segments, prepared x rows (x16 [rows or 1, K], their
- * scales) and output (int32 out, or fp32 out_f32 rescaled by w_scale [E, N]). */
+/* One int8 product call: its weights, segments, prepared x rows (xq [rows or 1, K], their
+ * xq_vector_sums and scales) and output (int32 out, or fp32 out_f32 rescaled by w_scale [E, N]). */
 typedef struct {
     const int8_t *w;
     const int64_t *experts, *starts;
-    const int16_t *x16;
+    const xq_t *xq;
+    const int32_t *xsum;
     const float *scales, *w_scale;
     int shared;  /* one x row for every segment */
     int64_t N, K, blocks;
@@ -194,18 +241,19 @@ static void int8_item(const int8_call *c, int64_t item) {
     int32_t acc[4];
     for (; r + 4 <= it.r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
         for (int64_t j = it.j0; j < it.j1; j++) {
-            const int16_t *xj = c->x16 + (c->shared ? 0 : j * K);
+            const xq_t *xj = c->xq + (c->shared ? 0 : j * K);
+            const int32_t xs = c->xsum[c->shared ? 0 : j];
             if (!c->out_f32) {
-                rows4(ws + r * K, K, xj, c->out + j * N + r);
+                rows4(ws + r * K, K, xj, xs, c->out + j * N + r);
                 continue;
             }
-            rows4(ws + r * K, K, xj, acc);
+            rows4(ws + r * K, K, xj, xs, acc);
             const float sx = c->scales[c->shared ? 0 : j];
             for (int i = 0; i < 4; i++) c->out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
         }
     for (; r < it.r1; r++)
         for (int64_t j = it.j0; j < it.j1; j++) {
-            const int32_t a = row1(ws + r * K, K, c->x16 + (c->shared ? 0 : j * K));
+            const int32_t a = row1(ws + r * K, K, c->xq + (c->shared ? 0 : j * K), c->xsum[c->shared ? 0 : j]);
             if (c->out_f32) c->out_f32[j * N + r] = ((float)a * c->scales[c->shared ? 0 : j]) * sw[r];
             else c->out[j * N + r] = a;
         }
@@ -219,20 +267,23 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
                               const int8_t *x, const float *x_f32, float *scales, int64_t x_stride, int64_t N,
                               int64_t K, int32_t *out, const float *w_scale, float *out_f32, int threads) {
     const int64_t rows = seg_begin(starts, segments), x_rows = x_stride ? rows : 1;
-    int16_t *x16 = (int16_t *)malloc((size_t)(x_rows * K) * sizeof(int16_t));
-    if (x16 == NULL) return 1;
+    int32_t *xsum = (int32_t *)malloc((size_t)x_rows * sizeof(int32_t) + (size_t)(x_rows * K) * sizeof(xq_t));
+    if (xsum == NULL) return 1;
+    xq_t *xq = (xq_t *)(xsum + x_rows);
     if (x_f32 != NULL)
-        quantize_rows(x_f32, x_stride, x_rows, K, x16, scales);
+        quantize_rows(x_f32, x_stride, x_rows, K, xq, scales, xsum);
     else
-        for (int64_t j = 0; j < x_rows; j++)
-            for (int64_t k = 0; k < K; k++) x16[j * K + k] = x[j * x_stride + k];
-    const int8_call c = {w, experts, starts, x16, scales, w_scale, x_stride == 0, N, K, (N + ROWS - 1) / ROWS,
+        for (int64_t j = 0; j < x_rows; j++) {
+            for (int64_t k = 0; k < K; k++) xq[j * K + k] = x[j * x_stride + k];
+            xsum[j] = xq_vector_sum(xq + j * K, K);
+        }
+    const int8_call c = {w, experts, starts, xq, xsum, scales, w_scale, x_stride == 0, N, K, (N + ROWS - 1) / ROWS,
                          out, out_f32};
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
     for (int64_t item = 0; item < segments * c.blocks; item++) int8_item(&c, item);
-    free(x16);
+    free(xsum);
     (void)threads;
     return 0;
 }
@@ -924,7 +975,8 @@ typedef struct {
     float_call fl;
     int8_call i8;
     wo_call wo;
-    int16_t *x16;
+    int32_t *xsum;  /* int8: the x rows' xq_vector_sums, then the rows (xq) and their scales */
+    xq_t *xq;
     float *scales;
     const float *x;
     int64_t x_stride, items;
@@ -943,11 +995,13 @@ static int product_init(product *p, const moekit_projection *d, const int64_t *e
         return 1;
     }
     if (d->kind == 1) {
-        p->x16 = (int16_t *)malloc((size_t)(x_rows * d->K) * sizeof(int16_t) + (size_t)x_rows * sizeof(float));
-        if (p->x16 == NULL) return 0;
-        p->scales = (float *)(p->x16 + x_rows * d->K);
-        const int8_call c = {(const int8_t *)d->w, experts, NULL, p->x16, p->scales, d->scale, x_stride == 0, d->N,
-                             d->K, blocks, NULL, out};
+        p->xsum = (int32_t *)malloc((size_t)x_rows * (sizeof(int32_t) + sizeof(float))
+                                    + (size_t)(x_rows * d->K) * sizeof(xq_t));
+        if (p->xsum == NULL) return 0;
+        p->scales = (float *)(p->xsum + x_rows);
+        p->xq = (xq_t *)(p->scales + x_rows);
+        const int8_call c = {(const int8_t *)d->w, experts, NULL, p->xq, p->xsum, p->scales, d->scale, x_stride == 0,
+                             d->N, d->K, blocks, NULL, out};
         p->i8 = c;
         return 1;
     }
@@ -958,7 +1012,8 @@ static int product_init(product *p, const moekit_projection *d, const int64_t *e
 }
 
 static void product_prepare_row(product *p, int64_t j) {
-    if (p->kind == 1) quantize_rows(p->x + j * p->x_stride, 0, 1, p->i8.K, p->x16 + j * p->i8.K, p->scales + j);
+    if (p->kind == 1)
+        quantize_rows(p->x + j * p->x_stride, 0, 1, p->i8.K, p->xq + j * p->i8.K, p->scales + j, p->xsum + j);
     else if (p->kind == 2) wo_prepare_row(&p->wo, j);
 }
 
@@ -969,7 +1024,7 @@ static void product_item(const product *p, int64_t item) {
 }
 
 static void product_free(product *p) {
-    free(p->x16);
+    free(p->xsum);
     if (p->kind == 2 && p->wo.scratch) wo_free(&p->wo);
 }
 
