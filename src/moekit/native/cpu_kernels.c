@@ -728,10 +728,14 @@ static void wo_free(wo_call *c) {
 #endif
 }
 
-/* Prepares x row j (c->x + j x_stride) for the products. */
+/* Prepares x row j (c->x + j x_stride) for the products: for the VNNI ones where the call
+ * and the row allow them, else for the fp32 path. */
 static void wo_prepare_row(wo_call *c, int64_t j) {
     const int64_t K = c->K, g = c->g;
     const float *xj = c->x + j * c->x_stride;
+#ifdef WO_VNNI
+    if (c->vnni && (c->vx.ok[j] = (char)vnni_prepare(&c->vx, j, c->wtype, xj, K, g))) return;
+#endif
     float *xe = c->scratch + j * c->per_x, *xo = xe + K / 2, *xs = xe + K;
     for (int64_t k = 0; k < K / 2; k++) { xe[k] = xj[2 * k]; xo[k] = xj[2 * k + 1]; }
     for (int64_t k = 0; k < c->G; k++) {
@@ -739,9 +743,6 @@ static void wo_prepare_row(wo_call *c, int64_t j) {
         for (int64_t i = k * g; i < (k + 1) * g; i++) t += xj[i];
         xs[k] = t;
     }
-#ifdef WO_VNNI
-    if (c->vnni) c->vx.ok[j] = (char)vnni_prepare(&c->vx, j, c->wtype, xj, K, g);
-#endif
 }
 
 /* Work item `item` (a segment's block of ROWS weight rows) of a weight-only call. */
