@@ -18,9 +18,10 @@ Both cores work through torch's intra-op threads.
 
 Decode (at most DIRECT_ASSIGNMENTS assignments) and sorted calls of up to NATIVE_ROWS rows an
 expert run on moekit's native kernel instead where it builds (moekit.native) and nothing
-needs a gradient: each GEMM's products over all the call's experts in one call, fp32, bf16 or
-fp16 weights widened in registers against fp32 rows (fp32 accumulation, as oneDNN's bf16
-products), the biases, activation and sum over k as in the other paths. At E=64, k=8, H=1024,
+needs a gradient: fp32, bf16 or fp16 weights widened in registers against fp32 rows (fp32
+accumulation, as oneDNN's bf16 products); at decode every token's whole FFN in one native call
+(NativeLibrary.decode), for sorted calls each GEMM's products over all the call's experts in
+one call, the biases, activation and sum over k as in the other paths. At E=64, k=8, H=1024,
 I=512, M=1 on the 2-core AVX-512 BF16 host: bf16 1.98 against 2.91 ms, fp16 2.0 against 3.5,
 fp32 3.05 against 3.45 (bench/NOTES-cpu.md).
 

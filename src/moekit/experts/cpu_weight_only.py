@@ -3,14 +3,15 @@
 Compute paths, chosen per call by a fixed rule (each tested against the emulation):
 
 - native (where moekit's native kernels build: moekit.native): decode (at most
-  DIRECT_ASSIGNMENTS assignments) runs each token's products over its k experts in one call
-  per GEMM, in fp32 straight from the stored int4 / int8 weights and fp32 group scales, any
-  activation dtype (on CPUs with VNNI, AVX-512 or AVX-VNNI, as integer products against x in 16-bit fixed point
-  per group: x's rounding is at most 2^-14 of its group's max |x|, finer than bf16's for all
-  but the values 2^5 below that max); sorted calls that would take the fp32 blocks run on the same kernel up to
-  NATIVE_ROWS rows an expert. At E=64, k=8, H=1024, I=512 on a 2-core AVX-512 host
-  (bench/cpu_quant.py): M=1 int4 0.80-1.06 ms against 1.1-1.4 ms through torch's int4 kernel,
-  int8_w8a16 1.3-1.5 ms against 5.8-6.4 ms of fp32 blocks; M=32 int8_w8a16 17 against 42-52 ms.
+  DIRECT_ASSIGNMENTS assignments) runs every token's FFN in one native call
+  (NativeLibrary.decode), straight from the stored int4 / int8 weights and fp32 group scales,
+  any activation dtype; on CPUs with VNNI (AVX-512 or AVX-VNNI) the products are integer dot
+  products against x in 16-bit fixed point per group (x's rounding at most 2^-14 of its
+  group's max |x|, finer than bf16's for all but the values 2^5 below that max), else fp32.
+  Sorted calls that would take the fp32 blocks run on the same kernel up to NATIVE_ROWS rows
+  an expert, bf16 int4 ones with VNNI products up to NATIVE_ROWS_INT4_VNNI. At E=64, k=8,
+  H=1024, I=512, M=1 on a 2-core AVX-512 VNNI host (bench/cpu_quant.py): int4 0.57 ms against
+  1.10 through torch's int4 kernel, 2.7x the bf16 `cpu` backend.
 - int4 kernel (int4 weights, bf16 activations, torch with `_weight_int4pack_mm_for_cpu`):
   torch's CPU int4 GEMM, which unpacks int4 in registers and accumulates in fp32. It wants
   its own packing and one bf16 (scale, offset) pair per group, so the weights are repacked
