@@ -320,6 +320,18 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
 
 
+def _routed_call(T, H, E, k, on_input, use_map, dtype, gen):
+    """x [T, H] of dtype, random top-k ids (through a random expert map when use_map), weights,
+    and the apply() keywords (SiLU)."""
+    emap = random_expert_map(E, E if use_map else 0, gen)
+    E_ids = E if emap is None else emap.numel()
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+              expert_map=emap)
+    return x, ids, torch.rand(T, k, generator=gen), kw
+
+
 @pytest.mark.parametrize("T, k, on_input, bias, use_map", [
     (1, 8, False, False, False), (2, 8, False, True, False), (3, 2, True, False, False),
     (4, 4, False, True, True), (1, 1, False, False, False),
@@ -335,13 +347,7 @@ def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, 
     extra = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen)) if bias else {}
     w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
                          torch.randn(E, H, I, generator=gen) * I ** -0.5, "int8_w8a8", **extra)
-    emap = random_expert_map(E, E if use_map else 0, gen)
-    E_ids = E if emap is None else emap.numel()
-    x = torch.randn(T, H, generator=gen, dtype=torch.bfloat16)
-    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
-    tw = torch.rand(T, k, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
-              expert_map=emap)
+    x, ids, tw, kw = _routed_call(T, H, E, k, on_input, use_map, torch.bfloat16, gen)
     fast, plain, fused = CPUInt8Backend(), CPUInt8Backend(), CPUInt8Backend()
     plain.native_products = False
     fast.native_decode = False  # one native call a GEMM: the torch path's operations, the same bits
@@ -375,13 +381,7 @@ def test_cpu_backend_with_and_without_native_products(dtype, T, k, on_input, bia
                       (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype),
                       torch.randn(E, 2 * I, generator=gen).to(dtype) if bias else None,
                       torch.randn(E, H, generator=gen).to(dtype) if bias else None)
-    emap = random_expert_map(E, E if use_map else 0, gen)
-    E_ids = E if emap is None else emap.numel()
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    ids = torch.rand(T, E_ids, generator=gen).argsort(1)[:, :k].to(torch.int32)
-    tw = torch.rand(T, k, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
-              expert_map=emap)
+    x, ids, tw, kw = _routed_call(T, H, E, k, on_input, use_map, dtype, gen)
     fast, plain, per_gemm = CPUBackend(), CPUBackend(), CPUBackend()
     plain.native_products = False
     per_gemm.native_decode = False  # decode: one native call a GEMM instead of the fused FFN

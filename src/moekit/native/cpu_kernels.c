@@ -462,14 +462,54 @@ typedef struct {
     char *rows, *ok;        /* [x_rows * per_row] prepared rows; [x_rows] whether each could be */
 } vnni_x;
 
-static inline const float *vx_lane_f(const vnni_x *vx, int64_t j) { return (const float *)(vx->rows + j * vx->per_row); }
+/* Row j of vx, as its parts. */
+typedef struct {
+    float *lane_f, *xsum;
+    int8_t *lo, *hi;
+} vnni_row;
+static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K, int64_t G) {
+    vnni_row row;
+    row.lane_f = (float *)(vx->rows + j * vx->per_row);
+    row.xsum = row.lane_f + vx->T * VL;
+    row.lo = (int8_t *)(row.xsum + G);
+    row.hi = row.lo + K;
+    return row;
+}
+
+/* The step 2^e of a group whose largest |x| is m (> 0: the smallest power of two with
+ * m < 2^(e + XBITS); 0: 1), and its inverse. */
+static inline float vnni_step(float m, float *inv) {
+    int E = 0;
+    if (m > 0.0f) frexpf(m, &E);  /* m < 2^E */
+    const int e = m > 0.0f ? E - XBITS : 0;
+    *inv = ldexpf(1.0f, -e);
+    return ldexpf(1.0f, e);
+}
+
+/* Each lane's step: lane l of chunk t covers columns t C + l C / VL onwards, in one group. */
+static inline void vnni_lane_steps(const vnni_x *vx, float *lane_f, const float *steps, int64_t g) {
+    for (int64_t t = 0; t < vx->T; t++)
+        for (int l = 0; l < VL; l++) lane_f[t * VL + l] = steps[(t * vx->C + l * (vx->C / VL)) / g];
+}
+
+/* Bytes ahead to prefetch, in whole rows. */
+static inline int64_t rows_ahead(int64_t bytes, int64_t row_bytes) { return (bytes + row_bytes - 1) / row_bytes * row_bytes; }
+
+/* sum over a row's groups of s z sum X 2^e: what the zero points take off (z: the stored ones,
+ * else 8 for int4 and 128 for int8 weights taken as uint8). */
+static inline float vnni_zero_term(int wtype, const float *sc, const uint8_t *z, const float *xsum, int64_t G) {
+    float corr = 0.0f;
+    for (int64_t c = 0; c < G; c++) corr += sc[c] * (z ? (float)z[c] : (wtype == 0 ? 8.0f : 128.0f)) * xsum[c];
+    return corr;
+}
 
 #if VL == 16
 /* Prepares x row xj into row j of vx; returns 0 where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
-    const int64_t G = K / g, C = vx->C;
-    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * VL;
-    int8_t *lo = (int8_t *)(xsum + G), *hi = lo + K;
+    const int64_t G = K / g;
+    const vnni_row row = vx_row(vx, j, K, G);
+    float *xsum = row.xsum;
+    int8_t *lo = row.lo, *hi = row.hi;
     const __m512 big = _mm512_set1_ps(3.4028235e38f);
     const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
     /* int4: the even and the odd columns of 32 */
@@ -485,11 +525,9 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         }
         const float m = _mm512_reduce_max_ps(amax);
         if (m > 0.0f && m < 0x1p-100f) return 0;
-        int E = 0;
-        if (m > 0.0f) frexpf(m, &E);  /* m < 2^E */
-        const int e = m > 0.0f ? E - XBITS : 0;
-        const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e));
-        gf[c] = ldexpf(1.0f, e);
+        float inv_s;
+        gf[c] = vnni_step(m, &inv_s);
+        const __m512 inv = _mm512_set1_ps(inv_s);
         __m512i sum = _mm512_setzero_si512();
         for (int64_t k = c * g; k < (c + 1) * g; k += 32) {
             __m512i X0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xj + k), inv),
@@ -511,8 +549,7 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         }
         xsum[c] = (float)((double)_mm512_reduce_add_epi32(sum) * gf[c]);
     }
-    for (int64_t t = 0; t < vx->T; t++)
-        for (int l = 0; l < VL; l++) lane_f[t * VL + l] = gf[(t * C + l * (C / VL)) / g];
+    vnni_lane_steps(vx, row.lane_f, gf, g);
     return 1;
 }
 
@@ -523,9 +560,10 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, C = vx->C, half = K / 2;
-    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * VL;
-    const int8_t *lo = (const int8_t *)(xsum + G), *hi = lo + K;
-    const int64_t l2 = (L2_AHEAD + row_bytes - 1) / row_bytes * row_bytes, l1 = (L1_AHEAD + row_bytes - 1) / row_bytes * row_bytes;
+    const vnni_row row = vx_row(vx, j, K, G);
+    const float *lane_f = row.lane_f;
+    const int8_t *lo = row.lo, *hi = row.hi;
+    const int64_t l2 = rows_ahead(L2_AHEAD, row_bytes), l1 = rows_ahead(L1_AHEAD, row_bytes);
     const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const __mmask16 gmask = (__mmask16)((1u << (g < C ? C / g : 1)) - 1);
     const __m512i lane_group = _mm512_loadu_si512((const void *)vx->lane_idx);
@@ -560,21 +598,16 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f, lf), sv, acc[r]);
         }
     }
-    for (int r = 0; r < n; r++) {
-        float corr = 0.0f;
-        for (int64_t c = 0; c < G; c++)
-            corr += sc[r * G + c] * (z ? (float)z[r * G + c] : (wtype == 0 ? 8.0f : 128.0f)) * xsum[c];
-        out[r] = _mm512_reduce_add_ps(acc[r]) - corr;
-    }
+    for (int r = 0; r < n; r++)
+        out[r] = _mm512_reduce_add_ps(acc[r]) - vnni_zero_term(wtype, sc + r * G, z ? z + r * G : NULL, row.xsum, G);
 }
 
 #else
 /* Prepares x row xj into row j of vx (as the AVX-512 version, one value at a time); returns 0
  * where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
-    const int64_t G = K / g, C = vx->C;
-    float *lane_f = (float *)(vx->rows + j * vx->per_row), *xsum = lane_f + vx->T * VL;
-    int8_t *lo = (int8_t *)(xsum + G), *hi = lo + K;
+    const int64_t G = K / g;
+    const vnni_row row = vx_row(vx, j, K, G);
     float gf[G];
     for (int64_t c = 0; c < G; c++) {
         float m = 0.0f;
@@ -584,23 +617,19 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
             m = a > m ? a : m;
         }
         if (m > 0.0f && m < 0x1p-100f) return 0;
-        int E = 0;
-        if (m > 0.0f) frexpf(m, &E);  /* m < 2^E */
-        const int e = m > 0.0f ? E - XBITS : 0;
-        const float inv = ldexpf(1.0f, -e);
-        gf[c] = ldexpf(1.0f, e);
+        float inv;
+        gf[c] = vnni_step(m, &inv);
         int64_t sum = 0;
         for (int64_t k = c * g; k < (c + 1) * g; k++) {
             const int32_t X = (int32_t)nearbyintf(xj[k] * inv), l = ((X + 128) & 255) - 128;
             const int64_t pos = wtype == 0 ? (k & 1) * (K / 2) + k / 2 : k;  /* int4: the nibbles' order */
             sum += X;
-            lo[pos] = (int8_t)l;
-            hi[pos] = (int8_t)((X - l) / 256);
+            row.lo[pos] = (int8_t)l;
+            row.hi[pos] = (int8_t)((X - l) / 256);
         }
-        xsum[c] = (float)((double)sum * gf[c]);
+        row.xsum[c] = (float)((double)sum * gf[c]);
     }
-    for (int64_t t = 0; t < vx->T; t++)
-        for (int l = 0; l < VL; l++) lane_f[t * VL + l] = gf[(t * C + l * (C / VL)) / g];
+    vnni_lane_steps(vx, row.lane_f, gf, g);
     return 1;
 }
 
@@ -609,9 +638,10 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, C = vx->C, half = K / 2;
-    const float *lane_f = vx_lane_f(vx, j), *xsum = lane_f + vx->T * VL;
-    const int8_t *lo = (const int8_t *)(xsum + G), *hi = lo + K;
-    const int64_t l2 = (L2_AHEAD + row_bytes - 1) / row_bytes * row_bytes, l1 = (L1_AHEAD + row_bytes - 1) / row_bytes * row_bytes;
+    const vnni_row row = vx_row(vx, j, K, G);
+    const float *lane_f = row.lane_f;
+    const int8_t *lo = row.lo, *hi = row.hi;
+    const int64_t l2 = rows_ahead(L2_AHEAD, row_bytes), l1 = rows_ahead(L1_AHEAD, row_bytes);
     const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
     const __m256i lane_group = _mm256_loadu_si256((const __m256i *)vx->lane_idx);
     int32_t mask[8];
@@ -649,12 +679,8 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(f, lf), sv, acc[r]);
         }
     }
-    for (int r = 0; r < n; r++) {
-        float corr = 0.0f;
-        for (int64_t c = 0; c < G; c++)
-            corr += sc[r * G + c] * (z ? (float)z[r * G + c] : (wtype == 0 ? 8.0f : 128.0f)) * xsum[c];
-        out[r] = vf_sum(acc[r]) - corr;
-    }
+    for (int r = 0; r < n; r++)
+        out[r] = vf_sum(acc[r]) - vnni_zero_term(wtype, sc + r * G, z ? z + r * G : NULL, row.xsum, G);
 }
 #endif
 
