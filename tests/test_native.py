@@ -162,9 +162,10 @@ def test_wo_gemm_matches_the_dequantized_weights(libs, isa, name, g, symmetric, 
 
 
 def _vnni_products(lib, int4: bool, K: int, g: int) -> bool:
-    """Whether wo_gemm takes its VNNI products (x in fixed point) for this build and shape:
-    chunks of 8 (int4) or 4 columns a lane, 16 lanes with AVX-512, 8 with AVX2."""
-    lanes = {"avx512_vnni": 16, "avx2_vnni": 8}.get(lib.isa)
+    """Whether wo_gemm takes its integer products (x in fixed point) for this build and shape:
+    chunks of 8 (int4) or 4 columns a lane, 16 lanes with AVX-512 VNNI, 8 with AVX2 (AVX-VNNI,
+    or int4 alone on plain AVX2)."""
+    lanes = {"avx512_vnni": 16, "avx2_vnni": 8, "avx2": 8 if int4 else None}.get(lib.isa)
     C = lanes and (8 if int4 else 4) * lanes
     return bool(lanes) and K % C == 0 and (g % C == 0 or C % g == 0)
 
@@ -178,7 +179,7 @@ def _fixed_point(x: torch.Tensor, g: int) -> torch.Tensor:
     return (torch.round(x.view(x.shape[0], -1, g) / step) * step).view_as(x)
 
 
-@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2_vnni")])
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2_vnni", "avx2")])
 @pytest.mark.parametrize("name, symmetric, g, K", [
     ("int4_w4a16", True, 128, 256), ("int4_w4a16", False, 32, 256), ("int4_w4a16", True, 64, 384),
     ("int8_w8a16", True, 64, 192), ("int8_w8a16", False, 32, 128), ("int8_w8a16", True, 128, 256),

@@ -230,17 +230,20 @@ def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, o
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]
 
 
-@pytest.mark.parametrize("T, expected", [(5, "native"), (40, "kernel")])  # 2.5 and 20 rows an expert
-def test_sorted_bf16_int4_takes_vnni_products_for_a_few_rows_an_expert(monkeypatch, T, expected, gen):
-    """cpu_weight_only.NATIVE_ROWS_INT4_VNNI: sorted bf16 int4 calls of a few rows an expert take
-    the native VNNI products, more rows torch's int4 kernel (measured crossover)."""
+@pytest.mark.parametrize("T", [5, 40, 128, 160])  # 2.5, 20, 64 and 80 rows an expert
+def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeypatch, T, gen):
+    """cpu_weight_only.NATIVE_ROWS_INT4_INTEGER: sorted bf16 int4 calls of up to the build's
+    measured number of rows an expert (on average over the experts with rows) take the native
+    integer products, more rows torch's int4 kernel; both against the reference."""
+    from moekit.experts.cpu_weight_only import NATIVE_ROWS_INT4_INTEGER
     backend = CPUWeightOnlyBackend()
     w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
                          "int4_w4a16")
     lib = backend.native_library(w, get_scheme("int4_w4a16"))
-    if lib is None or lib.isa != "avx512_vnni" or not CPUWeightOnlyBackend.uses_int4_kernel(
+    if lib is None or not NATIVE_ROWS_INT4_INTEGER.get(lib.isa) or not CPUWeightOnlyBackend.uses_int4_kernel(
             torch.bfloat16, get_scheme("int4_w4a16")):
-        pytest.skip("needs the native kernels' VNNI build and torch's int4 kernel")
+        pytest.skip("needs a native build with integer int4 products and torch's int4 kernel")
+    expected = "native" if T * 4 / 8 <= NATIVE_ROWS_INT4_INTEGER[lib.isa] else "kernel"
     taken = []
     native_linear, kernel_linear = backend._native_linear, backend._int4_kernel_linear
     monkeypatch.setattr(backend, "_native_linear", lambda *a: taken.append("native") or native_linear(*a))

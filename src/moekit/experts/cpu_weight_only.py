@@ -5,13 +5,15 @@ Compute paths, chosen per call by a fixed rule (each tested against the emulatio
 - native (where moekit's native kernels build: moekit.native): decode (at most
   DIRECT_ASSIGNMENTS assignments) runs every token's FFN in one native call
   (NativeLibrary.decode), straight from the stored int4 / int8 weights and fp32 group scales,
-  any activation dtype; on CPUs with VNNI (AVX-512 or AVX-VNNI) the products are integer dot
-  products against x in 16-bit fixed point per group (x's rounding at most 2^-14 of its
-  group's max |x|, finer than bf16's for all but the values 2^5 below that max), else fp32.
+  any activation dtype; on CPUs with VNNI (AVX-512 or AVX-VNNI), and for int4 on any AVX2 CPU,
+  the products are integer dot products against x in 16-bit fixed point per group (x's
+  rounding at most 2^-14 of its group's max |x|, finer than bf16's for all but the values 2^5
+  below that max), else fp32.
   Sorted calls that would take the fp32 blocks run on the same kernel up to NATIVE_ROWS rows
-  an expert, bf16 int4 ones with VNNI products up to NATIVE_ROWS_INT4_VNNI. At E=64, k=8,
-  H=1024, I=512, M=1 on a 2-core AVX-512 VNNI host (bench/cpu_quant.py): int4 0.57 ms against
-  1.10 through torch's int4 kernel, 2.7x the bf16 `cpu` backend.
+  an expert, bf16 int4 ones with integer products up to NATIVE_ROWS_INT4_INTEGER. At E=64, k=8,
+  H=1024, I=512, M=1 (bench/cpu_quant.py): int4 0.57 ms against 1.10 through torch's int4
+  kernel, 2.7x the bf16 `cpu` backend, on a 2-core AVX-512 VNNI host; on a 2-core AVX2 host
+  (AMD Zen 3) RESULT_ZEN3.
 - int4 kernel (int4 weights, bf16 activations, torch with `_weight_int4pack_mm_for_cpu`):
   torch's CPU int4 GEMM, which unpacks int4 in registers and accumulates in fp32. It wants
   its own packing and one bf16 (scale, offset) pair per group, so the weights are repacked
@@ -63,11 +65,16 @@ DIRECT_ASSIGNMENTS = 16
 NATIVE_ROWS = 16
 
 # Sorted bf16 int4 calls (torch's int4 kernel otherwise) run on the native kernel up to this many
-# rows an expert where its products are VNNI integer products: at E=64, k=8, H=1024, I=512 on
-# a 2-core AVX-512 VNNI host 6.4 against 7.9 ms at M=16 (2 rows an expert), 10.7 against 11.5
-# at M=32, 12.6 against 13.0 at M=40, 14.6 against 14.4 at M=48, 18.6 against 18.0 at M=64;
-# on AVX2 builds torch's kernel stays ahead.
-NATIVE_ROWS_INT4_VNNI = 5
+# rows an expert (on average), by the native build's instruction set (NativeLibrary.isa), where
+# its products are integer products (E=64, k=8, H=1024, I=512, bench/NOTES-cpu.md):
+# - "avx512_vnni" (a 2-core AVX-512 VNNI Xeon): 6.4 against 7.9 ms at M=16 (2 rows an expert),
+#   10.7 against 11.5 at M=32, 12.6 against 13.0 at M=40, 14.6 against 14.4 at M=48, 18.6
+#   against 18.0 at M=64: 5;
+# - "avx2" (vpmaddubsw for int4; a 2-core AMD EPYC, Zen 3): 0.48-0.65x torch's kernel from half
+#   a row to 8 rows an expert, 0.70 / 0.71 / 0.76x at 16 / 32 / 64 (M = 128 / 256 / 512): up to
+#   64, the largest measured;
+# - "avx2_vnni" not measured: torch's kernel.
+NATIVE_ROWS_INT4_INTEGER = {"avx512_vnni": 5, "avx2": 64}
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -203,7 +210,7 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         lib = self.native_library(weights, scheme)
         rows_limit = NATIVE_ROWS
         if kernel:  # sorted bf16 int4: torch's int4 kernel, but for a few rows an expert of VNNI products
-            rows_limit = NATIVE_ROWS_INT4_VNNI if lib is not None and lib.isa == "avx512_vnni" else 0
+            rows_limit = NATIVE_ROWS_INT4_INTEGER.get(lib.isa, 0) if lib is not None else 0
             kernel = T * k > rows_limit * min(weights.num_experts, T * k)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)

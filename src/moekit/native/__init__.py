@@ -183,9 +183,10 @@ class NativeLibrary:
                 x: torch.Tensor, out: torch.Tensor, *, int4: bool, group_size: int,
                 starts: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
         """Weight-only products of rows grouped by expert: out[j] = dequant(w[experts[s]]) @ x[j], in fp32;
-        on VNNI builds (isa "avx512_vnni", or "avx2_vnni": AVX-VNNI beside AVX2) as integer products against x rounded to 16-bit
-        fixed point per group (a power-of-two step, at most 2^-14 of the group's max |x| an
-        element), where the 64-byte weight chunks fit the groups (cpu_kernels.c says how).
+        on VNNI builds (isa "avx512_vnni", or "avx2_vnni": AVX-VNNI beside AVX2), and for int4 on
+        AVX2 builds without VNNI ("avx2": vpmaddubsw), as integer products against x rounded to
+        16-bit fixed point per group (a power-of-two step, at most 2^-14 of the group's max |x|
+        an element), where the weight chunks fit the groups (cpu_kernels.c says how).
 
         Args:
             w: [E, N, K/2] uint8 (int4, two per byte; stored u = q + 8 without zero points) or

@@ -24,8 +24,17 @@
 #endif
 
 
+/* The loops of a parallel region, split statically over its threads (a loop in a row). */
+#ifdef _OPENMP
+#define OMP_FOR _Pragma("omp for schedule(static)")
+#else
+#define OMP_FOR
+#endif
+
 #define ROWS 32          /* rows of one work item */
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8  /* how far ahead a row group prefetches */
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MOEKIT_ISA "avx512_vnni"
@@ -420,8 +429,8 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
 }
 #endif
 
-#if (defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__AVXVNNI__))
-/* ---- weight-only products with VNNI: integer products against x in 16-bit fixed point ----
+#if (defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && (defined(__AVXVNNI__) || !defined(__AVX512F__)))
+/* ---- weight-only products as integer products against x in 16-bit fixed point ----
  * Widening every weight to an fp32 lane costs about as many instructions as streaming it
  * (int4: 55 us per million weights per core, a third of a decode token's time on two cores).
  * vpdpbusd instead multiplies 4 VL unsigned weight bytes by as many signed bytes into VL int32
@@ -440,23 +449,38 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
  * sqrt(g) 2^-XBITS max|x| <= sqrt(g) 2^-XBITS ||x_group|| in norm (7e-4 ||x_group|| at g = 128,
  * against 2e-3 for bf16 rounding). A third byte (x to fp32 accuracy) cost 10 % more time at
  * decode (bench/NOTES-cpu.md). Rows whose x is not finite, or whose group maxima fall below
- * 2^-100 (where 2^e would leave fp32's normal range), take the fp32 path. */
+ * 2^-100 (where 2^e would leave fp32's normal range), take the fp32 path.
+ *
+ * AVX2 CPUs without VNNI (AMD Zen 2 / 3, say) take the same route for int4 weights, each
+ * vpdpbusd pair done by two vpmaddubsw (nibble times x byte, adjacent pairs summed into int16:
+ * at most 2 * 15 * 128 = 3840, the two summed at most 7680, so nothing saturates) and one
+ * vpmaddwd by ones into the same int32 lanes: exact as well, 3 instructions a pair of 32 bytes
+ * against 16 or more to widen 64 nibbles to fp32 lanes. 8-bit weights keep the fp32 path there:
+ * (q + 128) x byte pairs reach 65280 and vpmaddubsw would saturate. */
 #define WO_VNNI 1
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define WO_DPBUSD 1         /* vpdpbusd itself (else emulated, int4 only) */
+#endif
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VL 16               /* int32 lanes of a vector */
 #else
 #define VL 8
 #endif
 #define XBITS 14            /* |X| <= 2^14: lo in [-128, 127], |hi| <= 64 */
+#ifndef L2_AHEAD           /* (both distances can be set with -D for experiments) */
 #define L2_AHEAD 16384      /* weight bytes ahead a row group prefetches into L2 ... */
+#endif
+#ifndef L1_AHEAD
 #define L1_AHEAD 2048       /* ... and into L1 (measured: one distance alone streamed 20-30 % slower) */
+#endif
 
-/* A call's x rows prepared for the VNNI products. Each row: lane_f [T][VL] (T = K / C chunks
- * of C columns: 8 VL for int4, 4 VL else): 2^e of each lane's group; xsum [G]: the groups' sums
- * of X 2^e; lo [K], hi [K] int8 in the weight bytes' column order (int4: even columns, then odd
- * columns). */
+/* A call's x rows prepared for the VNNI products. Each row (64-byte aligned, so no vector load
+ * of lo or hi straddles a cache line): lo [K], hi [K] int8 in the weight bytes' column order
+ * (int4: even columns, then odd columns); lane_f [T][VL] (T = K / C chunks of C columns: 8 VL
+ * for int4, 4 VL else): 2^e of each lane's group; xsum [G]: the groups' sums of X 2^e. */
 typedef struct {
     int64_t C, T, per_row;
+    int64_t l2, l1;         /* prefetch distances: L2_AHEAD and L1_AHEAD in whole weight rows */
     int32_t *chunk_group;   /* [T]: the group of chunk t's first column */
     int32_t lane_idx[16];   /* groups narrower than a chunk: lane l's group within its chunk */
     char *rows, *ok;        /* [x_rows * per_row] prepared rows; [x_rows] whether each could be */
@@ -469,10 +493,11 @@ typedef struct {
 } vnni_row;
 static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K, int64_t G) {
     vnni_row row;
-    row.lane_f = (float *)(vx->rows + j * vx->per_row);
-    row.xsum = row.lane_f + vx->T * VL;
-    row.lo = (int8_t *)(row.xsum + G);
+    row.lo = (int8_t *)(vx->rows + j * vx->per_row);
     row.hi = row.lo + K;
+    row.lane_f = (float *)(row.hi + K);
+    row.xsum = row.lane_f + vx->T * VL;
+    (void)G;
     return row;
 }
 
@@ -563,7 +588,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
     const vnni_row row = vx_row(vx, j, K, G);
     const float *lane_f = row.lane_f;
     const int8_t *lo = row.lo, *hi = row.hi;
-    const int64_t l2 = rows_ahead(L2_AHEAD, row_bytes), l1 = rows_ahead(L1_AHEAD, row_bytes);
+    const int64_t l2 = vx->l2, l1 = vx->l1;
     const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const __mmask16 gmask = (__mmask16)((1u << (g < C ? C / g : 1)) - 1);
     const __m512i lane_group = _mm512_loadu_si512((const void *)vx->lane_idx);
@@ -603,37 +628,146 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
 }
 
 #else
-/* Prepares x row xj into row j of vx (as the AVX-512 version, one value at a time); returns 0
+/* The low bytes of eight int32 lanes (each in int8's range) to p. */
+static inline void store_bytes8(int8_t *p, __m256i v) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(v, pick);
+    _mm_storel_epi64((__m128i *)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+/* Prepares x row xj into row j of vx (as the AVX-512 version, eight values a vector); returns 0
  * where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
     const int64_t G = K / g;
     const vnni_row row = vx_row(vx, j, K, G);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028235e38f);
+    const __m256i b128 = _mm256_set1_epi32(128), b255 = _mm256_set1_epi32(255);
+    const __m256i deal = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  /* even lanes low, odd lanes high */
     float gf[G];
     for (int64_t c = 0; c < G; c++) {
-        float m = 0.0f;
-        for (int64_t k = c * g; k < (c + 1) * g; k++) {
-            const float a = fabsf(xj[k]);
-            if (!(a <= 3.4028235e38f)) return 0;  /* inf or nan */
-            m = a > m ? a : m;
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t k = c * g; k < (c + 1) * g; k += 8) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xj + k), absmask);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ))) return 0;  /* inf or nan */
+            amax = _mm256_max_ps(amax, a);
         }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x55)));
         if (m > 0.0f && m < 0x1p-100f) return 0;
-        float inv;
-        gf[c] = vnni_step(m, &inv);
-        int64_t sum = 0;
-        for (int64_t k = c * g; k < (c + 1) * g; k++) {
-            const int32_t X = (int32_t)nearbyintf(xj[k] * inv), l = ((X + 128) & 255) - 128;
-            const int64_t pos = wtype == 0 ? (k & 1) * (K / 2) + k / 2 : k;  /* int4: the nibbles' order */
-            sum += X;
-            row.lo[pos] = (int8_t)l;
-            row.hi[pos] = (int8_t)((X - l) / 256);
+        float inv_s;
+        gf[c] = vnni_step(m, &inv_s);
+        const __m256 inv = _mm256_set1_ps(inv_s);
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t k = c * g; k < (c + 1) * g; k += 16) {
+            /* round half to even: the default rounding mode, as nearbyintf */
+            __m256i X0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + k), inv));
+            __m256i X1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + k + 8), inv));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(X0, X1));
+            int64_t p0 = k, p1 = k + 8;
+            if (wtype == 0) {  /* to the nibbles' order: the 8 even columns, then the 8 odd ones */
+                const __m256i a = _mm256_permutevar8x32_epi32(X0, deal), b = _mm256_permutevar8x32_epi32(X1, deal);
+                X0 = _mm256_permute2x128_si256(a, b, 0x20), X1 = _mm256_permute2x128_si256(a, b, 0x31);
+                p0 = k / 2, p1 = K / 2 + k / 2;
+            }
+            const __m256i l0 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X0, b128), b255), b128);
+            const __m256i l1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X1, b128), b255), b128);
+            store_bytes8(row.lo + p0, l0);
+            store_bytes8(row.lo + p1, l1);
+            store_bytes8(row.hi + p0, _mm256_srai_epi32(_mm256_sub_epi32(X0, l0), 8));
+            store_bytes8(row.hi + p1, _mm256_srai_epi32(_mm256_sub_epi32(X1, l1), 8));
         }
-        row.xsum[c] = (float)((double)sum * gf[c]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        row.xsum[c] = (float)((double)_mm_cvtsi128_si32(s4) * gf[c]);
     }
     vnni_lane_steps(vx, row.lane_f, gf, g);
     return 1;
 }
 
-/* vnni_rows_impl with AVX-VNNI on 256-bit vectors (chunks of 32 weight bytes). */
+/* The int32 lanes of nibble bytes we, wo against x bytes xe, xo (four products a lane, as two
+ * vpdpbusd), with VNNI or without. */
+static inline __m256i int4_lanes(__m256i we, __m256i xe, __m256i wo, __m256i xo) {
+#ifdef WO_DPBUSD
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), we, xe), wo, xo);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+/* 256-bit sum of fp32 lanes (vf_sum's type is 512-bit on AVX-512 builds). */
+static inline float sum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+    return _mm_cvtss_f32(s);
+}
+
+#ifndef WO_DPBUSD
+/* Without VNNI, int4 rows whose chunks each lie in one group (g a multiple of C, at most 4096
+ * columns so a group's int32 sums cannot overflow): each chunk's four products a lane go into
+ * one int32 sum per row, lo + 256 hi (vpmaddwd by 1 and by 256), converted and scaled once a
+ * group: 13 instructions a row and chunk, against 23 for the per-chunk scaling. n (1 or 4)
+ * rows from q against prepared x row `row`. */
+static inline __attribute__((always_inline)) void int4_group_rows(
+        const int n, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
+        const vnni_row *row, int64_t K, int64_t g, int prefetch, float *out) {
+    const int64_t G = K / g, per = g / vx->C, half = K / 2, l2 = vx->l2, l1 = vx->l1;
+    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    /* one loop over the chunks: gcc 12 kept the sums in memory between groups when a loop over
+     * groups held one over their chunks */
+    for (int64_t t = 0, c = 0, left = per; t < vx->T; t++) {
+        if (prefetch && (t & 1) == 0)  /* a 64-byte line holds two chunks */
+            for (int r = 0; r < n; r++) {
+                _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 32, _MM_HINT_T2);
+                _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 32, _MM_HINT_T0);
+            }
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(row->lo + t * 32));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(row->hi + t * 32));
+        const __m256i xlo = _mm256_loadu_si256((const __m256i *)(row->lo + half + t * 32));
+        const __m256i xho = _mm256_loadu_si256((const __m256i *)(row->hi + half + t * 32));
+        for (int r = 0; r < n; r++) {
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(q + r * row_bytes + t * 32));
+            const __m256i we = _mm256_and_si256(wb, nib), wo = _mm256_and_si256(_mm256_srli_epi16(wb, 4), nib);
+            const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xl), _mm256_maddubs_epi16(wo, xlo));
+            const __m256i h16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xh), _mm256_maddubs_epi16(wo, xho));
+            s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(l16, one), _mm256_madd_epi16(h16, c256)));
+        }
+        if (--left == 0) {  /* the group's last chunk */
+            const float step = row->lane_f[t * VL];  /* every lane of the group's chunks */
+            for (int r = 0; r < n; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(step * sc[r * G + c]), acc[r]);
+                s[r] = _mm256_setzero_si256();
+            }
+            c++, left = per;
+        }
+    }
+    for (int r = 0; r < n; r++)
+        out[r] = sum8(acc[r]) - vnni_zero_term(0, sc + r * G, z ? z + r * G : NULL, row->xsum, G);
+}
+
+/* int4_group_rows over `rows` consecutive weight rows (an item's), four at a time: one call
+ * an item and x row, so the setup is paid once and not every four rows. */
+static void int4_item_rows(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
+                           int64_t j, int64_t K, int64_t g, int64_t rows, int prefetch, float *out) {
+    const int64_t G = K / g;
+    const vnni_row row = vx_row(vx, j, K, G);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+        int4_group_rows(4, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
+                        out + r);
+    for (; r < rows; r++)
+        int4_group_rows(1, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
+                        out + r);
+}
+#endif
+
+/* vnni_rows_impl on 256-bit vectors (chunks of 32 weight bytes): AVX-VNNI, or AVX2 for int4. */
 static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
@@ -641,7 +775,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
     const vnni_row row = vx_row(vx, j, K, G);
     const float *lane_f = row.lane_f;
     const int8_t *lo = row.lo, *hi = row.hi;
-    const int64_t l2 = rows_ahead(L2_AHEAD, row_bytes), l1 = rows_ahead(L1_AHEAD, row_bytes);
+    const int64_t l2 = vx->l2, l1 = vx->l1;
     const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
     const __m256i lane_group = _mm256_loadu_si256((const __m256i *)vx->lane_idx);
     int32_t mask[8];
@@ -664,12 +798,17 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
             __m256i al, ah;
             if (wtype == 0) {  /* even columns in the low nibbles, odd ones in the high */
                 const __m256i we = _mm256_and_si256(wb, nib), wo = _mm256_and_si256(_mm256_srli_epi16(wb, 4), nib);
-                al = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, we, xl), wo, xlo);
-                ah = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, we, xh), wo, xho);
+                al = int4_lanes(we, xl, wo, xlo);
+                ah = int4_lanes(we, xh, wo, xho);
             } else {
+#ifdef WO_DPBUSD
                 const __m256i wu = wtype == 1 ? _mm256_xor_si256(wb, flip) : wb;  /* int8: q + 128 */
                 al = _mm256_dpbusd_avx_epi32(zero, wu, xl);
                 ah = _mm256_dpbusd_avx_epi32(zero, wu, xh);
+#else
+                al = ah = zero;  /* not reached: vnni_init keeps 8-bit weights off this path here */
+                (void)wb, (void)flip;
+#endif
             }
             const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ah, 8), al));
             const float *scr = sc + r * G;
@@ -680,7 +819,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         }
     }
     for (int r = 0; r < n; r++)
-        out[r] = vf_sum(acc[r]) - vnni_zero_term(wtype, sc + r * G, z ? z + r * G : NULL, row.xsum, G);
+        out[r] = sum8(acc[r]) - vnni_zero_term(wtype, sc + r * G, z ? z + r * G : NULL, row.xsum, G);
 }
 #endif
 
@@ -705,8 +844,13 @@ static int vnni_init(vnni_x *vx, int wtype, int64_t x_rows, int64_t K, int64_t g
     const int64_t C = (wtype == 0 ? 8 : 4) * VL, G = K / g;
     vx->rows = NULL;
     if (K % C || (g % C && C % g)) return 0;
-    vx->C = C, vx->T = K / C, vx->per_row = 4 * (vx->T * VL + G) + 2 * K;
-    vx->rows = (char *)malloc((size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T));
+#ifndef WO_DPBUSD
+    if (wtype != 0) return 0;  /* int4 only without VNNI (see above) */
+#endif
+    vx->C = C, vx->T = K / C, vx->per_row = (2 * K + 4 * (vx->T * VL + G) + 63) / 64 * 64;
+    vx->l2 = rows_ahead(L2_AHEAD, wtype == 0 ? K / 2 : K), vx->l1 = rows_ahead(L1_AHEAD, wtype == 0 ? K / 2 : K);
+    const size_t bytes = (size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T);
+    vx->rows = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);  /* free() releases it */
     if (vx->rows == NULL) return 0;
     vx->chunk_group = (int32_t *)(vx->rows + x_rows * vx->per_row);
     vx->ok = (char *)(vx->chunk_group + vx->T);
@@ -730,6 +874,7 @@ typedef struct {
     int vnni;
     vnni_x vx;
     vnni_rows_fn rows4, row1;
+    int int4_items;  /* int4_item_rows serves the VNNI products (AVX2 without VNNI, g a multiple of C) */
 #endif
 } wo_call;
 
@@ -743,6 +888,11 @@ static int wo_init(wo_call *c, int64_t x_rows) {
     c->vnni = vnni_init(&c->vx, c->wtype, x_rows, c->K, c->g);
     c->rows4 = c->wtype == 0 ? vnni_rows4_int4 : (c->wtype == 1 ? vnni_rows4_int8 : vnni_rows4_uint8);
     c->row1 = c->wtype == 0 ? vnni_row_int4 : (c->wtype == 1 ? vnni_row_int8 : vnni_row_uint8);
+#ifdef WO_DPBUSD
+    c->int4_items = 0;
+#else
+    c->int4_items = c->vnni && c->wtype == 0 && c->g % c->vx.C == 0 && c->g <= 4096;
+#endif
 #endif
     return 1;
 }
@@ -778,6 +928,25 @@ static void wo_item(const wo_call *c, int64_t item) {
     const int64_t e = c->experts[it.s], jstep = c->x_stride ? 1 : 0;
     int64_t r = it.r0;
 #ifdef WO_VNNI
+#ifndef WO_DPBUSD
+    if (c->int4_items) {
+        const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
+        const float *sc = c->scale + (e * N + r) * G;
+        for (int64_t j = it.j0; j < it.j1; j++) {  /* the item's weight rows stay in L1 across the segment's x rows */
+            const int64_t jx = j * jstep;
+            float *o = c->out + j * N + r;
+            if (c->vx.ok[jx]) {
+                int4_item_rows(q, row_bytes, sc, z, &c->vx, jx, K, g, it.r1 - r, j == it.j0, o);
+                continue;
+            }
+            const float *xe = c->scratch + jx * per_x;
+            for (int64_t i = 0; i < it.r1 - r; i++)
+                o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
+                              xe, xe + K / 2, xe + K, K, g);
+        }
+        return;
+    }
+#endif
     if (c->vnni)
         for (; r < it.r1; r += 4) {
             const int n = it.r1 - r < 4 ? (int)(it.r1 - r) : 4;
@@ -832,11 +1001,15 @@ int moekit_wo_gemm_segments(int wtype, const uint8_t *w, const float *scale, con
     c.wtype = wtype, c.w = w, c.zero = zero, c.scale = scale, c.x = x, c.experts = experts, c.starts = starts;
     c.x_stride = x_stride, c.N = N, c.K = K, c.g = g, c.out = out;
     if (!wo_init(&c, x_rows)) return 1;
-    for (int64_t j = 0; j < x_rows; j++) wo_prepare_row(&c, j);
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel num_threads(threads)
 #endif
-    for (int64_t item = 0; item < segments * c.blocks; item++) wo_item(&c, item);
+    {
+        OMP_FOR
+        for (int64_t j = 0; j < x_rows; j++) wo_prepare_row(&c, j);
+        OMP_FOR
+        for (int64_t item = 0; item < segments * c.blocks; item++) wo_item(&c, item);
+    }
     wo_free(&c);
     (void)threads;
     return 0;
@@ -1082,13 +1255,6 @@ static void activate(int act, float alpha, float limit, const float *h, int64_t 
         a[i] = v;
     }
 }
-
-/* The loops of a parallel region, split statically over its threads (a loop in a row). */
-#ifdef _OPENMP
-#define OMP_FOR _Pragma("omp for schedule(static)")
-#else
-#define OMP_FOR
-#endif
 
 /* One token's FFN over its n local slots (experts[j], slot_w[j]); b13 [E, N1] and b2 [E, H]
  * fp32 bias tables or NULL. Returns 0, or 1 when the scratch cannot be allocated. */
