@@ -18,7 +18,8 @@ native kernels where they are available (moekit.native: compiled on first use fo
 quantized and the exact int32 products rescaled inside them, the same values as the torch
 path: a decode step 0.80 ms against 2.1 through torch._int_mm at E=64, k=8, H=1024, I=512 on
 the host above), else through torch._int_mm; sorted calls of up to NATIVE_ROWS rows an expert
-(NATIVE_ROWS_VNNI on AVX-512 VNNI) take the native products too.
+(by instruction set: NATIVE_ROWS_BY_ISA, all of them on AVX2 CPUs without VNNI, where
+torch._int_mm ran 20x slower) take the native products too.
 
 Accumulation is exact for K * 127 * 127 < 2^31 (K < 133,000), checked in `unsupported`.
 Supports: CPU, fp32/bf16/fp16 activations, every activation, biases, expert_map, weights
@@ -38,7 +39,7 @@ from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
 
-__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "NATIVE_ROWS_VNNI", "SWAP_ROWS"]
+__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "NATIVE_ROWS_BY_ISA", "NATIVE_ROWS_VNNI", "SWAP_ROWS"]
 
 # Rows of one expert up to which the int8 GEMM runs as q_w q_x^T (transposed back): measured
 # 1.2-1.7x faster than q_x q_w^T at 1-128 rows on weights of 1024-7168 x 512-3584 on a 2-core
@@ -55,8 +56,12 @@ DIRECT_ASSIGNMENTS = 16
 # kernel's AVX-512 VNNI build (vpdpbusd, 64 products an instruction) leads up to 32 rows: at
 # E=64, k=8, H=1024, I=512 M=32 8.9 against 13.4 ms, M=128 20.5 / 24.9, M=256 (32 rows) 37.4 /
 # 39.9, M=512 72.3 / 71.9.
+# On AVX2 CPUs without VNNI the kernel (vpmaddubsw on |w| and x with w's sign) leads torch._int_mm
+# at every size measured: on a 2-core AMD EPYC (Zen 3) 0.04-0.05x its time from 4 to 256 rows an
+# expert (M=32: 11.4 against 218 ms, M=2048: 0.54 against 10.2 s), so there it takes every call.
 NATIVE_ROWS = 8
 NATIVE_ROWS_VNNI = 32
+NATIVE_ROWS_BY_ISA = {"avx512_vnni": NATIVE_ROWS_VNNI, "avx2": float("inf")}
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_K = (2 ** 31 - 1) // (127 * 127)
@@ -129,7 +134,7 @@ class CPUInt8Backend(ExpertsBackend):
         s = weights.scales
         lib = self._library(weights)
         segs = None
-        limit = NATIVE_ROWS_VNNI if lib is not None and lib.isa == "avx512_vnni" else NATIVE_ROWS
+        limit = NATIVE_ROWS_BY_ISA.get(lib.isa, NATIVE_ROWS) if lib is not None else 0
         if lib is not None and sr.rows.shape[0] <= limit * len(sr.spans):
             segs = (lib, *span_segments(sr.spans))
         h = _int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans, segs)
