@@ -12,7 +12,8 @@ random routing drawn fresh per call. Variants:
 - int8_w8a16 (group 128) and int4_w4a16 with fp32 activations, backend `cpu_wo`: the native
   kernel at decode, fp32 GEMMs from weights dequantized in blocks otherwise.
 
-Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3.
+Each variant rotates over enough weight copies that the bytes it streams exceed 3x the L3, and
+over at least --min-copies of them (6), so its medians average over where their pages lie.
 Rounds run every variant once in turn, the order rotated by one each round (so a load
 change on a shared machine hits all of them alike, and none always goes first); each time is the median over rounds, each ratio the median of per-round ratios.
 Floor: the stored bytes of the D(M) = E (1 - (1 - k/E)^M) experts touched (PERF.md) over the
@@ -105,7 +106,7 @@ def _per_gemm(cls):
     return b
 
 
-def make_variants(gen: torch.Generator, l3_bytes: int):
+def make_variants(gen: torch.Generator, l3_bytes: int, min_copies: int = 6):
     """name -> (backend, x dtype, [ExpertWeights copies], bytes per layer)."""
     w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
     w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
@@ -129,7 +130,7 @@ def make_variants(gen: torch.Generator, l3_bytes: int):
         first = build(w13, w2)
         nbytes = read_bytes(first)
         copies = [first]
-        while len(copies) * nbytes < 3 * l3_bytes or len(copies) < 2:
+        while len(copies) * nbytes < 3 * l3_bytes or len(copies) < min_copies:
             # perturb so no two copies share bytes (and a repacking cache keeps one entry each)
             copies.append(build(w13 + 1e-3 * len(copies), w2))
         out[name] = (backend, dtype, copies, nbytes)
@@ -141,6 +142,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ms", default="1,32", help="token counts M")
+    p.add_argument("--min-copies", type=int, default=6,
+                   help="weight copies per variant at least: each variant's medians average over where its "
+                        "copies' pages lie (on a 2-core AMD EPYC VM one variant measured up to 1.4x apart "
+                        "between processes with two copies)")
     p.add_argument("--l3-mb", type=int, default=32,
                    help="the L3 size the weight copies exceed 3x (MB); on a 480 MB shared L3 host random "
                         "1 MB reads measured the same from 2 GB as from 100 MB (bench/NOTES-cpu.md)")
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     Ms = [int(m) for m in args.ms.split(",")]
     gen = torch.Generator().manual_seed(0)
-    variants = make_variants(gen, args.l3_mb * 1024 * 1024)
+    variants = make_variants(gen, args.l3_mb * 1024 * 1024, args.min_copies)
     params = ActivationParams()
     load_before = os.getloadavg()
     dram = dram_read_bytes_per_s()

@@ -51,6 +51,7 @@ _ISA_FLAGS = {
     "avx2_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"],  # AVX2 with AVX-VNNI (tests)
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mno-avx512vnni",
                "-mno-avxvnni"],  # AVX-512 without VNNI (tests)
+    "avx2_rows4": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f", "-DMOEKIT_ROW_GROUP=4"],  # four rows a pass (tests)
     "scalar": ["-mno-avx2", "-mno-avx512f"],
 }
 

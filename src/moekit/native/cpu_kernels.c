@@ -10,10 +10,18 @@
  * row s, a decode token's slots) and r < N output rows; w int8 [E, N, K] contiguous, x int8
  * rows (x_stride 0: one row shared by every segment). One OpenMP loop covers every segment's
  * weight rows in blocks of ROWS, so the weights of all the experts stream under one parallel
- * region, each weight row once, and each row group prefetches the rows PREFETCH_ROWS ahead of
- * it: with few rows an expert the products are bound by how many weight lines are in flight,
- * not by arithmetic. The products are exact int32 sums (see xq_t below for how each
- * instruction set forms them).
+ * region, each weight row once, and each row (group) prefetches the weights ahead of it: with
+ * few rows an expert the products are bound by how many weight lines are in flight, not by
+ * arithmetic. The products are exact int32 sums (see xq_t below for how each instruction set
+ * forms them).
+ *
+ * Row order (MOEKIT_ROW_GROUP): AVX-512 builds take four weight rows a pass, x's loads shared
+ * by the four, the rows PREFETCH_ROWS ahead prefetched (measured on an Intel Xeon, where the
+ * bf16 decode streams at 93 % of the read floor); the other builds one row after another, the
+ * bytes ROW_AHEAD ahead prefetched: four rows a pass read four interleaved streams of one row
+ * (0.5-2 KB) each, which an AMD Zen 3's hardware prefetchers followed badly: one row at a time
+ * took the decode from 1.00 to 0.74x (int8), 0.80x (bf16) and 0.89x (int4) on one (two cores,
+ * bench/NOTES-cpu.md). -DMOEKIT_ROW_GROUP=1 or 4 overrides (the test builds run both).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,9 +40,24 @@
 #endif
 
 #define ROWS 32          /* rows of one work item */
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 8  /* how far ahead a row group prefetches */
+#define PREFETCH_ROWS 8  /* how far ahead a four-row group prefetches */
+#define ROW_AHEAD 4096   /* how many bytes ahead a row prefetches when rows go one at a time */
+#ifndef MOEKIT_ROW_GROUP
+#if defined(__AVX512F__)
+#define MOEKIT_ROW_GROUP 4
+#else
+#define MOEKIT_ROW_GROUP 1
 #endif
+#endif
+
+/* Rows one at a time: the weight bytes ROW_AHEAD past a row of row_bytes, into L1. */
+static inline void prefetch_row_ahead(const void *row, int64_t row_bytes) {
+#if (defined(__AVX2__) || defined(__AVX512F__)) && MOEKIT_ROW_GROUP == 1
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)row + ROW_AHEAD + b, _MM_HINT_T0);
+#else
+    (void)row, (void)row_bytes;
+#endif
+}
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MOEKIT_ISA "avx512_vnni"
@@ -261,13 +284,14 @@ static void int8_item(const int8_call *c, int64_t item) {
     const int8_t *ws = c->w + c->experts[it.s] * N * K;
     const float *sw = c->out_f32 ? c->w_scale + c->experts[it.s] * N : NULL;
     int64_t r = it.r0;
-    int32_t acc[4];
     if (c->scalar) {
         for (; r < it.r1; r++)
             for (int64_t j = it.j0; j < it.j1; j++)
                 c->out[j * N + r] = dot_tail(ws + r * K, c->xq + (c->shared ? 0 : j * K), 0, K);
         return;
     }
+#if MOEKIT_ROW_GROUP == 4
+    int32_t acc[4];
     for (; r + 4 <= it.r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
         for (int64_t j = it.j0; j < it.j1; j++) {
             const xq_t *xj = c->xq + (c->shared ? 0 : j * K);
@@ -280,12 +304,15 @@ static void int8_item(const int8_call *c, int64_t item) {
             const float sx = c->scales[c->shared ? 0 : j];
             for (int i = 0; i < 4; i++) c->out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
         }
-    for (; r < it.r1; r++)
+#endif
+    for (; r < it.r1; r++) {  /* the weight row stays in L1 across the segment's x rows */
+        prefetch_row_ahead(ws + r * K, K);
         for (int64_t j = it.j0; j < it.j1; j++) {
             const int32_t a = row1(ws + r * K, K, c->xq + (c->shared ? 0 : j * K), c->xsum[c->shared ? 0 : j]);
             if (c->out_f32) c->out_f32[j * N + r] = ((float)a * c->scales[c->shared ? 0 : j]) * sw[r];
             else c->out[j * N + r] = a;
         }
+    }
 }
 
 /* x_int8 (or, when x_f32 is given, x_f32 quantized per row into scales) against w, into out
@@ -736,57 +763,71 @@ static inline float sum8(__m256 a) {
 /* Without VNNI, int4 rows whose chunks each lie in one group (g a multiple of C, at most 4096
  * columns so a group's int32 sums cannot overflow): each chunk's four products a lane go into
  * one int32 sum per row, lo + 256 hi (vpmaddwd by 1 and by 256), converted and scaled once a
- * group: 13 instructions a row and chunk, against 23 for the per-chunk scaling. n (1 or 4)
- * rows from q against prepared x row `row`. */
+ * group: 13 instructions a row and chunk, against 23 for the per-chunk scaling.
+ * int4_chunk: chunk t of n rows into their int32 sums s. */
+static inline __attribute__((always_inline)) void int4_chunk(
+        const int n, const uint8_t *q, int64_t row_bytes, const vnni_row *row, int64_t half, int64_t t, __m256i *s) {
+    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+    const __m256i xl = _mm256_loadu_si256((const __m256i *)(row->lo + t * 32));
+    const __m256i xh = _mm256_loadu_si256((const __m256i *)(row->hi + t * 32));
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(row->lo + half + t * 32));
+    const __m256i xho = _mm256_loadu_si256((const __m256i *)(row->hi + half + t * 32));
+    for (int r = 0; r < n; r++) {
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(q + r * row_bytes + t * 32));
+        const __m256i we = _mm256_and_si256(wb, nib), wo = _mm256_and_si256(_mm256_srli_epi16(wb, 4), nib);
+        const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xl), _mm256_maddubs_epi16(wo, xlo));
+        const __m256i h16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xh), _mm256_maddubs_epi16(wo, xho));
+        s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(l16, one), _mm256_madd_epi16(h16, c256)));
+    }
+}
+
+/* n (1 or 4) rows from q against prepared x row `row`, two chunks (a 64-byte line of each row)
+ * an iteration. */
 static inline __attribute__((always_inline)) void int4_group_rows(
         const int n, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
         const vnni_row *row, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, per = g / vx->C, half = K / 2, l2 = vx->l2, l1 = vx->l1;
-    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    /* one loop over the chunks: gcc 12 kept the sums in memory between groups when a loop over
-     * groups held one over their chunks */
-    for (int64_t t = 0, c = 0, left = per; t < vx->T; t++) {
-        if (prefetch && (t & 1) == 0)  /* a 64-byte line holds two chunks */
-            for (int r = 0; r < n; r++) {
-                _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 32, _MM_HINT_T2);
-                _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 32, _MM_HINT_T0);
-            }
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(row->lo + t * 32));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(row->hi + t * 32));
-        const __m256i xlo = _mm256_loadu_si256((const __m256i *)(row->lo + half + t * 32));
-        const __m256i xho = _mm256_loadu_si256((const __m256i *)(row->hi + half + t * 32));
-        for (int r = 0; r < n; r++) {
-            const __m256i wb = _mm256_loadu_si256((const __m256i *)(q + r * row_bytes + t * 32));
-            const __m256i we = _mm256_and_si256(wb, nib), wo = _mm256_and_si256(_mm256_srli_epi16(wb, 4), nib);
-            const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xl), _mm256_maddubs_epi16(wo, xlo));
-            const __m256i h16 = _mm256_add_epi16(_mm256_maddubs_epi16(we, xh), _mm256_maddubs_epi16(wo, xho));
-            s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(l16, one), _mm256_madd_epi16(h16, c256)));
+    for (int64_t c = 0; c < G; c++) {
+        __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        int64_t t = c * per;
+        for (; t + 2 <= (c + 1) * per; t += 2) {  /* a 64-byte line of each row: two chunks */
+            if (prefetch)
+                for (int r = 0; r < n; r++) {
+                    _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 32, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 32, _MM_HINT_T0);
+                }
+            int4_chunk(n, q, row_bytes, row, half, t, s);
+            int4_chunk(n, q, row_bytes, row, half, t + 1, s);
         }
-        if (--left == 0) {  /* the group's last chunk */
-            const float step = row->lane_f[t * VL];  /* every lane of the group's chunks */
-            for (int r = 0; r < n; r++) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(step * sc[r * G + c]), acc[r]);
-                s[r] = _mm256_setzero_si256();
-            }
-            c++, left = per;
+        if (t < (c + 1) * per) {  /* odd chunks a group (g = 64 C' for odd C'): one chunk, its line's first or last */
+            if (prefetch && (t & 1) == 0)
+                for (int r = 0; r < n; r++) {
+                    _mm_prefetch((const char *)q + l2 + r * row_bytes + t * 32, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q + l1 + r * row_bytes + t * 32, _MM_HINT_T0);
+                }
+            int4_chunk(n, q, row_bytes, row, half, t, s);
         }
+        const float step = row->lane_f[c * per * VL];  /* every lane of the group's chunks */
+        for (int r = 0; r < n; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(step * sc[r * G + c]), acc[r]);
     }
     for (int r = 0; r < n; r++)
         out[r] = sum8(acc[r]) - vnni_zero_term(0, sc + r * G, z ? z + r * G : NULL, row->xsum, G);
 }
 
-/* int4_group_rows over `rows` consecutive weight rows (an item's), four at a time: one call
- * an item and x row, so the setup is paid once and not every four rows. */
+/* int4_group_rows over `rows` consecutive weight rows (an item's), MOEKIT_ROW_GROUP at a time:
+ * one call an item and x row, so the setup is paid once and not every few rows. */
 static void int4_item_rows(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
                            int64_t j, int64_t K, int64_t g, int64_t rows, int prefetch, float *out) {
     const int64_t G = K / g;
     const vnni_row row = vx_row(vx, j, K, G);
     int64_t r = 0;
+#if MOEKIT_ROW_GROUP == 4
     for (; r + 4 <= rows; r += 4)
         int4_group_rows(4, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
                         out + r);
+#endif
     for (; r < rows; r++)
         int4_group_rows(1, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
                         out + r);
@@ -974,8 +1015,8 @@ static void wo_item(const wo_call *c, int64_t item) {
     }
 #endif
     if (c->vnni)
-        for (; r < it.r1; r += 4) {
-            const int n = it.r1 - r < 4 ? (int)(it.r1 - r) : 4;
+        for (; r < it.r1; r += MOEKIT_ROW_GROUP) {
+            const int n = it.r1 - r < MOEKIT_ROW_GROUP ? (int)(it.r1 - r) : MOEKIT_ROW_GROUP;
             const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
             const float *sc = c->scale + (e * N + r) * G;
             for (int64_t j = it.j0; j < it.j1; j++) {  /* the weight rows stay in L1 across the segment's x rows */
@@ -996,7 +1037,7 @@ static void wo_item(const wo_call *c, int64_t item) {
             }
         }
 #endif
-#ifdef FSTEP
+#if defined(FSTEP) && MOEKIT_ROW_GROUP == 4
     for (; r + 4 <= it.r1; r += 4) {
         const uint8_t *q = c->w + (e * N + r) * row_bytes;
         for (int64_t b = 0; b < 4 * row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
@@ -1010,6 +1051,7 @@ static void wo_item(const wo_call *c, int64_t item) {
     for (; r < it.r1; r++) {
         const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
         const float *sc = c->scale + (e * N + r) * G;
+        prefetch_row_ahead(q, row_bytes);
         for (int64_t j = it.j0; j < it.j1; j++) {
             const float *xe = c->scratch + j * jstep * per_x;
             c->out[j * N + r] = wo_row(c->wtype, q, sc, z, c->x + j * jstep * c->x_stride, xe, xe + K / 2, xe + K, K, g);
@@ -1131,6 +1173,23 @@ static inline void frows4(int wtype, const char *w, int64_t row_bytes, int64_t K
 #endif
 }
 
+/* One row of w against x (two accumulator chains), fp32 accumulation. */
+static inline float frow1(int wtype, const char *w, int64_t K, const float *x) {
+#ifdef FSTEP
+    const int64_t kv = K - K % FSTEP;
+    vf a0 = vf_zero(), a1 = vf_zero();
+    int64_t k = 0;
+    for (; k + 2 * FSTEP <= kv; k += 2 * FSTEP) {
+        a0 = vf_fma(wload(wtype, w, k), vf_load(x + k), a0);
+        a1 = vf_fma(wload(wtype, w, k + FSTEP), vf_load(x + k + FSTEP), a1);
+    }
+    if (k < kv) a0 = vf_fma(wload(wtype, w, k), vf_load(x + k), a0);
+    return vf_sum(vf_add(a0, a1)) + fdot_tail(wtype, w, x, kv, K);
+#else
+    return fdot_tail(wtype, w, x, 0, K);
+#endif
+}
+
 /* One float product call. */
 typedef struct {
     int wtype;
@@ -1147,12 +1206,16 @@ static void float_item(const float_call *c, int64_t item) {
     const work_item it = item_of(item, c->blocks, c->starts, N);
     const char *ws = (const char *)c->w + c->experts[it.s] * N * row_bytes;
     int64_t r = it.r0;
+#if MOEKIT_ROW_GROUP == 4
     for (; r + 4 <= it.r1; r += 4)
         for (int64_t j = it.j0; j < it.j1; j++)
             frows4(c->wtype, ws + r * row_bytes, row_bytes, K, c->x + (c->x_stride ? j * c->x_stride : 0), c->out + j * N + r);
-    for (; r < it.r1; r++)
+#endif
+    for (; r < it.r1; r++) {
+        prefetch_row_ahead(ws + r * row_bytes, row_bytes);
         for (int64_t j = it.j0; j < it.j1; j++)
-            c->out[j * N + r] = fdot_tail(c->wtype, ws + r * row_bytes, c->x + (c->x_stride ? j * c->x_stride : 0), 0, K);
+            c->out[j * N + r] = frow1(c->wtype, ws + r * row_bytes, K, c->x + (c->x_stride ? j * c->x_stride : 0));
+    }
 }
 
 /* Returns 0, or 2 for a bad wtype. */
@@ -1227,7 +1290,7 @@ static int product_init(product *p, const moekit_projection *d, const int64_t *e
         p->scales = (float *)(p->xsum + x_rows);
         p->xq = (xq_t *)(p->scales + x_rows);
         const int8_call c = {(const int8_t *)d->w, experts, NULL, p->xq, p->xsum, p->scales, d->scale, x_stride == 0,
-                             d->N, d->K, blocks, NULL, out};
+                             d->N, d->K, blocks, NULL, out, 0};
         p->i8 = c;
         return 1;
     }
@@ -1375,3 +1438,4 @@ int moekit_decode(const moekit_projection *p13, const moekit_projection *p2, int
     free(experts);
     return rc;
 }
+
