@@ -816,18 +816,19 @@ static inline __attribute__((always_inline)) void int4_group_rows(
         out[r] = sum8(acc[r]) - vnni_zero_term(0, sc + r * G, z ? z + r * G : NULL, row->xsum, G);
 }
 
-/* int4_group_rows over `rows` consecutive weight rows (an item's), MOEKIT_ROW_GROUP at a time:
- * one call an item and x row, so the setup is paid once and not every few rows. */
+/* int4_group_rows over `rows` consecutive weight rows (an item's), MOEKIT_ROW_GROUP at a time
+ * or, with `four`, four (segments of several x rows, whose products the item's weights in L1
+ * bound by arithmetic: four rows share x's loads): one call an item and x row, so the setup is
+ * paid once and not every few rows. */
 static void int4_item_rows(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
-                           int64_t j, int64_t K, int64_t g, int64_t rows, int prefetch, float *out) {
+                           int64_t j, int64_t K, int64_t g, int64_t rows, int prefetch, int four, float *out) {
     const int64_t G = K / g;
     const vnni_row row = vx_row(vx, j, K, G);
     int64_t r = 0;
-#if MOEKIT_ROW_GROUP == 4
-    for (; r + 4 <= rows; r += 4)
-        int4_group_rows(4, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
-                        out + r);
-#endif
+    if (MOEKIT_ROW_GROUP == 4 || four)
+        for (; r + 4 <= rows; r += 4)
+            int4_group_rows(4, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g,
+                            prefetch, out + r);
     for (; r < rows; r++)
         int4_group_rows(1, q + r * row_bytes, row_bytes, sc + r * G, z ? z + r * G : NULL, vx, &row, K, g, prefetch,
                         out + r);
@@ -997,19 +998,26 @@ static void wo_item(const wo_call *c, int64_t item) {
 #ifdef WO_VNNI
 #ifndef WO_DPBUSD
     if (c->int4_items) {
-        const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
-        const float *sc = c->scale + (e * N + r) * G;
-        for (int64_t j = it.j0; j < it.j1; j++) {  /* the item's weight rows stay in L1 across the segment's x rows */
-            const int64_t jx = j * jstep;
-            float *o = c->out + j * N + r;
-            if (c->vx.ok[jx]) {
-                int4_item_rows(q, row_bytes, sc, z, &c->vx, jx, K, g, it.r1 - r, j == it.j0, o);
-                continue;
+        /* one x row (decode): the item's rows in one call; several: four rows at a time, each
+         * block in L1 across the segment's x rows */
+        const int many = it.j1 - it.j0 > 1;
+        const int64_t step = MOEKIT_ROW_GROUP == 4 || many ? 4 : it.r1 - r;
+        for (int64_t r0 = r; r0 < it.r1; r0 += step) {
+            const int64_t rows = it.r1 - r0 < step ? it.r1 - r0 : step;
+            const uint8_t *q = c->w + (e * N + r0) * row_bytes, *z = c->zero ? c->zero + (e * N + r0) * G : NULL;
+            const float *sc = c->scale + (e * N + r0) * G;
+            for (int64_t j = it.j0; j < it.j1; j++) {
+                const int64_t jx = j * jstep;
+                float *o = c->out + j * N + r0;
+                if (c->vx.ok[jx]) {
+                    int4_item_rows(q, row_bytes, sc, z, &c->vx, jx, K, g, rows, j == it.j0, many, o);
+                    continue;
+                }
+                const float *xe = c->scratch + jx * per_x;
+                for (int64_t i = 0; i < rows; i++)
+                    o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL,
+                                  c->x + jx * c->x_stride, xe, xe + K / 2, xe + K, K, g);
             }
-            const float *xe = c->scratch + jx * per_x;
-            for (int64_t i = 0; i < it.r1 - r; i++)
-                o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
-                              xe, xe + K / 2, xe + K, K, g);
         }
         return;
     }
