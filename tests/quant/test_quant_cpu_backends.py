@@ -16,8 +16,8 @@ GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 # Exact paths: the int8 GEMM is exact and the fp32 block path dequantizes to the same values
 # as the emulation; only summation order (and, for int8, a rare rounding flip of a GEMM2
-# input to the neighbouring int8 step: up to 2e-4 seen at 150 rows an expert, 1 in about 40
-# fresh seeds over 1e-4) differs. The int4 kernel path rounds its inputs and group scales to
+# input to the neighbouring int8 step: up to 2e-4 seen at 150 rows an expert, in one of about
+# 25 runs of the suite with fresh seeds) differs. The int4 kernel path rounds its inputs and group scales to
 # bf16 (~2^-9). The native decode products (moekit.native) compute in fp32 from fp32 scales,
 # with VNNI (and for int4 on any AVX2 CPU) against x rounded to 16-bit fixed point per group (at
 # most 2^-14 of the group's max |x| an element, under 7e-4 of the group's norm; 1e-5 to 2e-4

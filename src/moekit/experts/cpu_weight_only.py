@@ -13,7 +13,7 @@ Compute paths, chosen per call by a fixed rule (each tested against the emulatio
   an expert, bf16 int4 ones with integer products up to NATIVE_ROWS_INT4_INTEGER. At E=64, k=8,
   H=1024, I=512, M=1 (bench/cpu_quant.py): int4 0.57 ms against 1.10 through torch's int4
   kernel, 2.7x the bf16 `cpu` backend, on a 2-core AVX-512 VNNI host; on a 2-core AVX2 host
-  (AMD Zen 3) RESULT_ZEN3.
+  (AMD Zen 3) 0.43-0.48 ms against 1.4-1.5, 2.1-2.6x the bf16 backend (bench/NOTES-cpu.md).
 - int4 kernel (int4 weights, bf16 activations, torch with `_weight_int4pack_mm_for_cpu`):
   torch's CPU int4 GEMM, which unpacks int4 in registers and accumulates in fp32. It wants
   its own packing and one bf16 (scale, offset) pair per group, so the weights are repacked
