@@ -8,8 +8,8 @@ so the weights stream from memory, with fresh routing per call. Prints the media
     python bench/native_ab.py --a HEAD~1 sorted --schemes int8_w8a8 --rows 1 4 16
 
 --a / --b: a git revision (its src/moekit/native/cpu_kernels.c), a file path, or WORKTREE
-(the file as it is now). `decode`: NativeLibrary.decode of one token (E=64, k=8, H=1024,
-I=512); `sorted`: the w13 products of `rows` rows for each of the 64 experts.
+(the file as it is now). `decode`: NativeLibrary.decode of one token (--shape E,k,H,I, by
+default 64,8,1024,512); `sorted`: the w13 products of `rows` rows for each of the E experts.
 """
 
 from __future__ import annotations
@@ -87,9 +87,12 @@ def main() -> None:
     p.add_argument("what", choices=("decode", "sorted"))
     p.add_argument("--schemes", nargs="+", default=["int4_w4a16"], choices=sorted(KINDS))
     p.add_argument("--rows", nargs="+", type=int, default=[4], help="sorted: rows an expert")
+    p.add_argument("--shape", default="64,8,1024,512", help="E,k,H,I")
     p.add_argument("--copies", type=int, default=8)
     p.add_argument("--rounds", type=int, default=24)
     args = p.parse_args()
+    global E, K_TOP, H, I
+    E, K_TOP, H, I = (int(v) for v in args.shape.split(","))
     folder = pathlib.Path(tempfile.mkdtemp(prefix="moekit-native-ab-"))
     libs = [build(source(s, folder, t), folder, t) for s, t in ((args.a, "a"), (args.b, "b"))]
     torch.manual_seed(0)
