@@ -544,13 +544,12 @@ typedef struct {
     float *lane_f, *xsum;
     int8_t *lo, *hi;
 } vnni_row;
-static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K, int64_t G) {
+static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K) {
     vnni_row row;
     row.lo = (int8_t *)(vx->rows + j * vx->per_row);
     row.hi = row.lo + K;
     row.lane_f = (float *)(row.hi + K);
     row.xsum = row.lane_f + vx->T * VL;
-    (void)G;
     return row;
 }
 
@@ -585,7 +584,7 @@ static inline float vnni_zero_term(int wtype, const float *sc, const uint8_t *z,
 /* Prepares x row xj into row j of vx; returns 0 where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
     const int64_t G = K / g;
-    const vnni_row row = vx_row(vx, j, K, G);
+    const vnni_row row = vx_row(vx, j, K);
     float *xsum = row.xsum;
     int8_t *lo = row.lo, *hi = row.hi;
     const __m512 big = _mm512_set1_ps(3.4028235e38f);
@@ -638,7 +637,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, C = vx->C, half = K / 2;
-    const vnni_row row = vx_row(vx, j, K, G);
+    const vnni_row row = vx_row(vx, j, K);
     const float *lane_f = row.lane_f;
     const int8_t *lo = row.lo, *hi = row.hi;
     const int64_t l2 = vx->l2, l1 = vx->l1;
@@ -693,7 +692,7 @@ static inline void store_bytes8(int8_t *p, __m256i v) {
  * where it must take the fp32 path instead. */
 static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj, int64_t K, int64_t g) {
     const int64_t G = K / g;
-    const vnni_row row = vx_row(vx, j, K, G);
+    const vnni_row row = vx_row(vx, j, K);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028235e38f);
     const __m256i b128 = _mm256_set1_epi32(128), b255 = _mm256_set1_epi32(255);
     const __m256i deal = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  /* even lanes low, odd lanes high */
@@ -823,7 +822,7 @@ static inline __attribute__((always_inline)) void int4_group_rows(
 static void int4_item_rows(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx,
                            int64_t j, int64_t K, int64_t g, int64_t rows, int prefetch, int four, float *out) {
     const int64_t G = K / g;
-    const vnni_row row = vx_row(vx, j, K, G);
+    const vnni_row row = vx_row(vx, j, K);
     int64_t r = 0;
     if (MOEKIT_ROW_GROUP == 4 || four)
         for (; r + 4 <= rows; r += 4)
@@ -840,7 +839,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
         const int n, const int wtype, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
         const vnni_x *vx, int64_t j, int64_t K, int64_t g, int prefetch, float *out) {
     const int64_t G = K / g, C = vx->C, half = K / 2;
-    const vnni_row row = vx_row(vx, j, K, G);
+    const vnni_row row = vx_row(vx, j, K);
     const float *lane_f = row.lane_f;
     const int8_t *lo = row.lo, *hi = row.hi;
     const int64_t l2 = vx->l2, l1 = vx->l1;
