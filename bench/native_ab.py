@@ -8,7 +8,7 @@ so the weights stream from memory, with fresh routing per call. Prints the media
     python bench/native_ab.py --a HEAD~1 sorted --schemes int8_w8a8 --rows 1 4 16
 
 --a / --b: a git revision (its src/moekit/native/cpu_kernels.c), a file path, or WORKTREE
-(the file as it is now). `decode`: NativeLibrary.decode of one token (--shape E,k,H,I, by
+(the file as it is now); --isa-a / --isa-b: the build of each (moekit.native's names). `decode`: NativeLibrary.decode of one token (--shape E,k,H,I, by
 default 64,8,1024,512); `sorted`: the w13 products of `rows` rows for each of the E experts.
 """
 
@@ -44,11 +44,11 @@ def source(spec: str, folder: pathlib.Path, tag: str) -> pathlib.Path:
     return path
 
 
-def build(src: pathlib.Path, folder: pathlib.Path, tag: str):
+def build(src: pathlib.Path, folder: pathlib.Path, tag: str, isa: str):
     saved = native.SOURCE
     native.SOURCE = src
     try:
-        return native.build("native", cache_dir=folder / tag)
+        return native.build(isa, cache_dir=folder / tag)
     finally:
         native.SOURCE = saved
 
@@ -84,6 +84,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", required=True)
     p.add_argument("--b", default="WORKTREE")
+    p.add_argument("--isa-a", default="native", help="build of A (moekit.native's isa names, e.g. native_rows4)")
+    p.add_argument("--isa-b", default="native")
     p.add_argument("what", choices=("decode", "sorted"))
     p.add_argument("--schemes", nargs="+", default=["int4_w4a16"], choices=sorted(KINDS))
     p.add_argument("--rows", nargs="+", type=int, default=[4], help="sorted: rows an expert")
@@ -94,7 +96,8 @@ def main() -> None:
     global E, K_TOP, H, I
     E, K_TOP, H, I = (int(v) for v in args.shape.split(","))
     folder = pathlib.Path(tempfile.mkdtemp(prefix="moekit-native-ab-"))
-    libs = [build(source(s, folder, t), folder, t) for s, t in ((args.a, "a"), (args.b, "b"))]
+    libs = [build(source(s, folder, t), folder, t, isa)
+            for s, t, isa in ((args.a, "a", args.isa_a), (args.b, "b", args.isa_b))]
     torch.manual_seed(0)
     for scheme in args.schemes:
         ws = weights(scheme, args.copies, libs[0])

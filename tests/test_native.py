@@ -34,7 +34,8 @@ def _cpu_flags() -> set:
 
 ISAS = (["native", "scalar"] + (["avx2", "avx2_rows4"] if "avx2" in _cpu_flags() else [])
         + (["avx2_vnni"] if {"avx2", "avx_vnni"} <= _cpu_flags() else [])
-        + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() else []))
+        + (["avx512", "native_rows1", "native_rows4"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+           else []))
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,8 @@ def _fixed_point(x: torch.Tensor, g: int) -> torch.Tensor:
     return (torch.round(x.view(x.shape[0], -1, g) / step) * step).view_as(x)
 
 
-@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2_vnni", "avx2", "avx2_rows4")])
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "native_rows1", "native_rows4", "avx2_vnni", "avx2",
+                                                      "avx2_rows4")])
 @pytest.mark.parametrize("name, symmetric, g, K", [
     ("int4_w4a16", True, 128, 256), ("int4_w4a16", False, 32, 256), ("int4_w4a16", True, 64, 384),
     ("int8_w8a16", True, 64, 192), ("int8_w8a16", False, 32, 128), ("int8_w8a16", True, 128, 256),
@@ -293,9 +295,12 @@ def test_builds_report_their_instruction_set_and_reuse_the_cache(libs, tmp_path)
     for isa in ("avx2_vnni", "avx512"):
         if isa in libs:
             assert libs[isa].isa == isa
+    if "native_rows1" in libs:
+        assert libs["native_rows1"].isa == libs["native_rows4"].isa == libs["native"].isa
     again = native.build("native", cache_dir=libs["native"].path.parent)
     assert again.path == libs["native"].path and again.isa == libs["native"].isa
-    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'avx2_rows4', 'avx2_vnni', 'avx512', 'native', 'scalar'\], got 'sse'"):
+    with pytest.raises(ValueError, match=r"isa must be one of \['avx2', 'avx2_rows4', 'avx2_vnni', 'avx512', 'native', 'native_rows1', 'native_rows4', "
+                       r"'scalar'\], got 'sse'"):
         native.build("sse", cache_dir=tmp_path)
 
 

@@ -52,6 +52,9 @@ _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mno-avx512vnni",
                "-mno-avxvnni"],  # AVX-512 without VNNI (tests)
     "avx2_rows4": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f", "-DMOEKIT_ROW_GROUP=4"],  # four rows a pass (tests)
+    # this CPU's instructions with either decode row order (tests; "native" picks one by vendor)
+    "native_rows1": ["-march=native", "-DMOEKIT_ROW_GROUP=1"],
+    "native_rows4": ["-march=native", "-DMOEKIT_ROW_GROUP=4"],
     "scalar": ["-mno-avx2", "-mno-avx512f"],
 }
 
@@ -344,6 +347,27 @@ def _row_scales(x: torch.Tensor) -> torch.Tensor:
     return quantize_activation(x, get_scheme("int8_w8a8"))[1]
 
 
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _flags(isa: str) -> list:
+    """Compiler flags of a build. "native" decodes one weight row after another on AMD CPUs,
+    whose hardware prefetchers follow four interleaved rows badly (cpu_kernels.c, "Row order")."""
+    flags = list(_ISA_FLAGS[isa])
+    if isa == "native" and _cpu_vendor() == "AuthenticAMD":
+        flags.append("-DMOEKIT_ROW_GROUP=1")
+    return flags
+
+
 def _compiler() -> Optional[str]:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
@@ -369,7 +393,7 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc / gcc / clang)")
-    flags = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", *_ISA_FLAGS[isa]]
+    flags = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", *_flags(isa)]
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([shutil.which(cc) or cc, *flags]).encode()).hexdigest()[:16]
     directory = Path(cache_dir) if cache_dir is not None else _cache_dir()

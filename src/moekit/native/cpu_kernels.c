@@ -15,13 +15,18 @@
  * arithmetic. The products are exact int32 sums (see xq_t below for how each instruction set
  * forms them).
  *
- * Row order (MOEKIT_ROW_GROUP): AVX-512 builds take four weight rows a pass, x's loads shared
- * by the four, the rows PREFETCH_ROWS ahead prefetched (measured on an Intel Xeon, where the
- * bf16 decode streams at 93 % of the read floor); the other builds one row after another, the
- * bytes ROW_AHEAD ahead prefetched: four rows a pass read four interleaved streams of one row
- * (0.5-2 KB) each, which an AMD Zen 3's hardware prefetchers followed badly: one row at a time
- * took the decode from 1.00 to 0.74x (int8), 0.80x (bf16) and 0.89x (int4) on one (two cores,
- * bench/NOTES-cpu.md). -DMOEKIT_ROW_GROUP=1 or 4 overrides (the test builds run both).
+ * Row order: a segment of one x row (a decode) takes MOEKIT_ROW_GROUP weight rows a pass, one of
+ * several x rows MOEKIT_ROW_GROUP_MANY. Four rows a pass share x's loads, the rows PREFETCH_ROWS
+ * ahead prefetched (measured on an Intel Xeon, where the bf16 decode streams at 93 % of the read
+ * floor); one row after another prefetches the bytes ROW_AHEAD ahead: four rows a pass read four
+ * interleaved streams of one row (0.5-2 KB) each, which AMD's hardware prefetchers follow badly
+ * (Zen 3: one row at a time took the decode from 1.00 to 0.74x (int8), 0.80x (bf16) and 0.89x
+ * (int4); Zen 5: 0.77x, 0.77x and 1.03-1.05x, bench/NOTES-cpu.md). Several x rows read each
+ * weight row from L1 once per x row, so there four rows a pass win where the four-row kernels
+ * are AVX-512 ones (Zen 5, 16 rows an expert: bf16 1.58x, int4 1.27x faster than one row).
+ * Defaults: MOEKIT_ROW_GROUP 4 on AVX-512 builds, 1 on the others (the library builds with 1 on
+ * AMD CPUs); MOEKIT_ROW_GROUP_MANY 4 on AVX-512 builds, MOEKIT_ROW_GROUP on the others. -D
+ * overrides either (the test builds run both orders).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,10 +54,26 @@
 #define MOEKIT_ROW_GROUP 1
 #endif
 #endif
+#ifndef MOEKIT_ROW_GROUP_MANY
+#if defined(__AVX512F__)
+#define MOEKIT_ROW_GROUP_MANY 4
+#else
+#define MOEKIT_ROW_GROUP_MANY MOEKIT_ROW_GROUP
+#endif
+#endif
+#if (MOEKIT_ROW_GROUP != 1 && MOEKIT_ROW_GROUP != 4) || (MOEKIT_ROW_GROUP_MANY != 1 && MOEKIT_ROW_GROUP_MANY != 4)
+#error "MOEKIT_ROW_GROUP and MOEKIT_ROW_GROUP_MANY must be 1 or 4"
+#endif
+#define FOUR_ROWS (MOEKIT_ROW_GROUP == 4 || MOEKIT_ROW_GROUP_MANY == 4)  /* a build with four-row passes */
+#ifndef MANY_X_ROWS
+#define MANY_X_ROWS 4  /* the x rows from which a segment has "several" */
+#endif
+/* whether a segment of x_rows x rows takes four weight rows a pass */
+#define FOUR_A_PASS(x_rows) (((x_rows) >= MANY_X_ROWS ? MOEKIT_ROW_GROUP_MANY : MOEKIT_ROW_GROUP) == 4)
 
 /* Rows one at a time: the weight bytes ROW_AHEAD past a row of row_bytes, into L1. */
 static inline void prefetch_row_ahead(const void *row, int64_t row_bytes) {
-#if (defined(__AVX2__) || defined(__AVX512F__)) && MOEKIT_ROW_GROUP == 1
+#if (defined(__AVX2__) || defined(__AVX512F__)) && (MOEKIT_ROW_GROUP == 1 || MOEKIT_ROW_GROUP_MANY == 1)
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)row + ROW_AHEAD + b, _MM_HINT_T0);
 #else
     (void)row, (void)row_bytes;
@@ -290,8 +311,9 @@ static void int8_item(const int8_call *c, int64_t item) {
                 c->out[j * N + r] = dot_tail(ws + r * K, c->xq + (c->shared ? 0 : j * K), 0, K);
         return;
     }
-#if MOEKIT_ROW_GROUP == 4
+#if FOUR_ROWS
     int32_t acc[4];
+    if (FOUR_A_PASS(it.j1 - it.j0))
     for (; r + 4 <= it.r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
         for (int64_t j = it.j0; j < it.j1; j++) {
             const xq_t *xj = c->xq + (c->shared ? 0 : j * K);
@@ -1021,9 +1043,13 @@ static void wo_item(const wo_call *c, int64_t item) {
         return;
     }
 #endif
+    /* int4 rows take four a pass whatever the x rows: four of their short rows (K / 2 bytes)
+     * read nearly one stream, and their products share x's expansion (Zen 5: one int4 row at a
+     * time measured 1.03-1.1x slower at decode, 1.3x at 2-3 x rows an expert) */
+    const int group = c->wtype == 0 || FOUR_A_PASS(it.j1 - it.j0) ? 4 : 1;
     if (c->vnni)
-        for (; r < it.r1; r += MOEKIT_ROW_GROUP) {
-            const int n = it.r1 - r < MOEKIT_ROW_GROUP ? (int)(it.r1 - r) : MOEKIT_ROW_GROUP;
+        for (; r < it.r1; r += group) {
+            const int n = it.r1 - r < group ? (int)(it.r1 - r) : group;
             const uint8_t *q = c->w + (e * N + r) * row_bytes, *z = c->zero ? c->zero + (e * N + r) * G : NULL;
             const float *sc = c->scale + (e * N + r) * G;
             for (int64_t j = it.j0; j < it.j1; j++) {  /* the weight rows stay in L1 across the segment's x rows */
@@ -1044,7 +1070,8 @@ static void wo_item(const wo_call *c, int64_t item) {
             }
         }
 #endif
-#if defined(FSTEP) && MOEKIT_ROW_GROUP == 4
+#if defined(FSTEP) && FOUR_ROWS
+    if (FOUR_A_PASS(it.j1 - it.j0))
     for (; r + 4 <= it.r1; r += 4) {
         const uint8_t *q = c->w + (e * N + r) * row_bytes;
         for (int64_t b = 0; b < 4 * row_bytes; b += 64) prefetch_line((const int8_t *)q + PREFETCH_ROWS * row_bytes + b);
@@ -1213,7 +1240,8 @@ static void float_item(const float_call *c, int64_t item) {
     const work_item it = item_of(item, c->blocks, c->starts, N);
     const char *ws = (const char *)c->w + c->experts[it.s] * N * row_bytes;
     int64_t r = it.r0;
-#if MOEKIT_ROW_GROUP == 4
+#if FOUR_ROWS
+    if (FOUR_A_PASS(it.j1 - it.j0))
     for (; r + 4 <= it.r1; r += 4)
         for (int64_t j = it.j0; j < it.j1; j++)
             frows4(c->wtype, ws + r * row_bytes, row_bytes, K, c->x + (c->x_stride ? j * c->x_stride : 0), c->out + j * N + r);
