@@ -449,6 +449,40 @@ def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, ex
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("rows", [4, 8])
+def test_cpu_backend_bf16_without_amx_takes_grouped_gemms_above_its_rows_limit(monkeypatch, amx, rows, gen):
+    """bf16 weights where bf16 is native: without AMX the native kernel up to
+    NATIVE_ROWS_BF16_NO_AMX rows an expert and torch's grouped GEMM above it; with AMX the
+    native kernel up to NATIVE_ROWS[bf16] and the per-expert loop above it (never grouped)."""
+    from moekit.experts import cpu
+    from moekit.experts.base import ExpertWeights
+
+    if native.load() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    monkeypatch.setattr(cpu, "bf16_without_amx", lambda: not amx)
+    calls = []
+    for name in ("_native_sorted", "_expert"):
+        real = getattr(cpu.CPUBackend, name)
+        monkeypatch.setattr(cpu.CPUBackend, name, staticmethod(lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a)))
+    real_grouped = cpu._GROUPED.apply
+    monkeypatch.setattr(cpu._GROUPED, "apply", lambda *a, **kw: calls.append("grouped") or real_grouped(*a, **kw))
+    E, H, I, k = 8, 64, 32, 2
+    T = rows * E // k  # past DIRECT_ASSIGNMENTS
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    limit = cpu.NATIVE_ROWS[torch.bfloat16] if amx else cpu.NATIVE_ROWS_BF16_NO_AMX
+    expected = "_native_sorted" if rows <= limit else ("_expert" if amx else "grouped")
+    assert set(calls) == {expected}
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
+
+
 def test_cpu_backend_skewed_routing_falls_back_on_the_sorted_rows(monkeypatch, gen):
     """Few tokens whose assignments crowd two experts: past the native rows limit once sorted,
     so the torch products run on the rows sorted for the native kernel (no second sort)."""

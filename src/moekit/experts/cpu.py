@@ -6,9 +6,10 @@ Two compute modes, chosen per call from the weights' dtype and the CPU's feature
   bf16 weights: per expert, the weight is the left operand (W x^T, transposed back) for
   few rows (_swapped) and one row is a matrix-vector product: oneDNN streams a bf16 weight
   past a few columns 1.2-1.8x faster than it multiplies x W^T (and torch's grouped GEMM
-  runs x W^T per group). fp32 weights: where torch's grouped GEMM takes the shape, one
-  grouped GEMM per projection replaces the per-expert loop (its Python overhead dominates
-  at small M); fp16 and fp32 GEMMs gain nothing from either form.
+  runs x W^T per group). fp32 weights, and bf16 ones on CPUs without AMX (AVX-512 BF16 only,
+  NATIVE_ROWS_BF16_NO_AMX): where torch's grouped GEMM takes the shape, one grouped GEMM per
+  projection replaces the per-expert loop (its Python overhead dominates at small M); fp16 and
+  fp32 GEMMs gain nothing from either form.
 - blocked fp32: on AVX2-only CPUs torch's bf16 matmul is 10-100x slower than fp32, while
   an fp32 copy of all experts would double memory and the bytes streamed per token. Each
   expert's weights are converted to fp32 one block of the intermediate dimension at a time
@@ -51,7 +52,7 @@ from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
 
-__all__ = ["CPUBackend", "BLOCK_BYTES", "native_dtypes"]
+__all__ = ["CPUBackend", "BLOCK_BYTES", "bf16_without_amx", "native_dtypes"]
 
 # At most this many (token, slot) assignments take the direct decode path (no sort).
 DIRECT_ASSIGNMENTS = 16
@@ -64,6 +65,16 @@ DIRECT_ASSIGNMENTS = 16
 # 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED).
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
 NATIVE_ROWS_EMULATED = 16
+
+# bf16 weights on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 / 5): oneDNN's bf16 GEMMs run
+# on vdpbf16ps there, not on AMX tiles, so the native kernel keeps sorted calls up to
+# NATIVE_ROWS_BF16_NO_AMX rows an expert, and above it one grouped GEMM per projection
+# (torch._grouped_mm) replaces the per-expert loop. 2-core AMD EPYC (Zen 5), bf16 x, against
+# grouped / the loop (bench/NOTES-cpu.md): E=64, k=8, H=1024, I=512: native 0.62 / 0.37x at 2
+# rows, 0.69 / 0.44x at 4, 0.98 / 0.66x at 8, 1.19 / 0.89x at 16; grouped 0.82x the loop at 64;
+# E=8, k=2, I=3584: native 0.71x grouped at 4 rows, 1.01x at 8, 1.46x at 16, grouped 0.91x the
+# loop at 128.
+NATIVE_ROWS_BF16_NO_AMX = 6
 
 # Rows of one expert up to which bf16 GEMMs take the weight w [N, K] as the left operand:
 # SWAP_ROWS, or twice that where K <= N. Measured on AVX-512 BF16 / AMX with 2 threads
@@ -147,20 +158,30 @@ _LOW_ISA = ("default", "sse41", "sse42", "avx", "avx2", "avx2_vnni", "avx2_vnni_
 
 
 @functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset:
+    """/proc/cpuinfo's flags (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_without_amx() -> bool:
+    """Whether bf16 GEMMs run natively here but not on AMX tiles (NATIVE_ROWS_BF16_NO_AMX)."""
+    return torch.bfloat16 in native_dtypes() and "amx_bf16" not in _cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
 def native_dtypes() -> frozenset:
     """Weight dtypes this CPU multiplies at full speed (read once from /proc/cpuinfo and the
     ISA caps ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA)."""
     if any(os.environ.get(v, "").lower() in _LOW_ISA for v in _ISA_ENV):
         return frozenset({torch.float32})
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags.update(line.split(":", 1)[1].split())
-                    break
-    except OSError:  # non-Linux: assume only fp32 is fast
-        pass
+    flags = _cpu_flags()  # non-Linux: none, so only fp32 counts as fast
     out = {torch.float32}
     if flags & {"avx512_bf16", "amx_bf16"}:
         out.add(torch.bfloat16)
@@ -199,7 +220,9 @@ class CPUBackend(ExpertsBackend):
             return decode_by_token(self._native_products(lib, weights), torch.float32, x, weights, topk_weights,
                                    topk_ids, activation, activation_params, apply_router_weight_on_input,
                                    expert_map, native_decode(lib, weights, "float") if self.native_decode else None)
-        rows_limit = NATIVE_ROWS.get(weights.w13.dtype, 0) if native else NATIVE_ROWS_EMULATED
+        grouped_bf16 = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
+        rows_limit = (NATIVE_ROWS_BF16_NO_AMX if grouped_bf16 else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
+            else NATIVE_ROWS_EMULATED
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.float32)
@@ -211,9 +234,10 @@ class CPUBackend(ExpertsBackend):
             # the time of converting the expert's weights to fp32 first (AVX2, bench/NOTES-cpu.md).
             return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
                                 apply_router_weight_on_input, expert_map, native)
-        if (native and weights.w13.dtype == torch.float32 and x.dtype == weights.w13.dtype
+        if ((grouped_bf16 or (native and weights.w13.dtype == torch.float32)) and x.dtype == weights.w13.dtype
                 and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None):
-            # fp32 and aligned rows: one grouped GEMM per projection beats a per-expert loop.
+            # fp32, or bf16 without AMX, and aligned rows: one grouped GEMM per projection beats
+            # a per-expert loop.
             return _GROUPED.apply(x, weights, topk_weights, topk_ids, activation=activation,
                                   activation_params=activation_params,
                                   apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map)
