@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import random_expert_map, rel_err
 from moekit import native, quantize_experts
+from moekit.activations import apply_activation
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 from moekit.experts.cpu_int8 import CPUInt8Backend
@@ -450,11 +451,13 @@ def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, ex
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [4, 8])
-def test_cpu_backend_bf16_without_amx_takes_grouped_gemms_above_its_rows_limit(monkeypatch, amx, rows, gen):
-    """bf16 weights where bf16 is native: without AMX the native kernel up to
-    NATIVE_ROWS_BF16_NO_AMX rows an expert and torch's grouped GEMM above it; with AMX the
-    native kernel up to NATIVE_ROWS[bf16] and the per-expert loop above it (never grouped)."""
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("activation", ["silu", "relu2_no_mul"])
+def test_cpu_backend_bf16_without_amx_rows_rules(monkeypatch, amx, rows, activation, gen):
+    """bf16 weights where bf16 is native: without AMX the fp32-row native kernel up to
+    NATIVE_ROWS_BF16_NO_AMX rows an expert and the vdpbf16ps kernels above it (torch's grouped
+    GEMM where the build has none); with AMX the native kernel up to NATIVE_ROWS[bf16] and the
+    per-expert loop above it."""
     from moekit.experts import cpu
     from moekit.experts.base import ExpertWeights
 
@@ -463,22 +466,25 @@ def test_cpu_backend_bf16_without_amx_takes_grouped_gemms_above_its_rows_limit(m
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
     monkeypatch.setattr(cpu, "bf16_without_amx", lambda: not amx)
     calls = []
-    for name in ("_native_sorted", "_expert"):
+    for name in ("_native_sorted", "_native_bf16", "_expert"):
         real = getattr(cpu.CPUBackend, name)
         monkeypatch.setattr(cpu.CPUBackend, name, staticmethod(lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a)))
     real_grouped = cpu._GROUPED.apply
     monkeypatch.setattr(cpu._GROUPED, "apply", lambda *a, **kw: calls.append("grouped") or real_grouped(*a, **kw))
-    E, H, I, k = 8, 64, 32, 2
+    E, H, I, k = 16, 64, 32, 2
     T = rows * E // k  # past DIRECT_ASSIGNMENTS
     w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
     x = torch.randn(T, H, generator=gen).bfloat16()
     ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
     tw = torch.rand(T, k, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+    kw = dict(activation=activation, activation_params=ActivationParams(), apply_router_weight_on_input=False,
               expert_map=None)
+    if activation == "relu2_no_mul":
+        w = ExpertWeights(w.w13[:, :I].contiguous(), w.w2)
     out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
     limit = cpu.NATIVE_ROWS[torch.bfloat16] if amx else cpu.NATIVE_ROWS_BF16_NO_AMX
-    expected = "_native_sorted" if rows <= limit else ("_expert" if amx else "grouped")
+    expected = "_native_sorted" if rows <= limit else (
+        "_expert" if amx else ("_native_bf16" if native.load().bf16_dot else "grouped"))
     assert set(calls) == {expected}
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
@@ -663,3 +669,115 @@ def test_native_decode_projections_are_kept_per_weights_and_rebuilt_for_copies(g
     assert native_decode(lib, wb, "float")[3].abs().sum() == 0
     wb.b13.add_(1.0)
     assert torch.equal(native_decode(lib, wb, "float")[3], torch.ones(4, 64))
+
+
+def _bf16_lib(libs, isa):
+    lib = libs[isa]
+    if not lib.bf16_dot:
+        pytest.skip(f"the {isa} build has no AVX-512 BF16 products")
+    return lib
+
+
+def _bf16_case(gen, E, N, K, sizes, shared_x=False):
+    w = (torch.randn(E, N, K, generator=gen) * K ** -0.5).bfloat16()
+    experts, starts, _ = _segments(sizes, None, E, gen)
+    R = sum(sizes)
+    x = torch.randn(1 if shared_x else R, K, generator=gen).bfloat16()
+    return w, experts, starts, x, R
+
+
+def _bf16_products(w, experts, starts, x, R):
+    """fp64 products of the segments (and the sums of their magnitudes, for the fp32 bound)."""
+    out, mag = torch.zeros(R, w.shape[1], dtype=torch.float64), torch.zeros(R, w.shape[1], dtype=torch.float64)
+    xx = x.double().expand(R, -1) if x.shape[0] == 1 else x.double()
+    for s, e in enumerate(experts.tolist()):
+        a, b = int(starts[s]), int(starts[s + 1])
+        out[a:b] = xx[a:b] @ w[e].double().t()
+        mag[a:b] = xx[a:b].abs() @ w[e].double().abs().t()
+    return out, mag
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i.startswith("native")])
+@pytest.mark.parametrize("E, N, K, sizes, shared_x", [
+    (3, 37, 45, [0, 1, 5, 9], False), (2, 64, 1024, [4, 7], False), (4, 19, 2100, [3, 0, 12, 1], False),
+    (1, 5, 31, [1], False), (3, 8, 64, [6, 2, 0], True), (2, 16, 33, [0, 0], False),
+])
+def test_bf16_gemm_matches_fp64_products(libs, isa, E, N, K, sizes, shared_x, gen):
+    """bf16_gemm (vdpbf16ps): each output the fp32 sum of exact bf16 products, so within fp32
+    summation error of the fp64 products; K past one pass (2100 > BF16_KC) and K % 32 tails,
+    segments of 0 and 1 rows, one x row shared by all."""
+    lib = _bf16_lib(libs, isa)
+    w, experts, starts, x, R = _bf16_case(gen, E, N, K, sizes, shared_x)
+    out = torch.full((R, N), float("nan"))
+    lib.bf16_gemm(w, experts, x, out, starts)
+    ref, mag = _bf16_products(w, experts, starts, x, R)
+    assert ((out.double() - ref).abs() <= 1e-5 * mag + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i.startswith("native")])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+@pytest.mark.parametrize("E, I, K, sizes, bias", [
+    (3, 37, 45, [0, 1, 5, 9], True), (2, 64, 1024, [4, 7], False), (4, 21, 2100, [3, 0, 12, 1], True),
+    (1, 1, 32, [2], False),
+])
+def test_bf16_gate_up_is_the_activation_of_the_products_rounded_to_bf16(libs, isa, activation, E, I, K, sizes,
+                                                                        bias, gen):
+    """bf16_gate_up: bf16(act(W13 x + b13)) with the products summed in fp32: within one bf16
+    rounding (2^-8 relative) of the activation of the fp64 products, for every gated activation
+    (silu and swigluoai on a vector exp, the others on libm's); gate and up rows of I columns
+    (I not a multiple of 16), K past one pass."""
+    lib = _bf16_lib(libs, isa)
+    w, experts, starts, x, R = _bf16_case(gen, E, 2 * I, K, sizes)
+    w = w * 4  # pre-activations of a few units, into the nonlinear range
+    b13 = torch.randn(E, 2 * I, generator=gen) if bias else None
+    out = torch.full((R, I), float("nan"), dtype=torch.bfloat16)
+    lib.bf16_gate_up(w, experts, x, out, starts, activation=activation, b13=b13)
+    h, mag = _bf16_products(w, experts, starts, x, R)
+    if bias:
+        for s, e in enumerate(experts.tolist()):
+            h[int(starts[s]):int(starts[s + 1])] += b13[e].double()
+    ref = apply_activation(h, activation, ActivationParams())
+    # the fp32 sums move h by 1e-5 mag at most; the activations' slopes stay below ~1.2 |u| + |g| there
+    slack = 1e-5 * (mag[:, :I] * (h[:, I:].abs() + 1) + mag[:, I:] * (h[:, :I].abs() + 1)) * 2
+    assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + slack + 1e-30).all()
+
+
+def test_bf16_gate_up_exp_over_the_float_range_and_specials(libs):
+    """The vector silu / swigluoai over pre-activations from -200 to 200 and inf / NaN (set
+    through the gate biases, with zero weights): as torch's within one bf16 rounding,
+    infinities and NaN where torch has them."""
+    lib = _bf16_lib(libs, "native")
+    g = torch.cat([torch.linspace(-200, 200, 397), torch.tensor([float("inf"), -float("inf"), float("nan")])])
+    I, K = g.shape[0], 32
+    w, x = torch.zeros(1, 2 * I, K, dtype=torch.bfloat16), torch.zeros(1, K, dtype=torch.bfloat16)
+    b13 = torch.cat([g, torch.full((I,), 1.5)])[None]
+    experts, starts = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1])
+    for activation in ("silu", "swigluoai"):
+        out = torch.empty(1, I, dtype=torch.bfloat16)
+        lib.bf16_gate_up(w, experts, x, out, starts, activation=activation, b13=b13)
+        ref = apply_activation(b13, activation, ActivationParams())[0]
+        got = out[0].float()
+        assert torch.equal(got.isnan(), ref.isnan()), activation
+        inf = ref.isinf()
+        assert torch.equal(got[inf], ref[inf]), activation
+        fin = ref.isfinite()
+        assert ((got[fin] - ref[fin]).abs() <= 2 ** -8 * ref[fin].abs() + 1e-30).all(), activation
+
+
+def test_bf16_kernels_refuse_what_they_cannot_run(libs, gen):
+    lib = _bf16_lib(libs, "native")
+    w = torch.randn(2, 8, 32).bfloat16()
+    experts, starts, x = torch.tensor([0, 1]), torch.tensor([0, 2, 3]), torch.randn(3, 32).bfloat16()
+    with pytest.raises(ValueError, match="bf16_gate_up wants a gated activation"):
+        lib.bf16_gate_up(w, experts, x, torch.empty(3, 4, dtype=torch.bfloat16), starts, activation="relu2_no_mul")
+    with pytest.raises(TypeError, match="bf16_gemm wants bf16 w and x and fp32 out"):
+        lib.bf16_gemm(w, experts, x.float(), torch.empty(3, 8), starts)
+    with pytest.raises(ValueError, match=r"b13 None or \[E, 2I\] fp32"):
+        lib.bf16_gate_up(w, experts, x, torch.empty(3, 4, dtype=torch.bfloat16), starts, activation="silu",
+                         b13=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="do not fit together"):
+        lib.bf16_gate_up(w, experts, x, torch.empty(3, 8, dtype=torch.bfloat16), starts, activation="silu")
+    other = next((lib for isa, lib in libs.items() if not lib.bf16_dot), None)
+    if other is not None:
+        with pytest.raises(RuntimeError, match="needs AVX-512 BF16"):
+            other.bf16_gemm(w, experts, x, torch.empty(3, 8), starts)

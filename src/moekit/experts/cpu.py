@@ -6,10 +6,11 @@ Two compute modes, chosen per call from the weights' dtype and the CPU's feature
   bf16 weights: per expert, the weight is the left operand (W x^T, transposed back) for
   few rows (_swapped) and one row is a matrix-vector product: oneDNN streams a bf16 weight
   past a few columns 1.2-1.8x faster than it multiplies x W^T (and torch's grouped GEMM
-  runs x W^T per group). fp32 weights, and bf16 ones on CPUs without AMX (AVX-512 BF16 only,
-  NATIVE_ROWS_BF16_NO_AMX): where torch's grouped GEMM takes the shape, one grouped GEMM per
-  projection replaces the per-expert loop (its Python overhead dominates at small M); fp16 and
-  fp32 GEMMs gain nothing from either form.
+  runs x W^T per group). bf16 weights on CPUs without AMX (AVX-512 BF16 only): moekit's own
+  vdpbf16ps kernels, GEMM1 fused with its activation (NATIVE_ROWS_BF16_NO_AMX). fp32 weights
+  (and bf16 ones without AMX where those kernels are missing): where torch's grouped GEMM takes
+  the shape, one grouped GEMM per projection replaces the per-expert loop (its Python overhead
+  dominates at small M); fp16 and fp32 GEMMs gain nothing from either form.
 - blocked fp32: on AVX2-only CPUs torch's bf16 matmul is 10-100x slower than fp32, while
   an fp32 copy of all experts would double memory and the bytes streamed per token. Each
   expert's weights are converted to fp32 one block of the intermediate dimension at a time
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
+from ..config import ActivationParams
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import add_bias_by_span, decode_by_token, local_ids, native_decode, sort_rows, span_segments, unsort_rows
@@ -66,15 +68,16 @@ DIRECT_ASSIGNMENTS = 16
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
 NATIVE_ROWS_EMULATED = 16
 
-# bf16 weights on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 / 5): oneDNN's bf16 GEMMs run
-# on vdpbf16ps there, not on AMX tiles, so the native kernel keeps sorted calls up to
-# NATIVE_ROWS_BF16_NO_AMX rows an expert, and above it one grouped GEMM per projection
-# (torch._grouped_mm) replaces the per-expert loop. 2-core AMD EPYC (Zen 5), bf16 x, against
-# grouped / the loop (bench/NOTES-cpu.md): E=64, k=8, H=1024, I=512: native 0.62 / 0.37x at 2
-# rows, 0.69 / 0.44x at 4, 0.98 / 0.66x at 8, 1.19 / 0.89x at 16; grouped 0.82x the loop at 64;
-# E=8, k=2, I=3584: native 0.71x grouped at 4 rows, 1.01x at 8, 1.46x at 16, grouped 0.91x the
-# loop at 128.
-NATIVE_ROWS_BF16_NO_AMX = 6
+# bf16 weights on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 / 5), where oneDNN's bf16 GEMMs
+# run on vdpbf16ps rather than AMX tiles: sorted calls of up to NATIVE_ROWS_BF16_NO_AMX rows an
+# expert take the fp32-row native kernel, larger ones moekit's vdpbf16ps kernels
+# (NativeLibrary.bf16_gate_up, GEMM1 with its activation, and bf16_gemm), or where those are
+# missing one grouped GEMM per projection (torch._grouped_mm) instead of the per-expert loop.
+# 2-core AMD EPYC (Zen 5), bf16 x, E=64, k=8, H=1024, I=512 (bench/NOTES-cpu.md): vdpbf16ps
+# against grouped 0.59x at 2 rows an expert, 0.56-0.69x at 4-32, 0.71-0.82x at 64-128; against
+# the fp32-row kernel 1.01x at 2 rows, 0.97x at 4, 0.57x at 16. E=8, k=2, I=3584: 0.58-0.81x
+# grouped from 4 to 512 rows an expert.
+NATIVE_ROWS_BF16_NO_AMX = 2
 
 # Rows of one expert up to which bf16 GEMMs take the weight w [N, K] as the left operand:
 # SWAP_ROWS, or twice that where K <= N. Measured on AVX-512 BF16 / AMX with 2 threads
@@ -229,6 +232,15 @@ class CPUBackend(ExpertsBackend):
             if sr.rows.shape[0] <= rows_limit * len(sr.spans):
                 return self._native_sorted(lib, sr, weights, T, k, activation, activation_params,
                                            apply_router_weight_on_input)
+        if grouped_bf16 and lib is not None and lib.bf16_dot:
+            # bf16 products on AVX-512 BF16 without AMX: vdpbf16ps on the rows in bf16 (the
+            # other paths round them to the weights' dtype too)
+            if sr is None:
+                sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.bfloat16)
+            else:  # the same rows, rounded last as sort_rows does
+                sr = sr._replace(rows=sr.rows.to(torch.bfloat16))
+            return self._native_bf16(lib, sr, weights, T, k, activation, activation_params,
+                                     apply_router_weight_on_input)
         if T * k <= DIRECT_ASSIGNMENTS and weights.w2.dtype == weights.w13.dtype:
             # Also where 16-bit GEMMs are emulated: one row in the weights' dtype took 0.5-0.67x
             # the time of converting the expert's weights to fp32 first (AVX2, bench/NOTES-cpu.md).
@@ -283,6 +295,27 @@ class CPUBackend(ExpertsBackend):
         a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation, activation_params).contiguous()
         y = lib.float_gemm(weights.w2, experts, a, a.new_empty((a.shape[0], weights.w2.shape[1])), starts,
                            trusted=True)
+        return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
+
+    @staticmethod
+    def _native_bf16(lib, sr, weights, T, k, activation, activation_params, on_input):
+        """Sorted bf16 rows on vdpbf16ps (NativeLibrary.bf16_gate_up / bf16_gemm): a gated GEMM1
+        with its biases and activation in one call, its output rounded to bf16 for GEMM2 (as
+        torch's bf16 path rounds it), fp32 sums; GEMM2 fp32 out."""
+        experts, starts = span_segments(sr.spans)
+        n, I = sr.rows.shape[0], weights.w2.shape[2]
+        if is_gated(activation):
+            params = activation_params or ActivationParams()
+            b13 = None if weights.b13 is None else weights.b13.float().contiguous()
+            a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts,
+                                 activation=activation, alpha=params.alpha, limit=params.limit, b13=b13, trusted=True)
+        else:
+            h = lib.bf16_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I), dtype=torch.float32), starts,
+                              trusted=True)
+            a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation,
+                                 activation_params).to(torch.bfloat16)
+        y = lib.bf16_gemm(weights.w2, experts, a, a.new_empty((n, weights.w2.shape[1]), dtype=torch.float32), starts,
+                          trusted=True)
         return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
 
     @staticmethod

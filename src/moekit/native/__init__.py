@@ -245,6 +245,66 @@ class NativeLibrary:
                                                  torch.get_num_threads())
         return out
 
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether `bf16_gemm` multiplies in this build (AVX-512 BF16)."""
+        return bool(self._lib.moekit_bf16_dot())
+
+    def bf16_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+                  starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
+        """bf16 products of bf16 rows grouped by expert, fp32 accumulation and out:
+        out[j] = w[experts[s]] @ x[j], by vdpbf16ps (builds with AVX-512 BF16: `bf16_dot`).
+
+        Args:
+            w: [E, N, K] bf16, contiguous.  x: [R or 1, K] bf16.  out: [R, N] fp32.
+            experts, starts, trusted: as in `int8_gemm`.
+        """
+        if (w.dtype, x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16, torch.float32):
+            raise TypeError(f"bf16_gemm wants bf16 w and x and fp32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
+        if not self.bf16_dot:
+            raise RuntimeError(f"bf16_gemm needs AVX-512 BF16; this {self.isa} build has none")
+        segs = self._segments(w, experts, x, out, starts, w.shape[2], "bf16_gemm", trusted)
+        if segs is not None:
+            self._lib.moekit_bf16_gemm_segments(w.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(),
+                                                segs[2], w.shape[1], w.shape[2], out.data_ptr(),
+                                                torch.get_num_threads())
+        return out
+
+    def bf16_gate_up(self, w13: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+                     starts: Optional[torch.Tensor] = None, *, activation: str, alpha: float = 1.702,
+                     limit: float = 7.0, b13: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
+        """A gated GEMM1 with its activation, by vdpbf16ps: out[j] = bf16(act(w13[e] @ x[j] + b13[e]))
+        for the rows j of each segment (expert e), fp32 sums and activation (builds with AVX-512
+        BF16: `bf16_dot`).
+
+        Args:
+            w13: [E, 2I, K] bf16 (gate rows, then up rows), contiguous.  x: [R or 1, K] bf16.
+            out: [R, I] bf16, contiguous (written).  activation: a gated one (silu, gelu,
+                gelu_tanh, swigluoai; alpha and limit for swigluoai).  b13: [E, 2I] fp32 or None.
+            experts, starts, trusted: as in `int8_gemm`.
+        """
+        code = ACTIVATION_CODES.get(activation)
+        if code is None or code > 3:
+            raise ValueError(f"bf16_gate_up wants a gated activation {[a for a, c in ACTIVATION_CODES.items() if c < 4]}, "
+                             f"got {activation!r}")
+        if (w13.dtype, x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16, torch.bfloat16):
+            raise TypeError(f"bf16_gate_up wants bf16 w13, x and out; got {w13.dtype}, {x.dtype}, {out.dtype}")
+        if not self.bf16_dot:
+            raise RuntimeError(f"bf16_gate_up needs AVX-512 BF16; this {self.isa} build has none")
+        E, N1, K = w13.shape
+        if N1 % 2 or (b13 is not None and (b13.dtype != torch.float32 or tuple(b13.shape) != (E, N1)
+                                           or not b13.is_contiguous())):
+            raise ValueError(f"bf16_gate_up wants w13 [E, 2I, K] and b13 None or [E, 2I] fp32 contiguous; got w13 "
+                             f"{tuple(w13.shape)}, b13 {None if b13 is None else (tuple(b13.shape), b13.dtype)}")
+        segs = self._segments(w13, experts, x, out, starts, K, "bf16_gate_up", trusted, N=N1 // 2)
+        if segs is not None:
+            rc = self._lib.moekit_bf16_gate_up_segments(
+                w13.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(), segs[2], N1 // 2, K, code, alpha,
+                limit, None if b13 is None else b13.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            if rc:
+                raise MemoryError("bf16_gate_up could not allocate its scratch")
+        return out
+
     def decode(self, p13: Projection, p2: Projection, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                x: torch.Tensor, out: torch.Tensor, *, activation: str, alpha: float = 1.702, limit: float = 7.0,
                on_input: bool = False, expert_map: Optional[torch.Tensor] = None, b13: Optional[torch.Tensor] = None,
@@ -312,16 +372,16 @@ class NativeLibrary:
                              f"do not fit E={p13.E} (p2: {p2.E}), H={H}, N1={p13.N} (contiguous tensors wanted)")
 
     @staticmethod
-    def _segments(w, experts, x, out, starts, K, what, trusted):
-        """Checks shared by the products; (starts pointer, segments, x row stride), or None when
-        there is nothing to multiply (out zeroed)."""
+    def _segments(w, experts, x, out, starts, K, what, trusted, N=None):
+        """Checks shared by the products (out [R, N], N w's rows unless given); (starts pointer,
+        segments, x row stride), or None when there is nothing to multiply (out zeroed)."""
         if experts.dtype != torch.int64 or (starts is not None and starts.dtype != torch.int64):
             raise TypeError(f"{what} wants int64 experts and starts, got {experts.dtype}, "
                             f"{None if starts is None else starts.dtype}")
         tensors = (w, experts, out) + (() if starts is None else (starts,))
         if not all(t.is_contiguous() for t in tensors) or x.dim() != 2 or (x.shape[-1] > 1 and x.stride(-1) != 1):
             raise ValueError(f"{what} wants contiguous w, experts, starts, out and x rows")
-        S, R, N = experts.shape[0], out.shape[0], w.shape[1]
+        S, R, N = experts.shape[0], out.shape[0], w.shape[1] if N is None else N
         fits = (x.shape[-1] == K and x.shape[0] in (1, R) and tuple(out.shape) == (R, N)
                 and (R == S if starts is None else tuple(starts.shape) == (S + 1,)))
         if not fits:
@@ -423,6 +483,14 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f = lib.moekit_float_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    f = lib.moekit_bf16_gemm_segments
+    f.restype = ctypes.c_int
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.moekit_bf16_dot.restype = ctypes.c_int
+    f = lib.moekit_bf16_gate_up_segments
+    f.restype = ctypes.c_int
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr,
+                  ctypes.c_int]
     f = lib.moekit_decode
     f.restype = ctypes.c_int
     f.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ptr, i64, i64, ptr,

@@ -40,8 +40,10 @@
 /* The loops of a parallel region, split statically over its threads (a loop in a row). */
 #ifdef _OPENMP
 #define OMP_FOR _Pragma("omp for schedule(static)")
+#define OMP_FOR_DYNAMIC _Pragma("omp for schedule(dynamic, 1)")
 #else
 #define OMP_FOR
+#define OMP_FOR_DYNAMIC
 #endif
 
 #define ROWS 32          /* rows of one work item */
@@ -1269,6 +1271,133 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * bf16 rows against bf16 weights by vdpbf16ps (AVX-512 BF16), for sorted calls of many rows an
+ * expert on CPUs whose bf16 GEMMs have no AMX tiles (AMD Zen 4 / 5): each vdpbf16ps multiplies
+ * 32 bf16 pairs into 16 fp32 lanes, twice the products of an fp32 FMA on widened weights.
+ * Blocks of 4 weight rows x 4 x rows keep 16 accumulators (16 products a K step from 8 loads);
+ * an item's x rows go 4 at a time past its BF16_ROWS weight rows, BF16_KC columns a pass, so
+ * both stay in L1. Each output is an fp32 sum of its K products (the lanes' partial sums added
+ * at the end of each pass).
+ * Returns 0, or 4 where this build has no AVX-512 BF16. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOT 1
+
+/* The 4 sums of 4 accumulators, [s0, s1, s2, s3]. */
+static inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+#ifndef BF16_KC
+#define BF16_KC 1024   /* columns of one pass over an item's weight rows (16 rows: 32 KB, in L1) */
+#endif
+#ifndef BF16_ROWS
+#define BF16_ROWS 16   /* weight rows of one work item */
+#endif
+
+/* nr (4 or 1) weight rows w (row stride ws) against nx (4 or 1) x rows (stride xs) over kn
+ * columns: out[j * N + r] = (add ? out[j * N + r] : 0) + the products. */
+static inline __attribute__((always_inline)) void bf16_block(const int nr, const int nx, const uint16_t *w,
+                                                             int64_t ws, const uint16_t *x, int64_t xs, int64_t kn,
+                                                             int add, float *out, int64_t N) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= kn; k += 32) {
+        __m512bh wv[4], xv[4];
+        for (int r = 0; r < nr; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ws + k);
+        for (int j = 0; j < nx; j++) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * xs + k);
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < nx; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[r], xv[j]);
+    }
+    if (k < kn) {  /* the last kn % 32 columns, the rest of the vectors zeros */
+        const __mmask32 m = (__mmask32)((1u << (kn - k)) - 1);
+        __m512bh wv[4], xv[4];
+        for (int r = 0; r < nr; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * ws + k);
+        for (int j = 0; j < nx; j++) xv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + j * xs + k);
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < nx; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[r], xv[j]);
+    }
+    for (int j = 0; j < nx; j++) {
+        float *o = out + j * N;
+        if (nr == 4) {
+            const __m128 v = sum4x16(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+            _mm_storeu_ps(o, add ? _mm_add_ps(_mm_loadu_ps(o), v) : v);
+        } else {
+            const float v = _mm512_reduce_add_ps(acc[0][j]);
+            o[0] = add ? o[0] + v : v;
+        }
+    }
+}
+
+typedef struct {
+    const uint16_t *w, *x;
+    const int64_t *experts, *starts;
+    int64_t x_stride, N, K, blocks;
+    float *out;
+} bf16_call;
+
+/* Work item `item`: segment item / blocks, weight rows [r0, r0 + BF16_ROWS); BF16_KC columns a
+ * pass, four x rows at a time (in L1 while the item's weight rows, in L1 too, pass them). */
+static void bf16_item(const bf16_call *c, int64_t item) {
+    const int64_t N = c->N, K = c->K, xs = c->x_stride, s = item / c->blocks;
+    const int64_t r0 = (item % c->blocks) * BF16_ROWS, r1 = r0 + BF16_ROWS < N ? r0 + BF16_ROWS : N;
+    const int64_t j0 = seg_begin(c->starts, s), j1 = seg_begin(c->starts, s + 1);
+    const uint16_t *ws = c->w + c->experts[s] * N * K;
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_KC) {
+        const int64_t kn = K - k0 < BF16_KC ? K - k0 : BF16_KC;
+        const int add = k0 > 0;
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) {
+            const uint16_t *xj = c->x + j * xs + k0;
+            float *o = c->out + j * N;
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) bf16_block(4, 4, ws + r * K + k0, K, xj, xs, kn, add, o + r, N);
+            for (; r < r1; r++) bf16_block(1, 4, ws + r * K + k0, K, xj, xs, kn, add, o + r, N);
+        }
+        for (; j < j1; j++) {
+            const uint16_t *xj = c->x + j * xs + k0;
+            float *o = c->out + j * N;
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) bf16_block(4, 1, ws + r * K + k0, K, xj, 0, kn, add, o + r, N);
+            for (; r < r1; r++) bf16_block(1, 1, ws + r * K + k0, K, xj, 0, kn, add, o + r, N);
+        }
+    }
+}
+#endif
+
+int moekit_bf16_gemm_segments(const uint16_t *w, const int64_t *experts, const int64_t *starts, int64_t segments,
+                              const uint16_t *x, int64_t x_stride, int64_t N, int64_t K, float *out, int threads) {
+#ifdef BF16_DOT
+    const bf16_call c = {w, x, experts, starts, x_stride, N, K, (N + BF16_ROWS - 1) / BF16_ROWS, out};
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)  /* segments of unequal rows */
+#endif
+    for (int64_t item = 0; item < segments * c.blocks; item++) bf16_item(&c, item);
+    (void)threads;
+    return 0;
+#else
+    (void)w, (void)experts, (void)starts, (void)segments, (void)x, (void)x_stride, (void)N, (void)K, (void)out,
+        (void)threads;
+    return 4;
+#endif
+}
+
+/* Whether moekit_bf16_gemm_segments multiplies in this build. */
+int moekit_bf16_dot(void) {
+#ifdef BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
  * moekit_decode: each decode token's whole experts FFN in one parallel region, all tokens in one call:
  *
  *     h_j = W13[e_j] x_j (+ b13_j),  a_j = act(h_j),  y_j = W2[e_j] a_j (+ b2_j),
@@ -1354,30 +1483,158 @@ static void product_free(product *p) {
 
 /* The activations of moekit.activations, in the order of its ACTIVATIONS (the gated ones take
  * h = [gate | up] of 2 I values, the others I), computed as torch's CPU kernels write them. */
-static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
-    const float *u = h + I;
-    for (int64_t i = 0; i < I; i++) {
-        float g = h[i], v;
-        switch (act) {
-        case 0: v = (g / (1.0f + expf(-g))) * u[i]; break;                                   /* silu */
-        case 1: v = ((g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f))) * u[i]; break;    /* gelu */
-        case 2: {                                                                              /* gelu_tanh */
-            const float inner = 0.79788456080286536f * (g + 0.044715f * (g * g * g));
-            v = ((0.5f * g) * (1.0f + tanhf(inner))) * u[i];
-            break;
-        }
-        case 3: {                                                                              /* swigluoai */
-            g = g > limit ? limit : g;  /* NaN stays NaN, as in torch's clamp */
-            const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
-            v = (g * (1.0f / (1.0f + expf(-(alpha * g))))) * (up + 1.0f);
-            break;
-        }
-        case 4: v = g / (1.0f + expf(-g)); break;                                             /* silu_no_mul */
-        case 5: v = (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f)); break;               /* gelu_no_mul */
-        default: { const float r = g < 0.0f ? 0.0f : g; v = r * r; }                          /* relu2_no_mul */
-        }
-        a[i] = v;
+static inline float activate1(int act, float alpha, float limit, float g, float u) {
+    switch (act) {
+    case 0: return (g / (1.0f + expf(-g))) * u;                                                /* silu */
+    case 1: return ((g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f))) * u;                 /* gelu */
+    case 2: {                                                                                  /* gelu_tanh */
+        const float inner = 0.79788456080286536f * (g + 0.044715f * (g * g * g));
+        return ((0.5f * g) * (1.0f + tanhf(inner))) * u;
     }
+    case 3: {                                                                                  /* swigluoai */
+        g = g > limit ? limit : g;  /* NaN stays NaN, as in torch's clamp */
+        const float up = u > limit ? limit : (u < -limit ? -limit : u);
+        return (g * (1.0f / (1.0f + expf(-(alpha * g))))) * (up + 1.0f);
+    }
+    case 4: return g / (1.0f + expf(-g));                                                      /* silu_no_mul */
+    case 5: return (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f));                       /* gelu_no_mul */
+    default: { const float r = g < 0.0f ? 0.0f : g; return r * r; }                           /* relu2_no_mul */
+    }
+}
+
+static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
+    for (int64_t i = 0; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 4 ? h[I + i] : 0.0f);
+}
+
+#ifdef BF16_DOT
+/* e^x on 16 lanes: 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2] by a degree-7 polynomial (relative
+ * error about 2e-7); beyond fp32's range inf or 0, NaN stays NaN. */
+static inline __m512 exp16(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    t = _mm512_max_ps(_mm512_set1_ps(-160.0f), _mm512_min_ps(_mm512_set1_ps(160.0f), t));  /* NaN passes */
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The gated activation of 16 lanes (silu and swigluoai as vectors, the others lane by lane). */
+static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (act == 0)  /* silu: g / (1 + e^-g) times u */
+        return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+    if (act == 3) {  /* swigluoai: g clamped above, u both ways (NaN passes, as torch's clamp) */
+        const __m512 lim = _mm512_set1_ps(limit);
+        g = _mm512_min_ps(lim, g);
+        u = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), _mm512_min_ps(lim, u));
+        const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_mul_ps(_mm512_set1_ps(-alpha), g))));
+        return _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_add_ps(u, one));
+    }
+    float gs[16], us[16];
+    _mm512_storeu_ps(gs, g), _mm512_storeu_ps(us, u);
+    for (int i = 0; i < 16; i++) gs[i] = activate1(act, alpha, limit, gs[i], us[i]);
+    return _mm512_loadu_ps(gs);
+}
+
+typedef struct {
+    bf16_call gemm;  /* w13 [E, 2I, K], x, experts, starts; N = 2I, blocks over I */
+    int64_t I;
+    int act;
+    float alpha, limit;
+    const float *b13;  /* [E, 2I] or NULL */
+    uint16_t *a;       /* [R, I] bf16 */
+} gate_up_call;
+
+/* Work item `item`: segment item / blocks, activation columns [c0, c0 + 16): the gate rows c0..
+ * and the up rows I + c0.. against the segment's x rows into h [rows, 32] (gate 16, up 16),
+ * BF16_KC columns a pass as bf16_item, then the biases and the activation, rounded to bf16. */
+static void gate_up_item(const gate_up_call *c, int64_t item, float *h) {
+    const bf16_call *g = &c->gemm;
+    const int64_t I = c->I, K = g->K, xs = g->x_stride, s = item / g->blocks, e = g->experts[s];
+    const int64_t c0 = (item % g->blocks) * 16, nc = I - c0 < 16 ? I - c0 : 16;
+    const int64_t j0 = seg_begin(g->starts, s), j1 = seg_begin(g->starts, s + 1);
+    const uint16_t *wg = g->w + (e * 2 * I + c0) * K, *wu = wg + I * K;
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_KC) {
+        const int64_t kn = K - k0 < BF16_KC ? K - k0 : BF16_KC;
+        const int add = k0 > 0;
+        for (int64_t j = j0; j < j1;) {
+            const int nx = j1 - j >= 4 ? 4 : 1;
+            const uint16_t *xj = g->x + j * xs + k0;
+            float *o = h + (j - j0) * 32;
+            for (int half = 0; half < 2; half++) {
+                const uint16_t *w = (half ? wu : wg) + k0;
+                float *oh = o + 16 * half;
+                int64_t r = 0;
+                for (; r + 4 <= nc; r += 4)
+                    if (nx == 4) bf16_block(4, 4, w + r * K, K, xj, xs, kn, add, oh + r, 32);
+                    else bf16_block(4, 1, w + r * K, K, xj, 0, kn, add, oh + r, 32);
+                for (; r < nc; r++)
+                    if (nx == 4) bf16_block(1, 4, w + r * K, K, xj, xs, kn, add, oh + r, 32);
+                    else bf16_block(1, 1, w + r * K, K, xj, 0, kn, add, oh + r, 32);
+            }
+            j += nx;
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nc) - 1);
+    const __m512 bg = c->b13 ? _mm512_maskz_loadu_ps(m, c->b13 + e * 2 * I + c0) : _mm512_setzero_ps();
+    const __m512 bu = c->b13 ? _mm512_maskz_loadu_ps(m, c->b13 + e * 2 * I + I + c0) : _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const float *hj = h + (j - j0) * 32;
+        const __m512 v = activate16(c->act, c->alpha, c->limit, _mm512_add_ps(_mm512_maskz_loadu_ps(m, hj), bg),
+                                    _mm512_add_ps(_mm512_maskz_loadu_ps(m, hj + 16), bu));
+        _mm256_mask_storeu_epi16(c->a + j * I + c0, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+#endif
+
+/* Gated GEMM1 of sorted bf16 rows with its activation, on vdpbf16ps: a[j] = bf16(act(W13[e] x[j]
+ * + b13[e])) for the rows j of each segment (expert e), fp32 sums and activation (silu and
+ * swigluoai vectorized; exp within 2e-7 of expf); act 0-3 (the gated ones), I = w13's rows / 2.
+ * Returns 0, 1 when the scratch cannot be allocated, 2 for a non-gated act, 4 without AVX-512
+ * BF16. */
+int moekit_bf16_gate_up_segments(const uint16_t *w13, const int64_t *experts, const int64_t *starts,
+                                 int64_t segments, const uint16_t *x, int64_t x_stride, int64_t I, int64_t K,
+                                 int act, float alpha, float limit, const float *b13, uint16_t *a, int threads) {
+#ifdef BF16_DOT
+    if (act < 0 || act > 3) return 2;
+    int64_t most = 0;
+    for (int64_t s = 0; s < segments; s++) {
+        const int64_t n = seg_begin(starts, s + 1) - seg_begin(starts, s);
+        most = n > most ? n : most;
+    }
+    const gate_up_call c = {{w13, x, experts, starts, x_stride, 2 * I, K, (I + 15) / 16, NULL}, I, act, alpha, limit,
+                            b13, a};
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        float *h = (float *)malloc((size_t)(most > 0 ? most : 1) * 32 * sizeof(float));
+        if (h == NULL) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+        OMP_FOR_DYNAMIC
+        for (int64_t item = 0; item < segments * c.gemm.blocks; item++)
+            if (h != NULL) gate_up_item(&c, item, h);
+        free(h);
+    }
+    (void)threads;
+    return failed;
+#else
+    (void)w13, (void)experts, (void)starts, (void)segments, (void)x, (void)x_stride, (void)I, (void)K, (void)act,
+        (void)alpha, (void)limit, (void)b13, (void)a, (void)threads;
+    return 4;
+#endif
 }
 
 /* One token's FFN over its n local slots (experts[j], slot_w[j]); b13 [E, N1] and b2 [E, H]
