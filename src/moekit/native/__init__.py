@@ -528,7 +528,8 @@ def status() -> str:
     lib = load()
     if lib is None:
         return f"unavailable: {_REASON}"
-    return f"available ({lib.isa}, OpenMP): {lib.path}"
+    bf16 = ", AVX-512 BF16 products" if lib.bf16_dot else ""
+    return f"available ({lib.isa}{bf16}, OpenMP): {lib.path}"
 
 
 def reset() -> None:
