@@ -339,11 +339,23 @@ def _routed_call(T, H, E, k, on_input, use_map, dtype, gen):
     return x, ids, torch.rand(T, k, generator=gen), kw
 
 
+def test_cpu_int8_native_rows_by_amx_and_isa(monkeypatch):
+    """Sorted cpu_int8 calls: the native products up to NATIVE_ROWS_BY_ISA rows an expert where
+    torch._int_mm has AMX tiles, every call without them."""
+    from moekit.experts import cpu_int8
+
+    monkeypatch.setattr(cpu_int8, "cpu_flags", lambda: frozenset({"avx512_vnni", "amx_int8"}))
+    assert cpu_int8.native_rows("avx512_vnni") == cpu_int8.NATIVE_ROWS_VNNI
+    assert cpu_int8.native_rows("avx512") == cpu_int8.NATIVE_ROWS
+    monkeypatch.setattr(cpu_int8, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
+    assert cpu_int8.native_rows("avx512_vnni") == cpu_int8.native_rows("avx512") == float("inf")
+
+
 @pytest.mark.parametrize("T, k, on_input, bias, use_map", [
     (1, 8, False, False, False), (2, 8, False, True, False), (3, 2, True, False, False),
     (4, 4, False, True, True), (1, 1, False, False, False),
     (6, 4, False, True, False), (9, 3, True, False, True),  # sorted, a few rows an expert: native
-    (40, 4, False, False, False),  # sorted, 10 rows an expert: native on AVX-512 VNNI, else torch._int_mm
+    (40, 4, False, False, False),  # sorted, 10 rows an expert: native on AVX-512 VNNI or without AMX
 ])
 def test_cpu_int8_is_identical_with_and_without_native_products(T, k, on_input, bias, use_map, gen):
     """Decode and sorted calls: the same exact int32 products either way, rescaled in the same

@@ -54,7 +54,7 @@ from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
 
-__all__ = ["CPUBackend", "BLOCK_BYTES", "bf16_without_amx", "native_dtypes"]
+__all__ = ["CPUBackend", "BLOCK_BYTES", "bf16_without_amx", "cpu_flags", "native_dtypes"]
 
 # At most this many (token, slot) assignments take the direct decode path (no sort).
 DIRECT_ASSIGNMENTS = 16
@@ -161,7 +161,7 @@ _LOW_ISA = ("default", "sse41", "sse42", "avx", "avx2", "avx2_vnni", "avx2_vnni_
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset:
+def cpu_flags() -> frozenset:
     """/proc/cpuinfo's flags (empty off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -175,7 +175,7 @@ def _cpu_flags() -> frozenset:
 
 def bf16_without_amx() -> bool:
     """Whether bf16 GEMMs run natively here but not on AMX tiles (NATIVE_ROWS_BF16_NO_AMX)."""
-    return torch.bfloat16 in native_dtypes() and "amx_bf16" not in _cpu_flags()
+    return torch.bfloat16 in native_dtypes() and "amx_bf16" not in cpu_flags()
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,7 +184,7 @@ def native_dtypes() -> frozenset:
     ISA caps ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA)."""
     if any(os.environ.get(v, "").lower() in _LOW_ISA for v in _ISA_ENV):
         return frozenset({torch.float32})
-    flags = _cpu_flags()  # non-Linux: none, so only fp32 counts as fast
+    flags = cpu_flags()  # non-Linux: none, so only fp32 counts as fast
     out = {torch.float32}
     if flags & {"avx512_bf16", "amx_bf16"}:
         out.add(torch.bfloat16)

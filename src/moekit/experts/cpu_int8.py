@@ -18,8 +18,8 @@ native kernels where they are available (moekit.native: compiled on first use fo
 quantized and the exact int32 products rescaled inside them, the same values as the torch
 path: a decode step 0.80 ms against 2.1 through torch._int_mm at E=64, k=8, H=1024, I=512 on
 the host above), else through torch._int_mm; sorted calls of up to NATIVE_ROWS rows an expert
-(by instruction set: NATIVE_ROWS_BY_ISA, all of them on AVX2 CPUs without VNNI, where
-torch._int_mm ran 20x slower) take the native products too.
+(by instruction set: NATIVE_ROWS_BY_ISA where the CPU has AMX; all of them without AMX, where
+torch._int_mm ran 1.3-20x slower) take the native products too.
 
 Accumulation is exact for K * 127 * 127 < 2^31 (K < 133,000), checked in `unsupported`.
 Supports: CPU, fp32/bf16/fp16 activations, every activation, biases, expert_map, weights
@@ -38,8 +38,10 @@ from ..quant.quantize import quantize_activation
 from ..quant.schemes import get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
 from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
+from .cpu import cpu_flags
 
-__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "NATIVE_ROWS_BY_ISA", "NATIVE_ROWS_VNNI", "SWAP_ROWS"]
+__all__ = ["CPUInt8Backend", "MAX_K", "NATIVE_ROWS", "NATIVE_ROWS_BY_ISA", "NATIVE_ROWS_VNNI", "SWAP_ROWS",
+           "native_rows"]
 
 # Rows of one expert up to which the int8 GEMM runs as q_w q_x^T (transposed back): measured
 # 1.2-1.7x faster than q_x q_w^T at 1-128 rows on weights of 1024-7168 x 512-3584 on a 2-core
@@ -59,9 +61,20 @@ DIRECT_ASSIGNMENTS = 16
 # On AVX2 CPUs without VNNI the kernel (vpmaddubsw on |w| and x with w's sign) leads torch._int_mm
 # at every size measured: on a 2-core AMD EPYC (Zen 3) 0.04-0.05x its time from 4 to 256 rows an
 # expert (M=32: 11.4 against 218 ms, M=2048: 0.54 against 10.2 s), so there it takes every call.
+# Those limits hold where torch._int_mm has AMX tiles (the Xeon above); without them (an AMD
+# Zen 5, AVX-512 VNNI, no AMX) the native kernel led at every size measured, 0.34x torch._int_mm's
+# time at 1 row an expert, 0.35x at 4, 0.56x at 16, 0.76x at 64, so there it takes every call too
+# (native_rows).
 NATIVE_ROWS = 8
 NATIVE_ROWS_VNNI = 32
 NATIVE_ROWS_BY_ISA = {"avx512_vnni": NATIVE_ROWS_VNNI, "avx2": float("inf")}
+
+
+def native_rows(isa: str) -> float:
+    """Rows an expert up to which sorted calls take the native products on a build of `isa`."""
+    if "amx_int8" not in cpu_flags():
+        return float("inf")
+    return NATIVE_ROWS_BY_ISA.get(isa, NATIVE_ROWS)
 
 # int32 accumulation of K products of two values in [-127, 127] stays exact below this K.
 MAX_K = (2 ** 31 - 1) // (127 * 127)
@@ -134,7 +147,7 @@ class CPUInt8Backend(ExpertsBackend):
         s = weights.scales
         lib = self._library(weights)
         segs = None
-        limit = NATIVE_ROWS_BY_ISA.get(lib.isa, NATIVE_ROWS) if lib is not None else 0
+        limit = native_rows(lib.isa) if lib is not None else 0
         if lib is not None and sr.rows.shape[0] <= limit * len(sr.spans):
             segs = (lib, *span_segments(sr.spans))
         h = _int8_gemm(sr.rows, weights.w13, s["w13_scale"], sr.spans, segs)
