@@ -782,8 +782,13 @@ def test_bf16_kernels_refuse_what_they_cannot_run(libs, gen):
     experts, starts, x = torch.tensor([0, 1]), torch.tensor([0, 2, 3]), torch.randn(3, 32).bfloat16()
     with pytest.raises(ValueError, match="bf16_gate_up wants a gated activation"):
         lib.bf16_gate_up(w, experts, x, torch.empty(3, 4, dtype=torch.bfloat16), starts, activation="relu2_no_mul")
-    with pytest.raises(TypeError, match="bf16_gemm wants bf16 w and x and fp32 out"):
+    with pytest.raises(TypeError, match="bf16_gemm wants bf16 x and fp32 out"):
         lib.bf16_gemm(w, experts, x.float(), torch.empty(3, 8), starts)
+    with pytest.raises(TypeError, match="bf16_gemm wants bf16 w, or weight-only w with its scale"):
+        lib.bf16_gemm(w.float(), experts, x, torch.empty(3, 8), starts)
+    with pytest.raises(ValueError, match="bf16_gemm: group_size must be a multiple of 32"):
+        lib.bf16_gemm(torch.zeros(2, 8, 16, dtype=torch.uint8), experts, x, torch.empty(3, 8), starts,
+                      scale=torch.ones(2, 8, 1), int4=True, group_size=16)
     with pytest.raises(ValueError, match=r"b13 None or \[E, 2I\] fp32"):
         lib.bf16_gate_up(w, experts, x, torch.empty(3, 4, dtype=torch.bfloat16), starts, activation="silu",
                          b13=torch.zeros(2, 4))

@@ -22,7 +22,8 @@ GATED = ("silu", "gelu", "gelu_tanh", "swigluoai")
 # with VNNI (and for int4 on any AVX2 CPU) against x rounded to 16-bit fixed point per group (at
 # most 2^-14 of the group's max |x| an element, under 7e-4 of the group's norm; 1e-5 to 2e-4
 # seen on these shapes).
-TIGHT = {"cpu_int8": 1e-3, "cpu_wo blocks": 1e-5, "cpu_wo native": 1e-3, "cpu_wo int4 kernel": 1e-2}
+TIGHT = {"cpu_int8": 1e-3, "cpu_wo blocks": 1e-5, "cpu_wo native": 1e-3, "cpu_wo int4 kernel": 1e-2,
+         "cpu_wo bf16": 1e-2}
 
 CASES = [
     # id, scheme, options, dtype, E, H, I, k, T, activation, bias, on_input, expert_map
@@ -237,7 +238,9 @@ def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeyp
     """cpu_weight_only.NATIVE_ROWS_INT4_INTEGER: sorted bf16 int4 calls of up to the build's
     measured number of rows an expert (on average over the experts with rows) take the native
     integer products, more rows torch's int4 kernel; both against the reference."""
+    from moekit.experts import cpu_weight_only
     from moekit.experts.cpu_weight_only import NATIVE_ROWS_INT4_INTEGER
+    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: False)  # the rule of the AMX / AVX2 hosts
     backend = CPUWeightOnlyBackend()
     w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
                          "int4_w4a16")
@@ -258,3 +261,44 @@ def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeyp
     out = backend.apply(x, w, tw, ids, **kw)
     assert taken == [expected]
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {'int4 kernel' if expected == 'kernel' else 'native'}"]
+
+
+@pytest.mark.parametrize("name, opts, activation, bias, on_input, rows", [
+    ("int4_w4a16", {}, "silu", False, False, 12), ("int4_w4a16", dict(group_size=32, symmetric=False), "swigluoai",
+                                                       True, False, 20),
+    ("int8_w8a16", {}, "gelu", True, True, 12), ("int8_w8a16", dict(group_size=64, symmetric=False), "relu2_no_mul",
+                                                 False, False, 16),
+    ("int4_w4a16", {}, "silu", False, False, 4),
+])
+def test_weight_only_bf16_kernels_past_their_rows_without_amx(monkeypatch, name, opts, activation, bias, on_input,
+                                                              rows, gen):
+    """cpu_wo on AVX-512 BF16 without AMX: sorted calls of more than BF16_ROWS rows an expert
+    on the vdpbf16ps kernels (weights dequantized to bf16), fewer on the other paths; every
+    gated or not activation, biases, zero points, weights on the input, against the emulation."""
+    from moekit import native
+    from moekit.experts import cpu_weight_only
+
+    lib = native.load()
+    if lib is None or not lib.bf16_dot:
+        pytest.skip("needs a native build with AVX-512 BF16 products")
+    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: True)
+    taken = []
+    real = cpu_weight_only.CPUWeightOnlyBackend._native_bf16
+    monkeypatch.setattr(cpu_weight_only.CPUWeightOnlyBackend, "_native_bf16",
+                        staticmethod(lambda *a: taken.append(1) or real(*a)))
+    E, H, I, k = 6, 128, 128, 2
+    gated = activation != "relu2_no_mul"
+    scheme = get_scheme(name, **opts)
+    N1 = 2 * I if gated else I
+    b13, b2 = (torch.randn(E, N1, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+    w = quantize_experts(torch.randn(E, N1, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5,
+                         scheme.name, b13=b13, b2=b2, **opts)
+    T = rows * E // k
+    x = torch.randn(T, H, generator=gen, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation=activation, activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
+              expert_map=None)
+    out = cpu_weight_only.CPUWeightOnlyBackend().apply(x, w, tw, ids, **kw)
+    assert bool(taken) is (rows > cpu_weight_only.BF16_ROWS)
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT["cpu_wo bf16"]

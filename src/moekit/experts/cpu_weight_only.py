@@ -20,6 +20,10 @@ Compute paths, chosen per call by a fixed rule (each tested against the emulatio
   once per weight tensor and cached (about the stored int4 bytes again); a change to the
   weights (a new tensor or an in-place write) repacks. Its inputs and outputs are bf16:
   the bf16 GEMM inputs and bf16 group scales add about 2^-9 relative error.
+- bf16 kernels (CPUs with AVX-512 BF16 and no AMX, more than BF16_ROWS rows an expert): the
+  stored weights dequantized to bf16 a block at a time in L1 and multiplied by moekit's
+  vdpbf16ps kernels, GEMM1 with its activation (NativeLibrary.bf16_gate_up / bf16_gemm); the
+  bf16 weights, inputs and GEMM1 output add about 2^-9 relative error, as the int4 kernel's.
 - fp32 blocks (every other case: int8 weights, or fp32/fp16 activations): each expert's
   weights are dequantized in blocks of output rows (about BLOCK_BYTES of fp32, in one
   reused buffer that stays in L2) and used at once by fp32 GEMMs; int4 is unpacked per block.
@@ -43,11 +47,13 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .. import native
-from ..activations import apply_activation
+from ..activations import apply_activation, is_gated
+from ..config import ActivationParams
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
 from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
+from .cpu import bf16_without_amx
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
 
@@ -75,6 +81,15 @@ NATIVE_ROWS = 16
 #   64, the largest measured;
 # - "avx2_vnni" not measured: torch's kernel.
 NATIVE_ROWS_INT4_INTEGER = {"avx512_vnni": 5, "avx2": 64}
+
+# On CPUs with AVX-512 BF16 and no AMX (bf16_without_amx: AMD Zen 4 / 5), sorted calls of more
+# than BF16_ROWS rows an expert (on average) run on moekit's vdpbf16ps kernels, the weights
+# dequantized to bf16 (rounded to nearest even: 2^-9 relative, as torch's int4 kernel's bf16
+# scales) a block at a time in L1 (NativeLibrary.bf16_gate_up / bf16_gemm). A 2-core AMD EPYC
+# (Zen 5), E=64, k=8, H=1024, I=512, bf16 x (bench/NOTES-cpu.md), against the paths above: int4
+# 3.1x their time at 1 row an expert, 1.08x at 8, 0.79x at 16, 0.53-0.56x at 32-64; int8_w8a16
+# 2.1x at 1 row, 0.94x at 8, 0.62x at 16, 0.31x at 64.
+BF16_ROWS = 8
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -208,6 +223,13 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                                     topk_weights, topk_ids, activation, activation_params,
                                     apply_router_weight_on_input, expert_map)
         lib = self.native_library(weights, scheme)
+        if lib is not None and lib.bf16_dot and bf16_without_amx() and T * k > BF16_ROWS * min(weights.num_experts,
+                                                                                              T * k):
+            # AVX-512 BF16 without AMX: the weights dequantized to bf16 in L1, on vdpbf16ps
+            sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
+                           apply_router_weight_on_input, torch.bfloat16)
+            return self._native_bf16(lib, sr, weights, scheme, T, k, activation, activation_params,
+                                     apply_router_weight_on_input)
         rows_limit = NATIVE_ROWS
         if kernel:  # sorted bf16 int4: torch's int4 kernel, but for a few rows an expert of VNNI products
             rows_limit = NATIVE_ROWS_INT4_INTEGER.get(lib.isa, 0) if lib is not None else 0
@@ -228,6 +250,30 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         a = apply_activation(h, activation, activation_params)  # [n, I]
         y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
+
+    @staticmethod
+    def _native_bf16(lib, sr, weights, scheme, T, k, activation, activation_params, on_input):
+        """Sorted bf16 rows on vdpbf16ps (NativeLibrary.bf16_gate_up / bf16_gemm) from the stored
+        weights, dequantized to bf16 a block at a time; GEMM1's output rounded to bf16 for GEMM2."""
+        experts, starts = span_segments(sr.spans)
+        gated = is_gated(activation)
+        n, s = sr.rows.shape[0], weights.scales
+        I = weights.w13.shape[1] // 2 if gated else weights.w13.shape[1]  # w2's rows may be packed
+        q = dict(int4=scheme.weight_dtype == "int4", group_size=scheme.group_size, trusted=True)
+        if gated:
+            params = activation_params or ActivationParams()
+            b13 = None if weights.b13 is None else weights.b13.float().contiguous()
+            a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts,
+                                 activation=activation, alpha=params.alpha, limit=params.limit, b13=b13,
+                                 scale=s["w13_scale"], zero=s.get("w13_zero"), **q)
+        else:
+            h = lib.bf16_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I), dtype=torch.float32), starts,
+                              scale=s["w13_scale"], zero=s.get("w13_zero"), **q)
+            a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation,
+                                 activation_params).to(torch.bfloat16)
+        y = lib.bf16_gemm(weights.w2, experts, a, a.new_empty((n, weights.w2.shape[1]), dtype=torch.float32), starts,
+                          scale=s["w2_scale"], zero=s.get("w2_zero"), **q)
+        return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
 
     @staticmethod
     def _native_products(lib, weights, scheme):

@@ -199,23 +199,10 @@ class NativeLibrary:
             x: [R or 1, K] fp32.  out: [R, N] fp32.  experts, starts, trusted: as in `int8_gemm`.
             group_size: g, a multiple of 32 dividing K.
         """
-        K = w.shape[2] * (2 if int4 else 1)
-        if (w.dtype not in (torch.int8, torch.uint8) or (int4 and w.dtype != torch.uint8)
-                or (x.dtype, out.dtype, scale.dtype) != (torch.float32,) * 3
-                or (zero is not None and zero.dtype != torch.uint8)):
+        if (x.dtype, out.dtype) != (torch.float32, torch.float32):
             raise TypeError(f"wo_gemm wants uint8 (int4) or int8 / uint8 w, fp32 scale, x and out, uint8 zero; got "
                             f"{w.dtype}, {scale.dtype}, {x.dtype}, {out.dtype}, {None if zero is None else zero.dtype}")
-        wtype = 0 if int4 else (1 if w.dtype == torch.int8 else 2)
-        if wtype == 2 and zero is None:
-            raise ValueError("wo_gemm: uint8 int8 weights need their zero points")
-        if group_size <= 0 or group_size % 32 or K % group_size:
-            raise ValueError(f"wo_gemm: group_size must be a multiple of 32 dividing K={K}, got {group_size}")
-        E, N = w.shape[:2]
-        if tuple(scale.shape) != (E, N, K // group_size) or (zero is not None and zero.shape != scale.shape):
-            raise ValueError(f"wo_gemm: scale {tuple(scale.shape)} (zero {None if zero is None else tuple(zero.shape)})"
-                             f" must be [{E}, {N}, {K // group_size}] for w {tuple(w.shape)} and g={group_size}")
-        if not (scale.is_contiguous() and (zero is None or zero.is_contiguous())):
-            raise ValueError("wo_gemm wants contiguous scale and zero")
+        wtype, K, N = self._weight_only(w, scale, zero, int4, group_size, "wo_gemm")
         segs = self._segments(w, experts, x, out, starts, K, "wo_gemm", trusted)
         if segs is not None:
             rc = self._lib.moekit_wo_gemm_segments(wtype, w.data_ptr(), scale.data_ptr(),
@@ -225,6 +212,27 @@ class NativeLibrary:
             if rc:
                 raise MemoryError("wo_gemm could not allocate its scratch rows")
         return out
+
+    @staticmethod
+    def _weight_only(w, scale, zero, int4, group_size, what):
+        """Checks of weight-only weights (wo_gemm's Args); (wtype, K, N)."""
+        K = w.shape[2] * (2 if int4 else 1)
+        if (w.dtype not in (torch.int8, torch.uint8) or (int4 and w.dtype != torch.uint8) or scale.dtype != torch.float32
+                or (zero is not None and zero.dtype != torch.uint8)):
+            raise TypeError(f"{what} wants uint8 (int4) or int8 / uint8 w, fp32 scale, uint8 zero; got {w.dtype}, "
+                            f"{scale.dtype}, {None if zero is None else zero.dtype}")
+        wtype = 0 if int4 else (1 if w.dtype == torch.int8 else 2)
+        if wtype == 2 and zero is None:
+            raise ValueError(f"{what}: uint8 int8 weights need their zero points")
+        if group_size <= 0 or group_size % 32 or K % group_size:
+            raise ValueError(f"{what}: group_size must be a multiple of 32 dividing K={K}, got {group_size}")
+        E, N = w.shape[:2]
+        if tuple(scale.shape) != (E, N, K // group_size) or (zero is not None and zero.shape != scale.shape):
+            raise ValueError(f"{what}: scale {tuple(scale.shape)} (zero {None if zero is None else tuple(zero.shape)})"
+                             f" must be [{E}, {N}, {K // group_size}] for w {tuple(w.shape)} and g={group_size}")
+        if not (scale.is_contiguous() and (zero is None or zero.is_contiguous())):
+            raise ValueError(f"{what} wants contiguous scale and zero")
+        return wtype, K, N
 
     def float_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
                    starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
@@ -250,48 +258,66 @@ class NativeLibrary:
         """Whether `bf16_gemm` multiplies in this build (AVX-512 BF16)."""
         return bool(self._lib.moekit_bf16_dot())
 
+    def _bf16_weights(self, w, scale, zero, int4, group_size, what):
+        """(wtype, scale, zero, g, K, N) of a bf16 call's weights: bf16 w, or weight-only ones."""
+        if not self.bf16_dot:
+            raise RuntimeError(f"{what} needs AVX-512 BF16; this {self.isa} build has none")
+        if scale is None:
+            if w.dtype != torch.bfloat16 or zero is not None or int4:
+                raise TypeError(f"{what} wants bf16 w, or weight-only w with its scale; got {w.dtype}")
+            return -1, None, None, 0, w.shape[2], w.shape[1]
+        wtype, K, N = self._weight_only(w, scale, zero, int4, group_size, what)
+        return wtype, scale.data_ptr(), None if zero is None else zero.data_ptr(), group_size, K, N
+
     def bf16_gemm(self, w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-                  starts: Optional[torch.Tensor] = None, *, trusted: bool = False) -> torch.Tensor:
+                  starts: Optional[torch.Tensor] = None, *, scale: Optional[torch.Tensor] = None,
+                  zero: Optional[torch.Tensor] = None, int4: bool = False, group_size: int = 0,
+                  trusted: bool = False) -> torch.Tensor:
         """bf16 products of bf16 rows grouped by expert, fp32 accumulation and out:
         out[j] = w[experts[s]] @ x[j], by vdpbf16ps (builds with AVX-512 BF16: `bf16_dot`).
 
         Args:
-            w: [E, N, K] bf16, contiguous.  x: [R or 1, K] bf16.  out: [R, N] fp32.
-            experts, starts, trusted: as in `int8_gemm`.
+            w: [E, N, K] bf16, contiguous; or weight-only weights with scale, zero, int4 and
+                group_size as in `wo_gemm`, dequantized to bf16 (rounded to nearest even) a
+                block at a time.
+            x: [R or 1, K] bf16.  out: [R, N] fp32.  experts, starts, trusted: as in `int8_gemm`.
         """
-        if (w.dtype, x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16, torch.float32):
-            raise TypeError(f"bf16_gemm wants bf16 w and x and fp32 out; got {w.dtype}, {x.dtype}, {out.dtype}")
-        if not self.bf16_dot:
-            raise RuntimeError(f"bf16_gemm needs AVX-512 BF16; this {self.isa} build has none")
-        segs = self._segments(w, experts, x, out, starts, w.shape[2], "bf16_gemm", trusted)
+        if (x.dtype, out.dtype) != (torch.bfloat16, torch.float32):
+            raise TypeError(f"bf16_gemm wants bf16 x and fp32 out; got {x.dtype}, {out.dtype}")
+        wtype, sp, zp, g, K, N = self._bf16_weights(w, scale, zero, int4, group_size, "bf16_gemm")
+        segs = self._segments(w, experts, x, out, starts, K, "bf16_gemm", trusted, N=N)
         if segs is not None:
-            self._lib.moekit_bf16_gemm_segments(w.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(),
-                                                segs[2], w.shape[1], w.shape[2], out.data_ptr(),
-                                                torch.get_num_threads())
+            rc = self._lib.moekit_bf16_gemm_segments(wtype, w.data_ptr(), sp, zp, g, experts.data_ptr(), segs[0],
+                                                     segs[1], x.data_ptr(), segs[2], N, K, out.data_ptr(),
+                                                     torch.get_num_threads())
+            if rc:
+                raise MemoryError("bf16_gemm could not allocate its scratch")
         return out
 
     def bf16_gate_up(self, w13: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
                      starts: Optional[torch.Tensor] = None, *, activation: str, alpha: float = 1.702,
-                     limit: float = 7.0, b13: Optional[torch.Tensor] = None, trusted: bool = False) -> torch.Tensor:
+                     limit: float = 7.0, b13: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+                     zero: Optional[torch.Tensor] = None, int4: bool = False, group_size: int = 0,
+                     trusted: bool = False) -> torch.Tensor:
         """A gated GEMM1 with its activation, by vdpbf16ps: out[j] = bf16(act(w13[e] @ x[j] + b13[e]))
         for the rows j of each segment (expert e), fp32 sums and activation (builds with AVX-512
         BF16: `bf16_dot`).
 
         Args:
-            w13: [E, 2I, K] bf16 (gate rows, then up rows), contiguous.  x: [R or 1, K] bf16.
-            out: [R, I] bf16, contiguous (written).  activation: a gated one (silu, gelu,
-                gelu_tanh, swigluoai; alpha and limit for swigluoai).  b13: [E, 2I] fp32 or None.
-            experts, starts, trusted: as in `int8_gemm`.
+            w13: [E, 2I, K] bf16 (gate rows, then up rows), contiguous; or weight-only weights
+                with scale, zero, int4 and group_size as in `bf16_gemm`.
+            x: [R or 1, K] bf16.  out: [R, I] bf16, contiguous (written).  activation: a gated
+                one (silu, gelu, gelu_tanh, swigluoai; alpha and limit for swigluoai).
+            b13: [E, 2I] fp32 or None.  experts, starts, trusted: as in `int8_gemm`.
         """
         code = ACTIVATION_CODES.get(activation)
         if code is None or code > 3:
             raise ValueError(f"bf16_gate_up wants a gated activation {[a for a, c in ACTIVATION_CODES.items() if c < 4]}, "
                              f"got {activation!r}")
-        if (w13.dtype, x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16, torch.bfloat16):
-            raise TypeError(f"bf16_gate_up wants bf16 w13, x and out; got {w13.dtype}, {x.dtype}, {out.dtype}")
-        if not self.bf16_dot:
-            raise RuntimeError(f"bf16_gate_up needs AVX-512 BF16; this {self.isa} build has none")
-        E, N1, K = w13.shape
+        if (x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16):
+            raise TypeError(f"bf16_gate_up wants bf16 x and out; got {x.dtype}, {out.dtype}")
+        wtype, sp, zp, g, K, N1 = self._bf16_weights(w13, scale, zero, int4, group_size, "bf16_gate_up")
+        E = w13.shape[0]
         if N1 % 2 or (b13 is not None and (b13.dtype != torch.float32 or tuple(b13.shape) != (E, N1)
                                            or not b13.is_contiguous())):
             raise ValueError(f"bf16_gate_up wants w13 [E, 2I, K] and b13 None or [E, 2I] fp32 contiguous; got w13 "
@@ -299,8 +325,8 @@ class NativeLibrary:
         segs = self._segments(w13, experts, x, out, starts, K, "bf16_gate_up", trusted, N=N1 // 2)
         if segs is not None:
             rc = self._lib.moekit_bf16_gate_up_segments(
-                w13.data_ptr(), experts.data_ptr(), segs[0], segs[1], x.data_ptr(), segs[2], N1 // 2, K, code, alpha,
-                limit, None if b13 is None else b13.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                wtype, w13.data_ptr(), sp, zp, g, experts.data_ptr(), segs[0], segs[1], x.data_ptr(), segs[2], N1 // 2,
+                K, code, alpha, limit, None if b13 is None else b13.data_ptr(), out.data_ptr(), torch.get_num_threads())
             if rc:
                 raise MemoryError("bf16_gate_up could not allocate its scratch")
         return out
@@ -485,12 +511,12 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     f = lib.moekit_bf16_gemm_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.moekit_bf16_dot.restype = ctypes.c_int
     f = lib.moekit_bf16_gate_up_segments
     f.restype = ctypes.c_int
-    f.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr,
-                  ctypes.c_int]
+    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float,
+                  ctypes.c_float, ptr, ptr, ctypes.c_int]
     f = lib.moekit_decode
     f.restype = ctypes.c_int
     f.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ptr, i64, i64, ptr,

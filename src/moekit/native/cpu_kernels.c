@@ -1335,55 +1335,146 @@ static inline __attribute__((always_inline)) void bf16_block(const int nr, const
     }
 }
 
+/* A bf16 call's weights: bf16 rows (wtype -1), or weight-only ones (wtype as wo_call's: 0 int4,
+ * 1 int8, 2 uint8 with zero points; scale / zero [E, N, K / g]) dequantized to bf16 a block at a
+ * time into the calling thread's scratch. */
 typedef struct {
     const uint16_t *w, *x;
     const int64_t *experts, *starts;
     int64_t x_stride, N, K, blocks;
     float *out;
+    int wtype;
+    const uint8_t *q, *zero;
+    const float *scale;
+    int64_t g;
 } bf16_call;
+
+/* kn columns from k0 (both multiples of 32, as g) of weight-only row q (its scales sc and
+ * zero points z, a group each) as bf16: (q - z) s rounded to nearest even. */
+static void wo_row_bf16(int wtype, const uint8_t *q, const float *sc, const uint8_t *z, int64_t g, int64_t k0,
+                        int64_t kn, uint16_t *dst) {
+    const __m128i nib = _mm_set1_epi8(15);
+    for (int64_t k = 0; k < kn; k += 32) {
+        const int64_t col = k0 + k, c = col / g;
+        const __m512 s = _mm512_set1_ps(sc[c]);
+        const __m512 zf = _mm512_set1_ps(z ? (float)z[c] : (wtype == 0 ? 8.0f : 0.0f));
+        __m512i v0, v1;  /* the 32 columns' stored values, in column order */
+        if (wtype == 0) {  /* even columns in the low nibbles */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(q + col / 2));
+            const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+            v0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), v1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+        } else if (wtype == 1) {
+            v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + col)));
+            v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + col + 16)));
+        } else {
+            v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + col)));
+            v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + col + 16)));
+        }
+        const __m512 f0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v0), zf), s);
+        const __m512 f1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(v1), zf), s);
+        _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(f0));
+        _mm256_storeu_si256((__m256i *)(dst + k + 16), (__m256i)_mm512_cvtneps_pbh(f1));
+    }
+}
+
+/* Weight rows [r0, r1) of expert e, columns [k0, k0 + kn), as bf16 rows of stride *ws: the
+ * weights themselves, or dequantized into scratch. */
+static const uint16_t *bf16_rows(const bf16_call *c, int64_t e, int64_t r0, int64_t r1, int64_t k0, int64_t kn,
+                                 uint16_t *scratch, int64_t *ws) {
+    const int64_t N = c->N, K = c->K;
+    if (c->wtype < 0) {
+        *ws = K;
+        return c->w + (e * N + r0) * K + k0;
+    }
+    const int64_t G = K / c->g, row_bytes = c->wtype == 0 ? K / 2 : K;
+    for (int64_t r = r0; r < r1; r++)
+        wo_row_bf16(c->wtype, c->q + (e * N + r) * row_bytes, c->scale + (e * N + r) * G,
+                    c->zero ? c->zero + (e * N + r) * G : NULL, c->g, k0, kn, scratch + (r - r0) * kn);
+    *ws = kn;
+    return scratch;
+}
+
+/* rows x nx (4 or 1) x rows from xj (stride xs) into o (stride N): bf16_block over the rows. */
+static inline void bf16_rows_x(const uint16_t *w, int64_t ws, int64_t rows, const int nx, const uint16_t *xj,
+                               int64_t xs, int64_t kn, int add, float *o, int64_t N) {
+    int64_t r = 0;
+    if (nx == 4) {
+        for (; r + 4 <= rows; r += 4) bf16_block(4, 4, w + r * ws, ws, xj, xs, kn, add, o + r, N);
+        for (; r < rows; r++) bf16_block(1, 4, w + r * ws, ws, xj, xs, kn, add, o + r, N);
+    } else {
+        for (; r + 4 <= rows; r += 4) bf16_block(4, 1, w + r * ws, ws, xj, 0, kn, add, o + r, N);
+        for (; r < rows; r++) bf16_block(1, 1, w + r * ws, ws, xj, 0, kn, add, o + r, N);
+    }
+}
 
 /* Work item `item`: segment item / blocks, weight rows [r0, r0 + BF16_ROWS); BF16_KC columns a
  * pass, four x rows at a time (in L1 while the item's weight rows, in L1 too, pass them). */
-static void bf16_item(const bf16_call *c, int64_t item) {
-    const int64_t N = c->N, K = c->K, xs = c->x_stride, s = item / c->blocks;
+static void bf16_item(const bf16_call *c, int64_t item, uint16_t *scratch) {
+    const int64_t N = c->N, K = c->K, xs = c->x_stride, s = item / c->blocks, e = c->experts[s];
     const int64_t r0 = (item % c->blocks) * BF16_ROWS, r1 = r0 + BF16_ROWS < N ? r0 + BF16_ROWS : N;
     const int64_t j0 = seg_begin(c->starts, s), j1 = seg_begin(c->starts, s + 1);
-    const uint16_t *ws = c->w + c->experts[s] * N * K;
+    if (j1 == j0) return;
     for (int64_t k0 = 0; k0 < K; k0 += BF16_KC) {
         const int64_t kn = K - k0 < BF16_KC ? K - k0 : BF16_KC;
-        const int add = k0 > 0;
-        int64_t j = j0;
-        for (; j + 4 <= j1; j += 4) {
-            const uint16_t *xj = c->x + j * xs + k0;
-            float *o = c->out + j * N;
-            int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) bf16_block(4, 4, ws + r * K + k0, K, xj, xs, kn, add, o + r, N);
-            for (; r < r1; r++) bf16_block(1, 4, ws + r * K + k0, K, xj, xs, kn, add, o + r, N);
-        }
-        for (; j < j1; j++) {
-            const uint16_t *xj = c->x + j * xs + k0;
-            float *o = c->out + j * N;
-            int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) bf16_block(4, 1, ws + r * K + k0, K, xj, 0, kn, add, o + r, N);
-            for (; r < r1; r++) bf16_block(1, 1, ws + r * K + k0, K, xj, 0, kn, add, o + r, N);
+        int64_t ws;
+        const uint16_t *w = bf16_rows(c, e, r0, r1, k0, kn, scratch, &ws);
+        for (int64_t j = j0; j < j1;) {
+            const int nx = j1 - j >= 4 ? 4 : 1;
+            bf16_rows_x(w, ws, r1 - r0, nx, c->x + j * xs + k0, xs, kn, k0 > 0, c->out + j * N + r0, N);
+            j += nx;
         }
     }
 }
 #endif
 
-int moekit_bf16_gemm_segments(const uint16_t *w, const int64_t *experts, const int64_t *starts, int64_t segments,
-                              const uint16_t *x, int64_t x_stride, int64_t N, int64_t K, float *out, int threads) {
+/* Runs c's items over threads, each thread with a scratch of `scratch` bf16 values and, for
+ * gate_up, of `h` floats; returns 1 when one could not be allocated. */
 #ifdef BF16_DOT
-    const bf16_call c = {w, x, experts, starts, x_stride, N, K, (N + BF16_ROWS - 1) / BF16_ROWS, out};
+typedef struct gate_up_call gate_up_call;
+static void gate_up_item(const gate_up_call *c, int64_t item, float *h, uint16_t *scratch);
+
+static int bf16_run(const bf16_call *c, const gate_up_call *gu, int64_t items, int64_t scratch, int64_t h,
+                    int threads) {
+    int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)  /* segments of unequal rows */
+#pragma omp parallel num_threads(threads)
 #endif
-    for (int64_t item = 0; item < segments * c.blocks; item++) bf16_item(&c, item);
+    {
+        uint16_t *sc = (uint16_t *)malloc((size_t)(scratch > 0 ? scratch : 1) * sizeof(uint16_t));
+        float *hb = (float *)malloc((size_t)(h > 0 ? h : 1) * sizeof(float));
+        if (sc == NULL || hb == NULL) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+        OMP_FOR_DYNAMIC
+        for (int64_t item = 0; item < items; item++)
+            if (sc != NULL && hb != NULL) {
+                if (gu) gate_up_item(gu, item, hb, sc);
+                else bf16_item(c, item, sc);
+            }
+        free(sc);
+        free(hb);
+    }
     (void)threads;
-    return 0;
+    return failed;
+}
+#endif
+
+/* The weights of a bf16 call: w bf16 [E, N, K] (wtype -1), or weight-only q with scale / zero
+ * [E, N, K / g] (wtype 0 int4, 1 int8, 2 uint8; g a multiple of 32 dividing K). */
+int moekit_bf16_gemm_segments(int wtype, const void *w, const float *scale, const uint8_t *zero, int64_t g,
+                              const int64_t *experts, const int64_t *starts, int64_t segments, const uint16_t *x,
+                              int64_t x_stride, int64_t N, int64_t K, float *out, int threads) {
+#ifdef BF16_DOT
+    if (wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
+    const bf16_call c = {(const uint16_t *)w, x, experts, starts, x_stride, N, K, (N + BF16_ROWS - 1) / BF16_ROWS, out,
+                         wtype, (const uint8_t *)w, zero, scale, g};
+    return bf16_run(&c, NULL, segments * c.blocks, wtype >= 0 ? BF16_ROWS * BF16_KC : 0, 0, threads);
 #else
-    (void)w, (void)experts, (void)starts, (void)segments, (void)x, (void)x_stride, (void)N, (void)K, (void)out,
-        (void)threads;
+    (void)wtype, (void)w, (void)scale, (void)zero, (void)g, (void)experts, (void)starts, (void)segments, (void)x,
+        (void)x_stride, (void)N, (void)K, (void)out, (void)threads;
     return 4;
 #endif
 }
@@ -1543,42 +1634,35 @@ static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m
     return _mm512_loadu_ps(gs);
 }
 
-typedef struct {
+struct gate_up_call {
     bf16_call gemm;  /* w13 [E, 2I, K], x, experts, starts; N = 2I, blocks over I */
     int64_t I;
     int act;
     float alpha, limit;
     const float *b13;  /* [E, 2I] or NULL */
     uint16_t *a;       /* [R, I] bf16 */
-} gate_up_call;
+};
 
 /* Work item `item`: segment item / blocks, activation columns [c0, c0 + 16): the gate rows c0..
  * and the up rows I + c0.. against the segment's x rows into h [rows, 32] (gate 16, up 16),
  * BF16_KC columns a pass as bf16_item, then the biases and the activation, rounded to bf16. */
-static void gate_up_item(const gate_up_call *c, int64_t item, float *h) {
+static void gate_up_item(const gate_up_call *c, int64_t item, float *h, uint16_t *scratch) {
     const bf16_call *g = &c->gemm;
     const int64_t I = c->I, K = g->K, xs = g->x_stride, s = item / g->blocks, e = g->experts[s];
     const int64_t c0 = (item % g->blocks) * 16, nc = I - c0 < 16 ? I - c0 : 16;
     const int64_t j0 = seg_begin(g->starts, s), j1 = seg_begin(g->starts, s + 1);
-    const uint16_t *wg = g->w + (e * 2 * I + c0) * K, *wu = wg + I * K;
+    if (j1 == j0) return;
     for (int64_t k0 = 0; k0 < K; k0 += BF16_KC) {
         const int64_t kn = K - k0 < BF16_KC ? K - k0 : BF16_KC;
-        const int add = k0 > 0;
+        int64_t wsg, wsu;
+        const uint16_t *wg = bf16_rows(g, e, c0, c0 + nc, k0, kn, scratch, &wsg);
+        const uint16_t *wu = bf16_rows(g, e, I + c0, I + c0 + nc, k0, kn, scratch + 16 * BF16_KC, &wsu);
         for (int64_t j = j0; j < j1;) {
             const int nx = j1 - j >= 4 ? 4 : 1;
             const uint16_t *xj = g->x + j * xs + k0;
             float *o = h + (j - j0) * 32;
-            for (int half = 0; half < 2; half++) {
-                const uint16_t *w = (half ? wu : wg) + k0;
-                float *oh = o + 16 * half;
-                int64_t r = 0;
-                for (; r + 4 <= nc; r += 4)
-                    if (nx == 4) bf16_block(4, 4, w + r * K, K, xj, xs, kn, add, oh + r, 32);
-                    else bf16_block(4, 1, w + r * K, K, xj, 0, kn, add, oh + r, 32);
-                for (; r < nc; r++)
-                    if (nx == 4) bf16_block(1, 4, w + r * K, K, xj, xs, kn, add, oh + r, 32);
-                    else bf16_block(1, 1, w + r * K, K, xj, 0, kn, add, oh + r, 32);
-            }
+            bf16_rows_x(wg, wsg, nc, nx, xj, xs, kn, k0 > 0, o, 32);
+            bf16_rows_x(wu, wsu, nc, nx, xj, xs, kn, k0 > 0, o + 16, 32);
             j += nx;
         }
     }
@@ -1599,40 +1683,24 @@ static void gate_up_item(const gate_up_call *c, int64_t item, float *h) {
  * swigluoai vectorized; exp within 2e-7 of expf); act 0-3 (the gated ones), I = w13's rows / 2.
  * Returns 0, 1 when the scratch cannot be allocated, 2 for a non-gated act, 4 without AVX-512
  * BF16. */
-int moekit_bf16_gate_up_segments(const uint16_t *w13, const int64_t *experts, const int64_t *starts,
-                                 int64_t segments, const uint16_t *x, int64_t x_stride, int64_t I, int64_t K,
-                                 int act, float alpha, float limit, const float *b13, uint16_t *a, int threads) {
+int moekit_bf16_gate_up_segments(int wtype, const void *w13, const float *scale, const uint8_t *zero, int64_t g,
+                                 const int64_t *experts, const int64_t *starts, int64_t segments, const uint16_t *x,
+                                 int64_t x_stride, int64_t I, int64_t K, int act, float alpha, float limit,
+                                 const float *b13, uint16_t *a, int threads) {
 #ifdef BF16_DOT
-    if (act < 0 || act > 3) return 2;
+    if (act < 0 || act > 3 || wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
     int64_t most = 0;
     for (int64_t s = 0; s < segments; s++) {
         const int64_t n = seg_begin(starts, s + 1) - seg_begin(starts, s);
         most = n > most ? n : most;
     }
-    const gate_up_call c = {{w13, x, experts, starts, x_stride, 2 * I, K, (I + 15) / 16, NULL}, I, act, alpha, limit,
-                            b13, a};
-    int failed = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-        float *h = (float *)malloc((size_t)(most > 0 ? most : 1) * 32 * sizeof(float));
-        if (h == NULL) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-        OMP_FOR_DYNAMIC
-        for (int64_t item = 0; item < segments * c.gemm.blocks; item++)
-            if (h != NULL) gate_up_item(&c, item, h);
-        free(h);
-    }
-    (void)threads;
-    return failed;
+    const gate_up_call c = {{(const uint16_t *)w13, x, experts, starts, x_stride, 2 * I, K, (I + 15) / 16, NULL, wtype,
+                             (const uint8_t *)w13, zero, scale, g},
+                            I, act, alpha, limit, b13, a};
+    return bf16_run(&c.gemm, &c, segments * c.gemm.blocks, wtype >= 0 ? 32 * BF16_KC : 0, most * 32, threads);
 #else
-    (void)w13, (void)experts, (void)starts, (void)segments, (void)x, (void)x_stride, (void)I, (void)K, (void)act,
-        (void)alpha, (void)limit, (void)b13, (void)a, (void)threads;
+    (void)wtype, (void)w13, (void)scale, (void)zero, (void)g, (void)experts, (void)starts, (void)segments, (void)x,
+        (void)x_stride, (void)I, (void)K, (void)act, (void)alpha, (void)limit, (void)b13, (void)a, (void)threads;
     return 4;
 #endif
 }
