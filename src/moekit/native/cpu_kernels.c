@@ -36,6 +36,17 @@
 #include <immintrin.h>
 #endif
 
+/* vpdpbusd on zmm accumulators, in place. GCC 12 expands the intrinsic with a copy of every
+ * accumulator into a new register (and, with 16 of them, stack spills) around each product: a
+ * 4 x 4 block of int8 products ran at 183-295 GMAC/s a core that way, 387 with the accumulator
+ * as an in-out operand; sorted int8 calls of 8 rows an expert 0.83x, 32 rows 0.97x (AMD Zen 5,
+ * bench/NOTES-cpu.md). (The same for vdpbf16ps made the bf16 kernels 1.1-1.4x slower: not used.) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __m512i dpbusd512(__m512i acc, __m512i u8, __m512i s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "vm"(s8));
+    return acc;
+}
+#endif
 
 /* The loops of a parallel region, split statically over its threads (a loop in a row). */
 #ifdef _OPENMP
@@ -134,7 +145,7 @@ static inline vacc vzero(void) { return _mm512_setzero_si512(); }
 static inline vacc vload_x(const xq_t *x) { return _mm512_loadu_si512((const void *)x); }
 static inline vacc vmadd(vacc acc, const int8_t *w, vacc xv) {
     const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)w), _mm512_set1_epi8((char)0x80));
-    return _mm512_dpbusd_epi32(acc, wu, xv);
+    return dpbusd512(acc, wu, xv);
 }
 static inline int32_t vsum(vacc a) { return _mm512_reduce_add_epi32(a); }
 #elif defined(__AVX512BW__)
@@ -232,6 +243,55 @@ static inline int32_t row1(const int8_t *w, int64_t K, const xq_t *x, int32_t xs
     for (int64_t k = 0; k < kv; k += STEP) a = vmadd(a, w + k, vload_x(x + k));
     return combine(vsum(a), xs, dot_tail(w, x, kv, K));
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8_4X4 1
+/* The sums of four int32 accumulators' lanes, [s0, s1, s2, s3]. */
+static inline __m128i sum4x16i(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(b0, b1), _mm512_unpackhi_epi64(b0, b1));
+    const __m256i d = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+}
+
+/* Four rows w[0..3] (row stride K) against four x rows (stride K; their vector sums xs):
+ * out[j][r]. Each weight vector is flipped to unsigned once for the four x rows, and the 16
+ * accumulators' lanes are summed by one transpose-add a x row (named, not an array: GCC kept
+ * an array's sums moving between registers and the stack every step). */
+static void rows4x4(const int8_t *w, int64_t K, const xq_t *x, const int32_t *xs, int32_t out[4][4]) {
+    const int64_t kv = K - K % STEP;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+            a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    const int8_t *ahead = w + PREFETCH_ROWS * K;
+    for (int64_t k = 0; k < kv; k += STEP) {
+        for (int r = 0; r < 4; r++) prefetch_line(ahead + r * K + k);  /* as rows4 */
+        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k)), flip);
+        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + K + k)), flip);
+        const __m512i w2 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 2 * K + k)), flip);
+        const __m512i w3 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 3 * K + k)), flip);
+#define X4(J, A0, A1, A2, A3)                                                              \
+        {                                                                                  \
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + (J) * K + k));        \
+            A0 = dpbusd512(A0, w0, xv), A1 = dpbusd512(A1, w1, xv);    \
+            A2 = dpbusd512(A2, w2, xv), A3 = dpbusd512(A3, w3, xv);    \
+        }
+        X4(0, a00, a10, a20, a30)
+        X4(1, a01, a11, a21, a31)
+        X4(2, a02, a12, a22, a32)
+        X4(3, a03, a13, a23, a33)
+#undef X4
+    }
+    const __m128i s[4] = {sum4x16i(a00, a10, a20, a30), sum4x16i(a01, a11, a21, a31), sum4x16i(a02, a12, a22, a32),
+                          sum4x16i(a03, a13, a23, a33)};
+    for (int j = 0; j < 4; j++) {
+        int32_t lanes[4];
+        _mm_storeu_si128((__m128i *)lanes, s[j]);
+        for (int r = 0; r < 4; r++) out[j][r] = combine(lanes[r], xs[j], dot_tail(w + r * K, x + j * K, kv, K));
+    }
+}
+#endif
 #else
 static inline void rows4(const int8_t *w, int64_t K, const xq_t *x, int32_t xs, int32_t *out) {
     (void)xs;
@@ -276,7 +336,19 @@ static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_
         float s = nan ? NAN : amax / 127.0f;
         if (!(s > 0.0f)) s = 1.0f;
         scales[j] = s;
-        for (int64_t k = 0; k < K; k++) {
+        int64_t k = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        /* the same division, rounding (half to even) and clamp on 16 lanes; NaN converts to
+         * INT_MIN and truncates to 0 as the scalar conversion does */
+        const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        for (; k + 16 <= K; k += 16) {
+            __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xj + k), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(hi, _mm512_max_ps(lo, q));  /* NaN passes (the second operand) */
+            _mm_storeu_si128((__m128i *)(xq + j * K + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+        }
+#endif
+        for (; k < K; k++) {
             float q = nearbyintf(xj[k] / s);
             q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
             xq[j * K + k] = (xq_t)q;
@@ -316,8 +388,24 @@ static void int8_item(const int8_call *c, int64_t item) {
 #if FOUR_ROWS
     int32_t acc[4];
     if (FOUR_A_PASS(it.j1 - it.j0))
-    for (; r + 4 <= it.r1; r += 4)  /* four weight rows stay in L1 across the segment's x rows */
-        for (int64_t j = it.j0; j < it.j1; j++) {
+    for (; r + 4 <= it.r1; r += 4) {  /* four weight rows stay in L1 across the segment's x rows */
+        int64_t j = it.j0;
+#ifdef INT8_4X4
+        if (!c->shared && it.j1 - it.j0 >= 8)  /* (at 4 x rows an expert: 1.16-1.21x slower than rows4) */
+            for (; j + 4 <= it.j1; j += 4) {  /* four x rows at a time */
+                int32_t o[4][4];
+                rows4x4(ws + r * K, K, c->xq + j * K, c->xsum + j, o);
+                for (int jj = 0; jj < 4; jj++) {
+                    if (!c->out_f32) {
+                        memcpy(c->out + (j + jj) * N + r, o[jj], sizeof o[jj]);
+                        continue;
+                    }
+                    const float sx = c->scales[j + jj];
+                    for (int i = 0; i < 4; i++) c->out_f32[(j + jj) * N + r + i] = ((float)o[jj][i] * sx) * sw[r + i];
+                }
+            }
+#endif
+        for (; j < it.j1; j++) {
             const xq_t *xj = c->xq + (c->shared ? 0 : j * K);
             const int32_t xs = c->xsum[c->shared ? 0 : j];
             if (!c->out_f32) {
@@ -328,6 +416,7 @@ static void int8_item(const int8_call *c, int64_t item) {
             const float sx = c->scales[c->shared ? 0 : j];
             for (int i = 0; i < 4; i++) c->out_f32[j * N + r + i] = ((float)acc[i] * sx) * sw[r + i];
         }
+    }
 #endif
     for (; r < it.r1; r++) {  /* the weight row stays in L1 across the segment's x rows */
         prefetch_row_ahead(ws + r * K, K);
@@ -351,9 +440,13 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
     if (xsum == NULL) return 1;
     xq_t *xq = (xq_t *)(xsum + x_rows);
     int scalar = 0;
-    if (x_f32 != NULL)
-        quantize_rows(x_f32, x_stride, x_rows, K, xq, scales, xsum);
-    else
+    if (x_f32 != NULL) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (x_rows > 16)
+#endif
+        for (int64_t j = 0; j < x_rows; j++)  /* row by row: each its own scale */
+            quantize_rows(x_f32 + j * x_stride, 0, 1, K, xq + j * K, scales + j, xsum + j);
+    } else
         for (int64_t j = 0; j < x_rows; j++) {
             for (int64_t k = 0; k < K; k++) {
                 xq[j * K + k] = x[j * x_stride + k];
@@ -684,12 +777,12 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
             __m512i al, ah;
             if (wtype == 0) {  /* even columns in the low nibbles, odd ones in the high */
                 const __m512i we = _mm512_and_si512(wb, nib), wo = _mm512_and_si512(_mm512_srli_epi16(wb, 4), nib);
-                al = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), we, xl), wo, xlo);
-                ah = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), we, xh), wo, xho);
+                al = dpbusd512(dpbusd512(_mm512_setzero_si512(), we, xl), wo, xlo);
+                ah = dpbusd512(dpbusd512(_mm512_setzero_si512(), we, xh), wo, xho);
             } else {
                 const __m512i wu = wtype == 1 ? _mm512_xor_si512(wb, flip) : wb;  /* int8: q + 128 */
-                al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xl);
-                ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xh);
+                al = dpbusd512(_mm512_setzero_si512(), wu, xl);
+                ah = dpbusd512(_mm512_setzero_si512(), wu, xh);
             }
             const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al));
             const float *scr = sc + r * G;
