@@ -478,9 +478,11 @@ def test_cpu_backend_bf16_without_amx_rows_rules(monkeypatch, amx, rows, activat
     monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
     monkeypatch.setattr(cpu, "bf16_without_amx", lambda: not amx)
     calls = []
-    for name in ("_native_sorted", "_native_bf16", "_expert"):
+    for name in ("_native_sorted", "_expert"):
         real = getattr(cpu.CPUBackend, name)
         monkeypatch.setattr(cpu.CPUBackend, name, staticmethod(lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a)))
+    real_bf16 = cpu.bf16_sorted
+    monkeypatch.setattr(cpu, "bf16_sorted", lambda *a: calls.append("bf16_sorted") or real_bf16(*a))
     real_grouped = cpu._GROUPED.apply
     monkeypatch.setattr(cpu._GROUPED, "apply", lambda *a, **kw: calls.append("grouped") or real_grouped(*a, **kw))
     E, H, I, k = 16, 64, 32, 2
@@ -496,7 +498,7 @@ def test_cpu_backend_bf16_without_amx_rows_rules(monkeypatch, amx, rows, activat
     out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
     limit = cpu.NATIVE_ROWS[torch.bfloat16] if amx else cpu.NATIVE_ROWS_BF16_NO_AMX
     expected = "_native_sorted" if rows <= limit else (
-        "_expert" if amx else ("_native_bf16" if native.load().bf16_dot else "grouped"))
+        "_expert" if amx else ("bf16_sorted" if native.load().bf16_dot else "grouped"))
     assert set(calls) == {expected}
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 

@@ -283,9 +283,8 @@ def test_weight_only_bf16_kernels_past_their_rows_without_amx(monkeypatch, name,
         pytest.skip("needs a native build with AVX-512 BF16 products")
     monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: True)
     taken = []
-    real = cpu_weight_only.CPUWeightOnlyBackend._native_bf16
-    monkeypatch.setattr(cpu_weight_only.CPUWeightOnlyBackend, "_native_bf16",
-                        staticmethod(lambda *a: taken.append(1) or real(*a)))
+    real = cpu_weight_only.bf16_sorted
+    monkeypatch.setattr(cpu_weight_only, "bf16_sorted", lambda *a: taken.append(1) or real(*a))
     E, H, I, k = 6, 128, 128, 2
     gated = activation != "relu2_no_mul"
     scheme = get_scheme(name, **opts)

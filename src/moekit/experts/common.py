@@ -8,7 +8,7 @@ import torch
 
 from .. import native
 from .base import cached_for
-from ..activations import apply_activation
+from ..activations import apply_activation, is_gated
 from ..config import ActivationParams
 
 __all__ = ["local_ids", "sort_by_expert", "weighted_combine", "SortedRows", "sort_rows", "unsort_rows", "add_bias_by_span",
@@ -211,3 +211,34 @@ def decode_by_token(products, gemm_dtype, x, weights, topk_weights, topk_ids, ac
         else:
             torch.mm(w_t.view(1, n), y, out=out[t:t + 1])
     return out
+
+
+def bf16_sorted(lib, sr: SortedRows, weights, T: int, k: int, activation: str,
+                activation_params: Optional[ActivationParams], on_input: bool, scheme=None) -> torch.Tensor:
+    """Sorted bf16 rows through moekit's vdpbf16ps kernels (NativeLibrary.bf16_gate_up /
+    bf16_gemm): a gated GEMM1 with its biases and activation in one call, its output rounded to
+    bf16 for GEMM2 (as torch's bf16 path rounds it), fp32 sums; [T, H] fp32 like unsort_rows.
+    bf16 weights, or with `scheme` (a weight-only QuantScheme) the stored weights, dequantized
+    to bf16 a block at a time in the kernels."""
+    experts, starts = span_segments(sr.spans)
+    gated = is_gated(activation)
+    n, s = sr.rows.shape[0], weights.scales
+    I = weights.w13.shape[1] // 2 if gated else weights.w13.shape[1]  # (w2's rows may be packed)
+    quant = {} if scheme is None else dict(int4=scheme.weight_dtype == "int4", group_size=scheme.group_size)
+
+    def of(name):
+        return {} if scheme is None else dict(scale=s[f"{name}_scale"], zero=s.get(f"{name}_zero"), **quant)
+
+    if gated:
+        params = activation_params or ActivationParams()
+        b13 = None if weights.b13 is None else weights.b13.float().contiguous()
+        a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts, activation=activation,
+                             alpha=params.alpha, limit=params.limit, b13=b13, trusted=True, **of("w13"))
+    else:
+        h = lib.bf16_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I), dtype=torch.float32), starts,
+                          trusted=True, **of("w13"))
+        a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation,
+                             activation_params).to(torch.bfloat16)
+    y = lib.bf16_gemm(weights.w2, experts, a, a.new_empty((n, weights.w2.shape[1]), dtype=torch.float32), starts,
+                      trusted=True, **of("w2"))
+    return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)

@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
-from ..config import ActivationParams
 from ..activations import apply_activation, is_gated
 from .base import ExpertsBackend, ExpertsProblem, register_backend
-from .common import add_bias_by_span, decode_by_token, local_ids, native_decode, sort_rows, span_segments, unsort_rows
+from .common import (add_bias_by_span, bf16_sorted, decode_by_token, local_ids, native_decode, sort_rows,
+                     span_segments, unsort_rows)
 from .grouped_mm import GroupedMMBackend
 
 _GROUPED = GroupedMMBackend()
@@ -224,8 +224,8 @@ class CPUBackend(ExpertsBackend):
             return decode_by_token(self._native_products(lib, weights), torch.float32, x, weights, topk_weights,
                                    topk_ids, activation, activation_params, apply_router_weight_on_input,
                                    expert_map, native_decode(lib, weights, "float") if self.native_decode else None)
-        grouped_bf16 = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
-        rows_limit = (NATIVE_ROWS_BF16_NO_AMX if grouped_bf16 else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
+        bf16_no_amx = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
+        rows_limit = (NATIVE_ROWS_BF16_NO_AMX if bf16_no_amx else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
             else NATIVE_ROWS_EMULATED
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):
@@ -233,21 +233,20 @@ class CPUBackend(ExpertsBackend):
             if sr.rows.shape[0] <= rows_limit * len(sr.spans):
                 return self._native_sorted(lib, sr, weights, T, k, activation, activation_params,
                                            apply_router_weight_on_input)
-        if grouped_bf16 and lib is not None and lib.bf16_dot:
+        if bf16_no_amx and lib is not None and lib.bf16_dot:
             # bf16 products on AVX-512 BF16 without AMX: vdpbf16ps on the rows in bf16 (the
             # other paths round them to the weights' dtype too)
             if sr is None:
                 sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.bfloat16)
             else:  # the same rows, rounded last as sort_rows does
                 sr = sr._replace(rows=sr.rows.to(torch.bfloat16))
-            return self._native_bf16(lib, sr, weights, T, k, activation, activation_params,
-                                     apply_router_weight_on_input)
+            return bf16_sorted(lib, sr, weights, T, k, activation, activation_params, apply_router_weight_on_input)
         if T * k <= DIRECT_ASSIGNMENTS and weights.w2.dtype == weights.w13.dtype:
             # Also where 16-bit GEMMs are emulated: one row in the weights' dtype took 0.5-0.67x
             # the time of converting the expert's weights to fp32 first (AVX2, bench/NOTES-cpu.md).
             return self._direct(x, weights, topk_weights, topk_ids, activation, activation_params,
                                 apply_router_weight_on_input, expert_map, native)
-        if ((grouped_bf16 or (native and weights.w13.dtype == torch.float32)) and x.dtype == weights.w13.dtype
+        if ((bf16_no_amx or (native and weights.w13.dtype == torch.float32)) and x.dtype == weights.w13.dtype
                 and _GROUPED.unsupported(self._problem(x, weights, k, activation)) is None):
             # fp32, or bf16 without AMX, and aligned rows: one grouped GEMM per projection beats
             # a per-expert loop.
@@ -296,27 +295,6 @@ class CPUBackend(ExpertsBackend):
         a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation, activation_params).contiguous()
         y = lib.float_gemm(weights.w2, experts, a, a.new_empty((a.shape[0], weights.w2.shape[1])), starts,
                            trusted=True)
-        return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
-
-    @staticmethod
-    def _native_bf16(lib, sr, weights, T, k, activation, activation_params, on_input):
-        """Sorted bf16 rows on vdpbf16ps (NativeLibrary.bf16_gate_up / bf16_gemm): a gated GEMM1
-        with its biases and activation in one call, its output rounded to bf16 for GEMM2 (as
-        torch's bf16 path rounds it), fp32 sums; GEMM2 fp32 out."""
-        experts, starts = span_segments(sr.spans)
-        n, I = sr.rows.shape[0], weights.w2.shape[2]
-        if is_gated(activation):
-            params = activation_params or ActivationParams()
-            b13 = None if weights.b13 is None else weights.b13.float().contiguous()
-            a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts,
-                                 activation=activation, alpha=params.alpha, limit=params.limit, b13=b13, trusted=True)
-        else:
-            h = lib.bf16_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I), dtype=torch.float32), starts,
-                              trusted=True)
-            a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation,
-                                 activation_params).to(torch.bfloat16)
-        y = lib.bf16_gemm(weights.w2, experts, a, a.new_empty((n, weights.w2.shape[1]), dtype=torch.float32), starts,
-                          trusted=True)
         return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
 
     @staticmethod

@@ -47,12 +47,12 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .. import native
-from ..activations import apply_activation, is_gated
-from ..config import ActivationParams
+from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
-from .common import add_bias_by_span, decode_by_token, native_decode, sort_rows, span_segments, unsort_rows
+from .common import (add_bias_by_span, bf16_sorted, decode_by_token, native_decode, sort_rows, span_segments,
+                     unsort_rows)
 from .cpu import bf16_without_amx
 
 __all__ = ["CPUWeightOnlyBackend", "BLOCK_BYTES", "int4_kernel_available"]
@@ -228,8 +228,8 @@ class CPUWeightOnlyBackend(ExpertsBackend):
             # AVX-512 BF16 without AMX: the weights dequantized to bf16 in L1, on vdpbf16ps
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                            apply_router_weight_on_input, torch.bfloat16)
-            return self._native_bf16(lib, sr, weights, scheme, T, k, activation, activation_params,
-                                     apply_router_weight_on_input)
+            return bf16_sorted(lib, sr, weights, T, k, activation, activation_params, apply_router_weight_on_input,
+                               scheme)
         rows_limit = NATIVE_ROWS
         if kernel:  # sorted bf16 int4: torch's int4 kernel, but for a few rows an expert of VNNI products
             rows_limit = NATIVE_ROWS_INT4_INTEGER.get(lib.isa, 0) if lib is not None else 0
@@ -250,30 +250,6 @@ class CPUWeightOnlyBackend(ExpertsBackend):
         a = apply_activation(h, activation, activation_params)  # [n, I]
         y = add_bias_by_span(linear(a.to(sr.rows.dtype), "w2", sr.spans), weights.b2, sr.spans)  # [n, H]
         return unsort_rows(y, sr, T, k, apply_router_weight_on_input)
-
-    @staticmethod
-    def _native_bf16(lib, sr, weights, scheme, T, k, activation, activation_params, on_input):
-        """Sorted bf16 rows on vdpbf16ps (NativeLibrary.bf16_gate_up / bf16_gemm) from the stored
-        weights, dequantized to bf16 a block at a time; GEMM1's output rounded to bf16 for GEMM2."""
-        experts, starts = span_segments(sr.spans)
-        gated = is_gated(activation)
-        n, s = sr.rows.shape[0], weights.scales
-        I = weights.w13.shape[1] // 2 if gated else weights.w13.shape[1]  # w2's rows may be packed
-        q = dict(int4=scheme.weight_dtype == "int4", group_size=scheme.group_size, trusted=True)
-        if gated:
-            params = activation_params or ActivationParams()
-            b13 = None if weights.b13 is None else weights.b13.float().contiguous()
-            a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts,
-                                 activation=activation, alpha=params.alpha, limit=params.limit, b13=b13,
-                                 scale=s["w13_scale"], zero=s.get("w13_zero"), **q)
-        else:
-            h = lib.bf16_gemm(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I), dtype=torch.float32), starts,
-                              scale=s["w13_scale"], zero=s.get("w13_zero"), **q)
-            a = apply_activation(add_bias_by_span(h, weights.b13, sr.spans), activation,
-                                 activation_params).to(torch.bfloat16)
-        y = lib.bf16_gemm(weights.w2, experts, a, a.new_empty((n, weights.w2.shape[1]), dtype=torch.float32), starts,
-                          scale=s["w2_scale"], zero=s.get("w2_zero"), **q)
-        return unsort_rows(add_bias_by_span(y, weights.b2, sr.spans), sr, T, k, on_input)
 
     @staticmethod
     def _native_products(lib, weights, scheme):
