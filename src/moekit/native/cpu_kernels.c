@@ -1520,12 +1520,12 @@ static void bf16_item(const bf16_call *c, int64_t item, uint16_t *scratch) {
 }
 #endif
 
-/* Runs c's items over threads, each thread with a scratch of `scratch` bf16 values and, for
- * gate_up, of `h` floats; returns 1 when one could not be allocated. */
 #ifdef BF16_DOT
 typedef struct gate_up_call gate_up_call;
 static void gate_up_item(const gate_up_call *c, int64_t item, float *h, uint16_t *scratch);
 
+/* Runs the items of c (or, given gu, of that gated GEMM1) over threads, each thread with a
+ * scratch of `scratch` bf16 values and of `h` floats; returns 1 when one could not be allocated. */
 static int bf16_run(const bf16_call *c, const gate_up_call *gu, int64_t items, int64_t scratch, int64_t h,
                     int threads) {
     int failed = 0;
