@@ -256,7 +256,7 @@ class NativeLibrary:
     @property
     def bf16_dot(self) -> bool:
         """Whether `bf16_gemm` multiplies in this build (AVX-512 BF16)."""
-        return bool(self._lib.moekit_bf16_dot())
+        return hasattr(self._lib, "moekit_bf16_dot") and bool(self._lib.moekit_bf16_dot())
 
     def _bf16_weights(self, w, scale, zero, int4, group_size, what):
         """(wtype, scale, zero, g, K, N) of a bf16 call's weights: bf16 w, or weight-only ones."""
@@ -509,14 +509,15 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f = lib.moekit_float_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    f = lib.moekit_bf16_gemm_segments
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.moekit_bf16_dot.restype = ctypes.c_int
-    f = lib.moekit_bf16_gate_up_segments
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float,
-                  ctypes.c_float, ptr, ptr, ctypes.c_int]
+    if hasattr(lib, "moekit_bf16_dot"):  # (kernel sources from before them, as bench/native_ab.py builds, lack them)
+        f = lib.moekit_bf16_gemm_segments
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        lib.moekit_bf16_dot.restype = ctypes.c_int
+        f = lib.moekit_bf16_gate_up_segments
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int,
+                      ctypes.c_float, ctypes.c_float, ptr, ptr, ctypes.c_int]
     f = lib.moekit_decode
     f.restype = ctypes.c_int
     f.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ptr, i64, i64, ptr,
