@@ -319,42 +319,38 @@ static inline work_item item_of(int64_t item, int64_t blocks, const int64_t *sta
     return it;
 }
 
-/* x_f32 [rows, K] fp32 -> xq: the int8 quantization per row (xsum: their xq_vector_sum), as
+/* x_f32 row xj [K] fp32 -> xq: the int8 quantization of one row (*xsum: its xq_vector_sum), as
  * moekit.quant.quantize_activation's "token" granularity does it: s = amax / 127 (1 where that
- * is not > 0), q = round half to even (x / s), clamped to [-127, 127]; scales[j] = s. */
-static void quantize_rows(const float *x, int64_t x_stride, int64_t rows, int64_t K, xq_t *xq, float *scales,
-                          int32_t *xsum) {
-    for (int64_t j = 0; j < rows; j++) {
-        const float *xj = x + j * x_stride;
-        float amax = 0.0f;
-        int nan = 0;
-        for (int64_t k = 0; k < K; k++) {
-            const float a = fabsf(xj[k]);
-            nan |= a != a;
-            amax = a > amax ? a : amax;
-        }
-        float s = nan ? NAN : amax / 127.0f;
-        if (!(s > 0.0f)) s = 1.0f;
-        scales[j] = s;
-        int64_t k = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        /* the same division, rounding (half to even) and clamp on 16 lanes; NaN converts to
-         * INT_MIN and truncates to 0 as the scalar conversion does */
-        const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-        for (; k + 16 <= K; k += 16) {
-            __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xj + k), sv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm512_min_ps(hi, _mm512_max_ps(lo, q));  /* NaN passes (the second operand) */
-            _mm_storeu_si128((__m128i *)(xq + j * K + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
-        }
-#endif
-        for (; k < K; k++) {
-            float q = nearbyintf(xj[k] / s);
-            q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-            xq[j * K + k] = (xq_t)q;
-        }
-        xsum[j] = xq_vector_sum(xq + j * K, K);
+ * is not > 0), q = round half to even (x / s), clamped to [-127, 127]; *scale = s. */
+static void quantize_row(const float *xj, int64_t K, xq_t *xq, float *scale, int32_t *xsum) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const float a = fabsf(xj[k]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
     }
+    float s = nan ? NAN : amax / 127.0f;
+    if (!(s > 0.0f)) s = 1.0f;
+    *scale = s;
+    int64_t k = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    /* the same division, rounding (half to even) and clamp on 16 lanes; NaN converts to
+     * INT_MIN and truncates to 0 as the scalar conversion does */
+    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (; k + 16 <= K; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xj + k), sv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(hi, _mm512_max_ps(lo, q));  /* NaN passes (the second operand) */
+        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+    }
+#endif
+    for (; k < K; k++) {
+        float q = nearbyintf(xj[k] / s);
+        q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+        xq[k] = (xq_t)q;
+    }
+    *xsum = xq_vector_sum(xq, K);
 }
 
 /* One int8 product call: its weights, segments, prepared x rows (xq [rows or 1, K], their
@@ -445,7 +441,7 @@ int moekit_int8_gemm_segments(const int8_t *w, const int64_t *experts, const int
 #pragma omp parallel for num_threads(threads) schedule(static) if (x_rows > 16)
 #endif
         for (int64_t j = 0; j < x_rows; j++)  /* row by row: each its own scale */
-            quantize_rows(x_f32 + j * x_stride, 0, 1, K, xq + j * K, scales + j, xsum + j);
+            quantize_row(x_f32 + j * x_stride, K, xq + j * K, scales + j, xsum + j);
     } else
         for (int64_t j = 0; j < x_rows; j++) {
             for (int64_t k = 0; k < K; k++) {
@@ -1650,7 +1646,7 @@ static int product_init(product *p, const moekit_projection *d, const int64_t *e
 
 static void product_prepare_row(product *p, int64_t j) {
     if (p->kind == 1)
-        quantize_rows(p->x + j * p->x_stride, 0, 1, p->i8.K, p->xq + j * p->i8.K, p->scales + j, p->xsum + j);
+        quantize_row(p->x + j * p->x_stride, p->i8.K, p->xq + j * p->i8.K, p->scales + j, p->xsum + j);
     else if (p->kind == 2) wo_prepare_row(&p->wo, j);
 }
 
