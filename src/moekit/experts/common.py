@@ -165,13 +165,17 @@ def native_decode(lib, weights, kind: str, group_size: int = 0):
     def build():
         projections = (native.projection(getattr(weights, name), kind, scale=s.get(f"{name}_scale"),
                                          zero=s.get(f"{name}_zero"), group_size=group_size) for name in ("w13", "w2"))
-        biases = (None if b is None else b.detach().float().contiguous() for b in (weights.b13, weights.b2))
-        return (lib, *projections, *biases)
+        return (lib, *projections, fp32_bias(weights.b13), fp32_bias(weights.b2))
 
     return cached_for(weights, "native_decode", key, build)
 
 
 _PROJECTION_SCALES = ("w13_scale", "w13_zero", "w2_scale", "w2_zero")
+
+
+def fp32_bias(b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A bias table as the native kernels take it: fp32, contiguous (b itself where it is), or None."""
+    return None if b is None else b.detach().float().contiguous()
 
 
 def decode_by_token(products, gemm_dtype, x, weights, topk_weights, topk_ids, activation, activation_params,
@@ -231,7 +235,8 @@ def bf16_sorted(lib, sr: SortedRows, weights, T: int, k: int, activation: str,
 
     if gated:
         params = activation_params or ActivationParams()
-        b13 = None if weights.b13 is None else weights.b13.float().contiguous()
+        b13 = cached_for(weights, "bf16_sorted b13", (weights.b13, 0 if weights.b13 is None else weights.b13._version),
+                         lambda: fp32_bias(weights.b13))  # (the fp32 copy goes stale on an in-place write)
         a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts, activation=activation,
                              alpha=params.alpha, limit=params.limit, b13=b13, trusted=True, **of("w13"))
     else:
