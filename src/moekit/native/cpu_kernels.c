@@ -46,6 +46,12 @@ static inline __m512i dpbusd512(__m512i acc, __m512i u8, __m512i s8) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "vm"(s8));
     return acc;
 }
+/* The same with both operands in registers (operands loaded once for several products: GCC
+ * otherwise folds a load into every product that uses it). */
+static inline __m512i dpbusd512r(__m512i acc, __m512i u8, __m512i s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+    return acc;
+}
 #endif
 
 /* The loops of a parallel region, split statically over its threads (a loop in a row). */
@@ -243,6 +249,18 @@ static inline int32_t row1(const int8_t *w, int64_t K, const xq_t *x, int32_t xs
     for (int64_t k = 0; k < kv; k += STEP) a = vmadd(a, w + k, vload_x(x + k));
     return combine(vsum(a), xs, dot_tail(w, x, kv, K));
 }
+
+#ifdef __AVX512F__
+/* The 4 sums of 4 accumulators, [s0, s1, s2, s3]. */
+static inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT8_4X4 1
@@ -643,9 +661,11 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
 /* A call's x rows prepared for the VNNI products. Each row (64-byte aligned, so no vector load
  * of lo or hi straddles a cache line): lo [K], hi [K] int8 in the weight bytes' column order
  * (int4: even columns, then odd columns); lane_f [T][VL] (T = K / C chunks of C columns: 8 VL
- * for int4, 4 VL else): 2^e of each lane's group; xsum [G]: the groups' sums of X 2^e. */
+ * for int4, 4 VL else): 2^e of each lane's group; zs [T][VL] (AVX-512): -z sum X over each
+ * lane's columns, z the implied zero point (8 for int4, 128 for int8 taken as uint8); xsum [G]:
+ * the groups' sums of X 2^e; gstep [G]: the groups' steps 2^e. */
 typedef struct {
-    int64_t C, T, per_row;
+    int64_t C, T, G, per_row;
     int64_t l2, l1;         /* prefetch distances: L2_AHEAD and L1_AHEAD in whole weight rows */
     int32_t *chunk_group;   /* [T]: the group of chunk t's first column */
     int32_t lane_idx[16];   /* groups narrower than a chunk: lane l's group within its chunk */
@@ -654,7 +674,8 @@ typedef struct {
 
 /* Row j of vx, as its parts. */
 typedef struct {
-    float *lane_f, *xsum;
+    float *lane_f, *xsum, *gstep;
+    int32_t *zs;
     int8_t *lo, *hi;
 } vnni_row;
 static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K) {
@@ -662,7 +683,9 @@ static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K) {
     row.lo = (int8_t *)(vx->rows + j * vx->per_row);
     row.hi = row.lo + K;
     row.lane_f = (float *)(row.hi + K);
-    row.xsum = row.lane_f + vx->T * VL;
+    row.zs = (int32_t *)(row.lane_f + vx->T * VL);
+    row.xsum = (float *)(row.zs + vx->T * VL);
+    row.gstep = row.xsum + vx->G;
     return row;
 }
 
@@ -740,6 +763,19 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         xsum[c] = (float)((double)_mm512_reduce_add_epi32(sum) * gf[c]);
     }
     vnni_lane_steps(vx, row.lane_f, gf, g);
+    memcpy(row.gstep, gf, (size_t)G * sizeof(float));
+    /* zs: the implied zero point's products, lane by lane as the weight bytes' products sum */
+    const __m512i ones = _mm512_set1_epi8(1), zneg = _mm512_set1_epi32(wtype == 0 ? -8 : -128);
+    for (int64_t t = 0; t < vx->T; t++) {
+        __m512i sl = dpbusd512(_mm512_setzero_si512(), ones, _mm512_loadu_si512((const void *)(lo + t * 64)));
+        __m512i sh = dpbusd512(_mm512_setzero_si512(), ones, _mm512_loadu_si512((const void *)(hi + t * 64)));
+        if (wtype == 0) {
+            sl = dpbusd512(sl, ones, _mm512_loadu_si512((const void *)(lo + K / 2 + t * 64)));
+            sh = dpbusd512(sh, ones, _mm512_loadu_si512((const void *)(hi + K / 2 + t * 64)));
+        }
+        _mm512_storeu_si512((void *)(row.zs + t * 16),
+                            _mm512_mullo_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl), zneg));
+    }
     return 1;
 }
 
@@ -790,6 +826,78 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
     }
     for (int r = 0; r < n; r++)
         out[r] = _mm512_reduce_add_ps(acc[r]) - vnni_zero_term(wtype, sc + r * G, z ? z + r * G : NULL, row.xsum, G);
+}
+
+/* vnni_rows_impl for rows whose groups cover whole chunks (g a multiple of C), nr of them (a
+ * multiple of 4), four a pass: a chunk's scale is one value a row, taken times x's group step
+ * before the pass; without stored zero points (has_z 0) each lane's integer sum starts from the
+ * implied zero point's products (zs), so (q - z) X sums exactly in int32; each pass's four sums
+ * are added by one transpose. */
+static inline __attribute__((always_inline)) void vnni_whole_impl(
+        const int wtype, const int has_z, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
+        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {
+    const int64_t G = K / g, half = K / 2, T = vx->T;
+    const vnni_row row = vx_row(vx, j, K);
+    const int8_t *lo = row.lo, *hi = row.hi;
+    const int64_t l2 = vx->l2, l1 = vx->l1;
+    const int32_t *chunk_group = vx->chunk_group;
+    const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    float s4[4 * G];
+    for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+        const uint8_t *q0 = q + r0 * row_bytes, *q1 = q0 + row_bytes, *q2 = q1 + row_bytes, *q3 = q2 + row_bytes;
+        const float *sr = sc + r0 * G;
+        for (int64_t i = 0; i < 4 * G; i += G)
+            for (int64_t c = 0; c < G; c++) s4[i + c] = sr[i + c] * row.gstep[c];
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < T; t++) {
+            if (prefetch) {
+                _mm_prefetch((const char *)q0 + l2 + t * 64, _MM_HINT_T2);
+                _mm_prefetch((const char *)q1 + l2 + t * 64, _MM_HINT_T2);
+                _mm_prefetch((const char *)q2 + l2 + t * 64, _MM_HINT_T2);
+                _mm_prefetch((const char *)q3 + l2 + t * 64, _MM_HINT_T2);
+                _mm_prefetch((const char *)q0 + l1 + t * 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)q1 + l1 + t * 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)q2 + l1 + t * 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)q3 + l1 + t * 64, _MM_HINT_T0);
+            }
+            const __m512i xl = _mm512_loadu_si512((const void *)(lo + t * 64));
+            const __m512i xh = _mm512_loadu_si512((const void *)(hi + t * 64));
+            const __m512i xlo = wtype == 0 ? _mm512_loadu_si512((const void *)(lo + half + t * 64)) : xl;
+            const __m512i xho = wtype == 0 ? _mm512_loadu_si512((const void *)(hi + half + t * 64)) : xh;
+            const __m512i init = has_z ? _mm512_setzero_si512() : _mm512_load_si512((const void *)(row.zs + t * 16));
+            const int64_t c = chunk_group[t];
+#define WHOLE_ROW(W, S, A)                                                                                          \
+            {                                                                                                       \
+                __m512i wb = _mm512_loadu_si512((const void *)((W) + t * 64));                                      \
+                __asm__("" : "+v"(wb)); /* one load for both nibbles */                                             \
+                __m512i al, ah;                                                                                     \
+                if (wtype == 0) {                                                                                   \
+                    const __m512i we = _mm512_and_si512(wb, nib);                                                   \
+                    const __m512i wo = _mm512_and_si512(_mm512_srli_epi16(wb, 4), nib);                             \
+                    al = dpbusd512r(dpbusd512r(init, we, xl), wo, xlo);                                             \
+                    ah = dpbusd512r(dpbusd512r(_mm512_setzero_si512(), we, xh), wo, xho);                           \
+                } else {                                                                                            \
+                    const __m512i wu = wtype == 1 ? _mm512_xor_si512(wb, flip) : wb;                                \
+                    al = dpbusd512r(init, wu, xl);                                                                  \
+                    ah = dpbusd512r(_mm512_setzero_si512(), wu, xh);                                                \
+                }                                                                                                   \
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al));                \
+                A = _mm512_fmadd_ps(f, _mm512_set1_ps((S)[c]), A);                                                  \
+            }
+            WHOLE_ROW(q0, s4, a0)
+            WHOLE_ROW(q1, s4 + G, a1)
+            WHOLE_ROW(q2, s4 + 2 * G, a2)
+            WHOLE_ROW(q3, s4 + 3 * G, a3)
+#undef WHOLE_ROW
+        }
+        __m128 s = sum4x16(a0, a1, a2, a3);
+        if (has_z) {
+            float zt[4];
+            for (int r = 0; r < 4; r++) zt[r] = vnni_zero_term(wtype, sr + r * G, z + (r0 + r) * G, row.xsum, G);
+            s = _mm_sub_ps(s, _mm_loadu_ps(zt));
+        }
+        _mm_storeu_ps(out + r0, s);
+    }
 }
 
 #else
@@ -849,6 +957,7 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         row.xsum[c] = (float)((double)_mm_cvtsi128_si32(s4) * gf[c]);
     }
     vnni_lane_steps(vx, row.lane_f, gf, g);
+    memcpy(row.gstep, gf, (size_t)G * sizeof(float));
     return 1;
 }
 
@@ -1014,6 +1123,21 @@ VNNI_ROWS(vnni_rows4_int8, 4, 1)
 VNNI_ROWS(vnni_row_int8, 1, 1)
 VNNI_ROWS(vnni_rows4_uint8, 4, 2)
 VNNI_ROWS(vnni_row_uint8, 1, 2)
+#if VL == 16
+#define VNNI_WHOLE(NAME, WT, Z)                                                                         \
+    static void NAME(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx, \
+                     int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {            \
+        vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, prefetch, out);                      \
+    }
+VNNI_WHOLE(vnni_whole_int4, 0, 0)
+VNNI_WHOLE(vnni_whole_int8, 1, 0)
+VNNI_WHOLE(vnni_whole_uint8, 2, 0)
+VNNI_WHOLE(vnni_whole_int4_z, 0, 1)
+VNNI_WHOLE(vnni_whole_int8_z, 1, 1)
+VNNI_WHOLE(vnni_whole_uint8_z, 2, 1)
+typedef void (*vnni_whole_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
+                              int64_t, int64_t, int64_t, int, float *);
+#endif
 typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
                              int64_t, int64_t, int, float *);
 
@@ -1027,7 +1151,7 @@ static int vnni_init(vnni_x *vx, int wtype, int64_t x_rows, int64_t K, int64_t g
 #ifndef WO_DPBUSD
     if (wtype != 0) return 0;  /* int4 only without VNNI (see above) */
 #endif
-    vx->C = C, vx->T = K / C, vx->per_row = (2 * K + 4 * (vx->T * VL + G) + 63) / 64 * 64;
+    vx->C = C, vx->T = K / C, vx->G = G, vx->per_row = (2 * K + 4 * (2 * vx->T * VL + 2 * G) + 63) / 64 * 64;
     vx->l2 = rows_ahead(L2_AHEAD, wtype == 0 ? K / 2 : K), vx->l1 = rows_ahead(L1_AHEAD, wtype == 0 ? K / 2 : K);
     const size_t bytes = (size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T);
     vx->rows = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);  /* free() releases it */
@@ -1054,6 +1178,9 @@ typedef struct {
     int vnni;
     vnni_x vx;
     vnni_rows_fn rows4, row1;
+#if VL == 16
+    vnni_whole_fn whole;  /* rows four a pass where groups cover whole chunks, or NULL */
+#endif
     int int4_items;  /* int4_item_rows serves the VNNI products (AVX2 without VNNI, g a multiple of C) */
 #endif
 } wo_call;
@@ -1068,6 +1195,11 @@ static int wo_init(wo_call *c, int64_t x_rows) {
     c->vnni = vnni_init(&c->vx, c->wtype, x_rows, c->K, c->g);
     c->rows4 = c->wtype == 0 ? vnni_rows4_int4 : (c->wtype == 1 ? vnni_rows4_int8 : vnni_rows4_uint8);
     c->row1 = c->wtype == 0 ? vnni_row_int4 : (c->wtype == 1 ? vnni_row_int8 : vnni_row_uint8);
+#if VL == 16
+    static const vnni_whole_fn whole[2][3] = {{vnni_whole_int4, vnni_whole_int8, vnni_whole_uint8},
+                                              {vnni_whole_int4_z, vnni_whole_int8_z, vnni_whole_uint8_z}};
+    c->whole = c->vnni && c->g % c->vx.C == 0 ? whole[c->zero != NULL][c->wtype] : NULL;
+#endif
 #ifdef WO_DPBUSD
     c->int4_items = 0;
 #else
@@ -1138,6 +1270,30 @@ static void wo_item(const wo_call *c, int64_t item) {
      * read nearly one stream, and their products share x's expansion (Zen 5: one int4 row at a
      * time measured 1.03-1.1x slower at decode, 1.3x at 2-3 x rows an expert) */
     const int group = c->wtype == 0 || FOUR_A_PASS(it.j1 - it.j0) ? 4 : 1;
+#if VL == 16
+    if (c->vnni && c->whole && group == 4) {
+        /* one x row (decode): the item's rows in one call; several: four rows a call, each four
+         * in L1 across the segment's x rows */
+        const int64_t full = (it.r1 - r) / 4 * 4, span = it.j1 - it.j0 == 1 ? full : 4;
+        for (const int64_t r1 = r + full; r < r1; r += span) {
+            const uint8_t *q = c->w + (e * N + r) * row_bytes;
+            const uint8_t *z = c->zero ? c->zero + (e * N + r) * G : NULL;
+            const float *sc = c->scale + (e * N + r) * G;
+            for (int64_t j = it.j0; j < it.j1; j++) {
+                const int64_t jx = j * jstep;
+                float *o = c->out + j * N + r;
+                if (c->vx.ok[jx]) {
+                    c->whole(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, o);
+                    continue;
+                }
+                const float *xe = c->scratch + jx * per_x;
+                for (int64_t i = 0; i < span; i++)
+                    o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
+                                  xe, xe + K / 2, xe + K, K, g);
+            }
+        }
+    }
+#endif
     if (c->vnni)
         for (; r < it.r1; r += group) {
             const int n = it.r1 - r < group ? (int)(it.r1 - r) : group;
@@ -1370,16 +1526,6 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
  * Returns 0, or 4 where this build has no AVX-512 BF16. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOT 1
-
-/* The 4 sums of 4 accumulators, [s0, s1, s2, s3]. */
-static inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(b0, b1, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-}
 
 #ifndef BF16_KC
 #define BF16_KC 1024   /* columns of one pass over an item's weight rows (16 rows: 32 KB, in L1) */
