@@ -1828,11 +1828,7 @@ static inline float activate1(int act, float alpha, float limit, float g, float 
     }
 }
 
-static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
-    for (int64_t i = 0; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 4 ? h[I + i] : 0.0f);
-}
-
-#ifdef BF16_DOT
+#ifdef __AVX512F__
 /* e^x on 16 lanes: 2^(x log2 e) as 2^n 2^f, f in [-1/2, 1/2] by a degree-7 polynomial (relative
  * error about 2e-7); beyond fp32's range inf or 0, NaN stays NaN. */
 static inline __m512 exp16(__m512 x) {
@@ -1868,6 +1864,23 @@ static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m
     for (int i = 0; i < 16; i++) gs[i] = activate1(act, alpha, limit, gs[i], us[i]);
     return _mm512_loadu_ps(gs);
 }
+#endif
+
+/* a [I] = the activation of h (gated: [gate | up], 2 I values): silu and swigluoai (and silu
+ * alone) 16 lanes a step on the vector exp where the build has AVX-512, the rest lane by lane. */
+static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (act == 0 || act == 3 || act == 4)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 u = act == 4 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(h + I + i);
+            _mm512_storeu_ps(a + i, activate16(act == 4 ? 0 : act, alpha, limit, _mm512_loadu_ps(h + i), u));
+        }
+#endif
+    for (; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 4 ? h[I + i] : 0.0f);
+}
+
+#ifdef BF16_DOT
 
 struct gate_up_call {
     bf16_call gemm;  /* w13 [E, 2I, K], x, experts, starts; N = 2I, blocks over I */
