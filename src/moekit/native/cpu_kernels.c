@@ -21,7 +21,8 @@
  * floor); one row after another prefetches the bytes ROW_AHEAD ahead: four rows a pass read four
  * interleaved streams of one row (0.5-2 KB) each, which AMD's hardware prefetchers follow badly
  * (Zen 3: one row at a time took the decode from 1.00 to 0.74x (int8), 0.80x (bf16) and 0.89x
- * (int4); Zen 5: 0.77x, 0.77x and 1.03-1.05x, bench/NOTES-cpu.md). Several x rows read each
+ * (int4); Zen 5: 0.77x, 0.77x and 1.03-1.05x, the int4 rows later 0.84x on vnni_whole_impl,
+ * bench/NOTES-cpu.md). Several x rows read each
  * weight row from L1 once per x row, so there four rows a pass win where the four-row kernels
  * are AVX-512 ones (Zen 5, 16 rows an expert: bf16 1.58x, int4 1.27x faster than one row).
  * Defaults: MOEKIT_ROW_GROUP 4 on AVX-512 builds, 1 on the others (the library builds with 1 on
@@ -635,6 +636,17 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
  * decode (bench/NOTES-cpu.md). Rows whose x is not finite, or whose group maxima fall below
  * 2^-100 (where 2^e would leave fp32's normal range), take the fp32 path.
  *
+ * With AVX-512 VNNI and groups covering whole chunks (g a multiple of C: 128 for int4 at the
+ * default group size), vnni_whole_impl takes an item's rows in one call at decode: each
+ * chunk's scale is one value a row (taken times x's step before the pass), the implied zero
+ * point (8, or 128 for int8 taken as uint8) starts each lane's integer sum as -z sum X, so
+ * (q - z) X sums exactly in int32 and the fp32 zero term goes away, and four rows' sums are
+ * added by one transpose. GCC folded x's loads into every vpdpbusd (dpbusd512r keeps them in
+ * registers). Zen 5, one core from L2: 5.3 against 7.7 cycles a 64-byte chunk and row at K =
+ * 1024, 7.5 against 10.5 at K = 512; sorted calls of 4-8 rows an expert take 0.77-0.85x the
+ * time. At decode the weight stream hid that until the rows went one at a time on AMD (the
+ * row order above): 0.84x int4, 0.94x int8 (bench/NOTES-cpu.md).
+ *
  * AVX2 CPUs without VNNI (AMD Zen 2 / 3, say) take the same route for int4 weights, each
  * vpdpbusd pair done by two vpmaddubsw (nibble times x byte, adjacent pairs summed into int16:
  * at most 2 * 15 * 128 = 3840, the two summed at most 7680, so nothing saturates) and one
@@ -835,7 +847,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
  * are added by one transpose. */
 static inline __attribute__((always_inline)) void vnni_whole_impl(
         const int wtype, const int has_z, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
-        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {
+        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, int rowwise, float *out) {
     const int64_t G = K / g, half = K / 2, T = vx->T;
     const vnni_row row = vx_row(vx, j, K);
     const int8_t *lo = row.lo, *hi = row.hi;
@@ -848,24 +860,6 @@ static inline __attribute__((always_inline)) void vnni_whole_impl(
         const float *sr = sc + r0 * G;
         for (int64_t i = 0; i < 4 * G; i += G)
             for (int64_t c = 0; c < G; c++) s4[i + c] = sr[i + c] * row.gstep[c];
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t t = 0; t < T; t++) {
-            if (prefetch) {
-                _mm_prefetch((const char *)q0 + l2 + t * 64, _MM_HINT_T2);
-                _mm_prefetch((const char *)q1 + l2 + t * 64, _MM_HINT_T2);
-                _mm_prefetch((const char *)q2 + l2 + t * 64, _MM_HINT_T2);
-                _mm_prefetch((const char *)q3 + l2 + t * 64, _MM_HINT_T2);
-                _mm_prefetch((const char *)q0 + l1 + t * 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)q1 + l1 + t * 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)q2 + l1 + t * 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)q3 + l1 + t * 64, _MM_HINT_T0);
-            }
-            const __m512i xl = _mm512_loadu_si512((const void *)(lo + t * 64));
-            const __m512i xh = _mm512_loadu_si512((const void *)(hi + t * 64));
-            const __m512i xlo = wtype == 0 ? _mm512_loadu_si512((const void *)(lo + half + t * 64)) : xl;
-            const __m512i xho = wtype == 0 ? _mm512_loadu_si512((const void *)(hi + half + t * 64)) : xh;
-            const __m512i init = has_z ? _mm512_setzero_si512() : _mm512_load_si512((const void *)(row.zs + t * 16));
-            const int64_t c = chunk_group[t];
 #define WHOLE_ROW(W, S, A)                                                                                          \
             {                                                                                                       \
                 __m512i wb = _mm512_loadu_si512((const void *)((W) + t * 64));                                      \
@@ -884,12 +878,54 @@ static inline __attribute__((always_inline)) void vnni_whole_impl(
                 const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al));                \
                 A = _mm512_fmadd_ps(f, _mm512_set1_ps((S)[c]), A);                                                  \
             }
-            WHOLE_ROW(q0, s4, a0)
-            WHOLE_ROW(q1, s4 + G, a1)
-            WHOLE_ROW(q2, s4 + 2 * G, a2)
-            WHOLE_ROW(q3, s4 + 3 * G, a3)
-#undef WHOLE_ROW
+        __m512 a0, a1, a2, a3;
+        if (rowwise) {  /* one row after another (MOEKIT_ROW_GROUP 1), ROW_AHEAD prefetched as the other
+                         * kernels' rows (through prefetch_row_ahead GCC 12 left the prefetches out here) */
+            __m512 a[4];
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *qr = q0 + r * row_bytes;
+                if (prefetch)
+                    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)qr + ROW_AHEAD + b, _MM_HINT_T0);
+                __m512 A = _mm512_setzero_ps();
+                for (int64_t t = 0; t < T; t++) {
+                    const __m512i xl = _mm512_loadu_si512((const void *)(lo + t * 64));
+                    const __m512i xh = _mm512_loadu_si512((const void *)(hi + t * 64));
+                    const __m512i xlo = wtype == 0 ? _mm512_loadu_si512((const void *)(lo + half + t * 64)) : xl;
+                    const __m512i xho = wtype == 0 ? _mm512_loadu_si512((const void *)(hi + half + t * 64)) : xh;
+                    const __m512i init = has_z ? _mm512_setzero_si512()
+                                               : _mm512_load_si512((const void *)(row.zs + t * 16));
+                    const int64_t c = chunk_group[t];
+                    WHOLE_ROW(qr, s4 + r * G, A)
+                }
+                a[r] = A;
+            }
+            a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+        } else {
+            a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t t = 0; t < T; t++) {
+                if (prefetch) {
+                    _mm_prefetch((const char *)q0 + l2 + t * 64, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q1 + l2 + t * 64, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q2 + l2 + t * 64, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q3 + l2 + t * 64, _MM_HINT_T2);
+                    _mm_prefetch((const char *)q0 + l1 + t * 64, _MM_HINT_T0);
+                    _mm_prefetch((const char *)q1 + l1 + t * 64, _MM_HINT_T0);
+                    _mm_prefetch((const char *)q2 + l1 + t * 64, _MM_HINT_T0);
+                    _mm_prefetch((const char *)q3 + l1 + t * 64, _MM_HINT_T0);
+                }
+                const __m512i xl = _mm512_loadu_si512((const void *)(lo + t * 64));
+                const __m512i xh = _mm512_loadu_si512((const void *)(hi + t * 64));
+                const __m512i xlo = wtype == 0 ? _mm512_loadu_si512((const void *)(lo + half + t * 64)) : xl;
+                const __m512i xho = wtype == 0 ? _mm512_loadu_si512((const void *)(hi + half + t * 64)) : xh;
+                const __m512i init = has_z ? _mm512_setzero_si512() : _mm512_load_si512((const void *)(row.zs + t * 16));
+                const int64_t c = chunk_group[t];
+                WHOLE_ROW(q0, s4, a0)
+                WHOLE_ROW(q1, s4 + G, a1)
+                WHOLE_ROW(q2, s4 + 2 * G, a2)
+                WHOLE_ROW(q3, s4 + 3 * G, a3)
+            }
         }
+#undef WHOLE_ROW
         __m128 s = sum4x16(a0, a1, a2, a3);
         if (has_z) {
             float zt[4];
@@ -1126,8 +1162,8 @@ VNNI_ROWS(vnni_row_uint8, 1, 2)
 #if VL == 16
 #define VNNI_WHOLE(NAME, WT, Z)                                                                         \
     static void NAME(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx, \
-                     int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {            \
-        vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, prefetch, out);                      \
+                     int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, int rowwise, float *out) { \
+        vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, prefetch, rowwise, out);             \
     }
 VNNI_WHOLE(vnni_whole_int4, 0, 0)
 VNNI_WHOLE(vnni_whole_int8, 1, 0)
@@ -1136,7 +1172,7 @@ VNNI_WHOLE(vnni_whole_int4_z, 0, 1)
 VNNI_WHOLE(vnni_whole_int8_z, 1, 1)
 VNNI_WHOLE(vnni_whole_uint8_z, 2, 1)
 typedef void (*vnni_whole_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
-                              int64_t, int64_t, int64_t, int, float *);
+                              int64_t, int64_t, int64_t, int, int, float *);
 #endif
 typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
                              int64_t, int64_t, int, float *);
@@ -1266,14 +1302,16 @@ static void wo_item(const wo_call *c, int64_t item) {
         return;
     }
 #endif
-    /* int4 rows take four a pass whatever the x rows: four of their short rows (K / 2 bytes)
-     * read nearly one stream, and their products share x's expansion (Zen 5: one int4 row at a
-     * time measured 1.03-1.1x slower at decode, 1.3x at 2-3 x rows an expert) */
+    /* int4 rows take four a pass whatever the x rows here: four of their short rows (K / 2
+     * bytes) read nearly one stream, and their products share x's expansion (Zen 5: one int4 row
+     * at a time measured 1.03-1.1x slower at decode, 1.3x at 2-3 x rows an expert, before
+     * vnni_whole_impl, which follows the build's row order at decode: one row at a time there
+     * took int4 0.84x, int8 0.94x the time of the four-row passes on Zen 5) */
     const int group = c->wtype == 0 || FOUR_A_PASS(it.j1 - it.j0) ? 4 : 1;
 #if VL == 16
-    if (c->vnni && c->whole && group == 4) {
-        /* one x row (decode): the item's rows in one call; several: four rows a call, each four
-         * in L1 across the segment's x rows */
+    if (c->vnni && c->whole && (group == 4 || it.j1 - it.j0 == 1)) {
+        /* one x row (decode): the item's rows in one call, in the build's row order; several:
+         * four rows a call, each four in L1 across the segment's x rows */
         const int64_t full = (it.r1 - r) / 4 * 4, span = it.j1 - it.j0 == 1 ? full : 4;
         for (const int64_t r1 = r + full; r < r1; r += span) {
             const uint8_t *q = c->w + (e * N + r) * row_bytes;
@@ -1283,7 +1321,7 @@ static void wo_item(const wo_call *c, int64_t item) {
                 const int64_t jx = j * jstep;
                 float *o = c->out + j * N + r;
                 if (c->vx.ok[jx]) {
-                    c->whole(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, o);
+                    c->whole(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, span == full && MOEKIT_ROW_GROUP == 1, o);
                     continue;
                 }
                 const float *xe = c->scratch + jx * per_x;
