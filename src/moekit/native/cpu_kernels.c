@@ -847,7 +847,7 @@ static inline __attribute__((always_inline)) void vnni_rows_impl(
  * are added by one transpose. */
 static inline __attribute__((always_inline)) void vnni_whole_impl(
         const int wtype, const int has_z, const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z,
-        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, int rowwise, float *out) {
+        const vnni_x *vx, int64_t j, int64_t K, int64_t g, int64_t nr, const int rowwise, int prefetch, float *out) {
     const int64_t G = K / g, half = K / 2, T = vx->T;
     const vnni_row row = vx_row(vx, j, K);
     const int8_t *lo = row.lo, *hi = row.hi;
@@ -1160,19 +1160,27 @@ VNNI_ROWS(vnni_row_int8, 1, 1)
 VNNI_ROWS(vnni_rows4_uint8, 4, 2)
 VNNI_ROWS(vnni_row_uint8, 1, 2)
 #if VL == 16
-#define VNNI_WHOLE(NAME, WT, Z)                                                                         \
+#define VNNI_WHOLE(NAME, WT, Z, ROWWISE)                                                                \
     static void NAME(const uint8_t *q, int64_t row_bytes, const float *sc, const uint8_t *z, const vnni_x *vx, \
-                     int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, int rowwise, float *out) { \
-        vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, prefetch, rowwise, out);             \
+                     int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {            \
+        vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, ROWWISE, prefetch, out);             \
     }
-VNNI_WHOLE(vnni_whole_int4, 0, 0)
-VNNI_WHOLE(vnni_whole_int8, 1, 0)
-VNNI_WHOLE(vnni_whole_uint8, 2, 0)
-VNNI_WHOLE(vnni_whole_int4_z, 0, 1)
-VNNI_WHOLE(vnni_whole_int8_z, 1, 1)
-VNNI_WHOLE(vnni_whole_uint8_z, 2, 1)
+VNNI_WHOLE(vnni_whole_int4, 0, 0, 0)
+VNNI_WHOLE(vnni_whole_int8, 1, 0, 0)
+VNNI_WHOLE(vnni_whole_uint8, 2, 0, 0)
+VNNI_WHOLE(vnni_whole_int4_z, 0, 1, 0)
+VNNI_WHOLE(vnni_whole_int8_z, 1, 1, 0)
+VNNI_WHOLE(vnni_whole_uint8_z, 2, 1, 0)
+#if MOEKIT_ROW_GROUP == 1
+VNNI_WHOLE(vnni_whole1_int4, 0, 0, 1)
+VNNI_WHOLE(vnni_whole1_int8, 1, 0, 1)
+VNNI_WHOLE(vnni_whole1_uint8, 2, 0, 1)
+VNNI_WHOLE(vnni_whole1_int4_z, 0, 1, 1)
+VNNI_WHOLE(vnni_whole1_int8_z, 1, 1, 1)
+VNNI_WHOLE(vnni_whole1_uint8_z, 2, 1, 1)
+#endif
 typedef void (*vnni_whole_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
-                              int64_t, int64_t, int64_t, int, int, float *);
+                              int64_t, int64_t, int64_t, int, float *);
 #endif
 typedef void (*vnni_rows_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
                              int64_t, int64_t, int, float *);
@@ -1215,7 +1223,8 @@ typedef struct {
     vnni_x vx;
     vnni_rows_fn rows4, row1;
 #if VL == 16
-    vnni_whole_fn whole;  /* rows four a pass where groups cover whole chunks, or NULL */
+    vnni_whole_fn whole, whole1;  /* where groups cover whole chunks: rows four a pass, and in the
+                                   * build's decode row order (or NULL) */
 #endif
     int int4_items;  /* int4_item_rows serves the VNNI products (AVX2 without VNNI, g a multiple of C) */
 #endif
@@ -1234,7 +1243,15 @@ static int wo_init(wo_call *c, int64_t x_rows) {
 #if VL == 16
     static const vnni_whole_fn whole[2][3] = {{vnni_whole_int4, vnni_whole_int8, vnni_whole_uint8},
                                               {vnni_whole_int4_z, vnni_whole_int8_z, vnni_whole_uint8_z}};
-    c->whole = c->vnni && c->g % c->vx.C == 0 ? whole[c->zero != NULL][c->wtype] : NULL;
+    const int fits = c->vnni && c->g % c->vx.C == 0;
+    c->whole = fits ? whole[c->zero != NULL][c->wtype] : NULL;
+#if MOEKIT_ROW_GROUP == 1
+    static const vnni_whole_fn whole1[2][3] = {{vnni_whole1_int4, vnni_whole1_int8, vnni_whole1_uint8},
+                                               {vnni_whole1_int4_z, vnni_whole1_int8_z, vnni_whole1_uint8_z}};
+    c->whole1 = fits ? whole1[c->zero != NULL][c->wtype] : NULL;
+#else
+    c->whole1 = c->whole;
+#endif
 #endif
 #ifdef WO_DPBUSD
     c->int4_items = 0;
@@ -1312,7 +1329,9 @@ static void wo_item(const wo_call *c, int64_t item) {
     if (c->vnni && c->whole && (group == 4 || it.j1 - it.j0 == 1)) {
         /* one x row (decode): the item's rows in one call, in the build's row order; several:
          * four rows a call, each four in L1 across the segment's x rows */
-        const int64_t full = (it.r1 - r) / 4 * 4, span = it.j1 - it.j0 == 1 ? full : 4;
+        const int one = it.j1 - it.j0 == 1;
+        const int64_t full = (it.r1 - r) / 4 * 4, span = one ? full : 4;
+        const vnni_whole_fn rows = one ? c->whole1 : c->whole;
         for (const int64_t r1 = r + full; r < r1; r += span) {
             const uint8_t *q = c->w + (e * N + r) * row_bytes;
             const uint8_t *z = c->zero ? c->zero + (e * N + r) * G : NULL;
@@ -1321,7 +1340,7 @@ static void wo_item(const wo_call *c, int64_t item) {
                 const int64_t jx = j * jstep;
                 float *o = c->out + j * N + r;
                 if (c->vx.ok[jx]) {
-                    c->whole(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, span == full && MOEKIT_ROW_GROUP == 1, o);
+                    rows(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, o);
                     continue;
                 }
                 const float *xe = c->scratch + jx * per_x;
