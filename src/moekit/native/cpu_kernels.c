@@ -1165,19 +1165,16 @@ VNNI_ROWS(vnni_row_uint8, 1, 2)
                      int64_t j, int64_t K, int64_t g, int64_t nr, int prefetch, float *out) {            \
         vnni_whole_impl(WT, Z, q, row_bytes, sc, z, vx, j, K, g, nr, ROWWISE, prefetch, out);             \
     }
-VNNI_WHOLE(vnni_whole_int4, 0, 0, 0)
-VNNI_WHOLE(vnni_whole_int8, 1, 0, 0)
-VNNI_WHOLE(vnni_whole_uint8, 2, 0, 0)
-VNNI_WHOLE(vnni_whole_int4_z, 0, 1, 0)
-VNNI_WHOLE(vnni_whole_int8_z, 1, 1, 0)
-VNNI_WHOLE(vnni_whole_uint8_z, 2, 1, 0)
+#define VNNI_WHOLE_SET(P, ROWWISE)                                                                      \
+    VNNI_WHOLE(P##_int4, 0, 0, ROWWISE)                                                                 \
+    VNNI_WHOLE(P##_int8, 1, 0, ROWWISE)                                                                 \
+    VNNI_WHOLE(P##_uint8, 2, 0, ROWWISE)                                                                \
+    VNNI_WHOLE(P##_int4_z, 0, 1, ROWWISE)                                                               \
+    VNNI_WHOLE(P##_int8_z, 1, 1, ROWWISE)                                                               \
+    VNNI_WHOLE(P##_uint8_z, 2, 1, ROWWISE)
+VNNI_WHOLE_SET(vnni_whole, 0)
 #if MOEKIT_ROW_GROUP == 1
-VNNI_WHOLE(vnni_whole1_int4, 0, 0, 1)
-VNNI_WHOLE(vnni_whole1_int8, 1, 0, 1)
-VNNI_WHOLE(vnni_whole1_uint8, 2, 0, 1)
-VNNI_WHOLE(vnni_whole1_int4_z, 0, 1, 1)
-VNNI_WHOLE(vnni_whole1_int8_z, 1, 1, 1)
-VNNI_WHOLE(vnni_whole1_uint8_z, 2, 1, 1)
+VNNI_WHOLE_SET(vnni_whole1, 1)
 #endif
 typedef void (*vnni_whole_fn)(const uint8_t *, int64_t, const float *, const uint8_t *, const vnni_x *, int64_t,
                               int64_t, int64_t, int64_t, int, float *);
@@ -1286,6 +1283,19 @@ static void wo_prepare_row(wo_call *c, int64_t j) {
     }
 }
 
+#ifdef WO_VNNI
+/* n consecutive weight rows q (their scales sc, zero points z) against x row jx on the fp32
+ * path (rows the VNNI products cannot take): out[0..n). */
+static void wo_rows_fp32(const wo_call *c, const uint8_t *q, const float *sc, const uint8_t *z, int64_t jx, int64_t n,
+                         float *out) {
+    const int64_t K = c->K, G = c->G;
+    const float *xe = c->scratch + jx * c->per_x;
+    for (int64_t i = 0; i < n; i++)
+        out[i] = wo_row(c->wtype, q + i * c->row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride, xe,
+                        xe + K / 2, xe + K, K, c->g);
+}
+#endif
+
 /* Work item `item` (a segment's block of ROWS weight rows) of a weight-only call. */
 static void wo_item(const wo_call *c, int64_t item) {
     const int64_t N = c->N, K = c->K, g = c->g, G = c->G, row_bytes = c->row_bytes, per_x = c->per_x;
@@ -1343,10 +1353,7 @@ static void wo_item(const wo_call *c, int64_t item) {
                     rows(q, row_bytes, sc, z, &c->vx, jx, K, g, span, j == it.j0, o);
                     continue;
                 }
-                const float *xe = c->scratch + jx * per_x;
-                for (int64_t i = 0; i < span; i++)
-                    o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
-                                  xe, xe + K / 2, xe + K, K, g);
+                wo_rows_fp32(c, q, sc, z, jx, span, o);
             }
         }
     }
@@ -1367,10 +1374,7 @@ static void wo_item(const wo_call *c, int64_t item) {
                                     j == it.j0, o + i);
                     continue;
                 }
-                const float *xe = c->scratch + jx * per_x;
-                for (int i = 0; i < n; i++)
-                    o[i] = wo_row(c->wtype, q + i * row_bytes, sc + i * G, z ? z + i * G : NULL, c->x + jx * c->x_stride,
-                                  xe, xe + K / 2, xe + K, K, g);
+                wo_rows_fp32(c, q, sc, z, jx, n, o);
             }
         }
 #endif
