@@ -263,6 +263,36 @@ def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeyp
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {'int4 kernel' if expected == 'kernel' else 'native'}"]
 
 
+@pytest.mark.parametrize("T", [5, 20, 40])  # 2.5, 10 and 20 rows an expert
+def test_sorted_bf16_int4_without_amx_takes_integer_products_up_to_the_bf16_kernels(monkeypatch, T, gen):
+    """On AVX-512 BF16 CPUs without AMX, sorted bf16 int4 calls take the native integer products
+    up to BF16_ROWS["int4"] rows an expert and the vdpbf16ps kernels past it, never torch's int4
+    kernel; both against the reference."""
+    from moekit.experts import cpu_weight_only
+    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: True)
+    monkeypatch.setitem(cpu_weight_only.BF16_ROWS, "int4", 16)
+    backend = CPUWeightOnlyBackend()
+    w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
+                         "int4_w4a16")
+    lib = backend.native_library(w, get_scheme("int4_w4a16"))
+    if lib is None or not lib.bf16_dot:
+        pytest.skip("needs a native build with AVX-512 BF16 products")
+    expected = "native" if T * 4 / 8 <= 16 else "bf16"
+    taken = []
+    native_linear, kernel_linear, bf16 = backend._native_linear, backend._int4_kernel_linear, cpu_weight_only.bf16_sorted
+    monkeypatch.setattr(backend, "_native_linear", lambda *a: taken.append("native") or native_linear(*a))
+    monkeypatch.setattr(backend, "_int4_kernel_linear", lambda *a: taken.append("kernel") or kernel_linear(*a))
+    monkeypatch.setattr(cpu_weight_only, "bf16_sorted", lambda *a: taken.append("bf16") or bf16(*a))
+    x = torch.randn(T, 128, generator=gen, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, 4, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = backend.apply(x, w, tw, ids, **kw)
+    assert taken == [expected]
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {expected}"]
+
+
 @pytest.mark.parametrize("name, opts, activation, bias, on_input, rows", [
     ("int4_w4a16", {}, "silu", False, False, 12), ("int4_w4a16", dict(group_size=32, symmetric=False), "swigluoai",
                                                        True, False, 20),
@@ -299,5 +329,5 @@ def test_weight_only_bf16_kernels_past_their_rows_without_amx(monkeypatch, name,
     kw = dict(activation=activation, activation_params=ActivationParams(), apply_router_weight_on_input=on_input,
               expert_map=None)
     out = cpu_weight_only.CPUWeightOnlyBackend().apply(x, w, tw, ids, **kw)
-    assert bool(taken) is (rows > cpu_weight_only.BF16_ROWS)
+    assert bool(taken) is (rows > cpu_weight_only.BF16_ROWS[scheme.weight_dtype])
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT["cpu_wo bf16"]

@@ -10,7 +10,8 @@ Compute paths, chosen per call by a fixed rule (each tested against the emulatio
   rounding at most 2^-14 of its group's max |x|, finer than bf16's for all but the values 2^5
   below that max), else fp32.
   Sorted calls that would take the fp32 blocks run on the same kernel up to NATIVE_ROWS rows
-  an expert, bf16 int4 ones with integer products up to NATIVE_ROWS_INT4_INTEGER. At E=64, k=8,
+  an expert, bf16 int4 ones with integer products up to NATIVE_ROWS_INT4_INTEGER (up to
+  BF16_ROWS where the bf16 kernels below take over). At E=64, k=8,
   H=1024, I=512, M=1 (bench/cpu_quant.py): int4 0.57 ms against 1.10 through torch's int4
   kernel, 2.7x the bf16 `cpu` backend, on a 2-core AVX-512 VNNI host; on a 2-core AVX2 host
   (AMD Zen 3) 0.43-0.48 ms against 1.4-1.5, 2.1-2.6x the bf16 backend (bench/NOTES-cpu.md).
@@ -83,13 +84,16 @@ NATIVE_ROWS = 16
 NATIVE_ROWS_INT4_INTEGER = {"avx512_vnni": 5, "avx2": 64}
 
 # On CPUs with AVX-512 BF16 and no AMX (bf16_without_amx: AMD Zen 4 / 5), sorted calls of more
-# than BF16_ROWS rows an expert (on average) run on moekit's vdpbf16ps kernels, the weights
-# dequantized to bf16 (rounded to nearest even: 2^-9 relative, as torch's int4 kernel's bf16
-# scales) a block at a time in L1 (NativeLibrary.bf16_gate_up / bf16_gemm). A 2-core AMD EPYC
-# (Zen 5), E=64, k=8, H=1024, I=512, bf16 x (bench/NOTES-cpu.md), against the paths above: int4
-# 3.1x their time at 1 row an expert, 1.08x at 8, 0.79x at 16, 0.53-0.56x at 32-64; int8_w8a16
-# 2.1x at 1 row, 0.94x at 8, 0.62x at 16, 0.31x at 64.
-BF16_ROWS = 8
+# than BF16_ROWS rows an expert (on average; by weight dtype) run on moekit's vdpbf16ps kernels,
+# the weights dequantized to bf16 (rounded to nearest even: 2^-9 relative, as torch's int4
+# kernel's bf16 scales) a block at a time in L1 (NativeLibrary.bf16_gate_up / bf16_gemm), and
+# fewer on the native integer products (bf16 int4 ones too: torch's int4 kernel lost to them at
+# every size there). A 2-core AMD EPYC (Zen 5), E=64, k=8, H=1024, I=512, bf16 x, the layer's
+# ms (bench/NOTES-cpu.md): int4 integer / torch's int4 kernel / bf16 2.2 / 3.1 / 6.2 at 2 rows an
+# expert, 6.4-6.7 / 7.9-8.1 / 8.6-9.0 at 8, 9.3-9.6 / 10.7-10.8 / 9.8 at 12, 12.6 / 14.0 / 11.2
+# at 16, 24.0 / 25.0 / 15.3 at 32; int8_w8a16 integer / bf16 5.1 / 9.5 at 4, 11.5 / 12.1 at 8,
+# 18.1 / 12.9 at 12.
+BF16_ROWS = {"int4": 12, "int8": 8}
 
 _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
@@ -223,8 +227,8 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                                     topk_weights, topk_ids, activation, activation_params,
                                     apply_router_weight_on_input, expert_map)
         lib = self.native_library(weights, scheme)
-        if lib is not None and lib.bf16_dot and bf16_without_amx() and T * k > BF16_ROWS * min(weights.num_experts,
-                                                                                              T * k):
+        bf16_kernels = lib is not None and lib.bf16_dot and bf16_without_amx()
+        if bf16_kernels and T * k > BF16_ROWS[scheme.weight_dtype] * min(weights.num_experts, T * k):
             # AVX-512 BF16 without AMX: the weights dequantized to bf16 in L1, on vdpbf16ps
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                            apply_router_weight_on_input, torch.bfloat16)
@@ -232,7 +236,8 @@ class CPUWeightOnlyBackend(ExpertsBackend):
                                scheme)
         rows_limit = NATIVE_ROWS
         if kernel:  # sorted bf16 int4: torch's int4 kernel, but for a few rows an expert of VNNI products
-            rows_limit = NATIVE_ROWS_INT4_INTEGER.get(lib.isa, 0) if lib is not None else 0
+            rows_limit = (BF16_ROWS["int4"] if bf16_kernels
+                          else NATIVE_ROWS_INT4_INTEGER.get(lib.isa, 0) if lib is not None else 0)
             kernel = T * k > rows_limit * min(weights.num_experts, T * k)
         sr = sort_rows(x, topk_weights, topk_ids, expert_map, weights.num_experts,
                        apply_router_weight_on_input, torch.bfloat16 if kernel else torch.float32)
