@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import rel_err
-from moekit import fused_experts, quantize_experts
+from moekit import fused_experts, native, quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 from moekit.experts import cpu_weight_only
@@ -233,51 +233,14 @@ def test_weight_only_with_and_without_native_products(name, opts, dtype, T, k, o
     assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT[slow_path]
 
 
-@pytest.mark.parametrize("T", [5, 40, 128, 160])  # 2.5, 20, 64 and 80 rows an expert
-def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeypatch, T, gen):
-    """cpu_weight_only.NATIVE_ROWS_INT4_INTEGER: sorted bf16 int4 calls of up to the build's
-    measured number of rows an expert (on average over the experts with rows) take the native
-    integer products, more rows torch's int4 kernel; both against the reference."""
-    from moekit.experts import cpu_weight_only
-    from moekit.experts.cpu_weight_only import NATIVE_ROWS_INT4_INTEGER
-    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: False)  # the rule of the AMX / AVX2 hosts
+def _sorted_bf16_int4_call(monkeypatch, T: int, gen):
+    """A sorted bf16 int4 call of T tokens (E=8, k=4) on cpu_wo, recording the paths it takes
+    ("native", "kernel": torch's int4 kernel, "bf16": the vdpbf16ps kernels): (taken, the
+    native library, output, reference output)."""
     backend = CPUWeightOnlyBackend()
     w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
                          "int4_w4a16")
     lib = backend.native_library(w, get_scheme("int4_w4a16"))
-    if lib is None or not NATIVE_ROWS_INT4_INTEGER.get(lib.isa) or not CPUWeightOnlyBackend.uses_int4_kernel(
-            torch.bfloat16, get_scheme("int4_w4a16")):
-        pytest.skip("needs a native build with integer int4 products and torch's int4 kernel")
-    expected = "native" if T * 4 / 8 <= NATIVE_ROWS_INT4_INTEGER[lib.isa] else "kernel"
-    taken = []
-    native_linear, kernel_linear = backend._native_linear, backend._int4_kernel_linear
-    monkeypatch.setattr(backend, "_native_linear", lambda *a: taken.append("native") or native_linear(*a))
-    monkeypatch.setattr(backend, "_int4_kernel_linear", lambda *a: taken.append("kernel") or kernel_linear(*a))
-    x = torch.randn(T, 128, generator=gen, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(T)]).to(torch.int32)
-    tw = torch.rand(T, 4, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
-              expert_map=None)
-    out = backend.apply(x, w, tw, ids, **kw)
-    assert taken == [expected]
-    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {'int4 kernel' if expected == 'kernel' else 'native'}"]
-
-
-@pytest.mark.parametrize("T", [5, 20, 40])  # 2.5, 10 and 20 rows an expert
-def test_sorted_bf16_int4_without_amx_takes_integer_products_up_to_the_bf16_kernels(monkeypatch, T, gen):
-    """On AVX-512 BF16 CPUs without AMX, sorted bf16 int4 calls take the native integer products
-    up to BF16_ROWS["int4"] rows an expert and the vdpbf16ps kernels past it, never torch's int4
-    kernel; both against the reference."""
-    from moekit.experts import cpu_weight_only
-    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: True)
-    monkeypatch.setitem(cpu_weight_only.BF16_ROWS, "int4", 16)
-    backend = CPUWeightOnlyBackend()
-    w = quantize_experts(torch.randn(8, 256, 128, generator=gen), torch.randn(8, 128, 128, generator=gen),
-                         "int4_w4a16")
-    lib = backend.native_library(w, get_scheme("int4_w4a16"))
-    if lib is None or not lib.bf16_dot:
-        pytest.skip("needs a native build with AVX-512 BF16 products")
-    expected = "native" if T * 4 / 8 <= 16 else "bf16"
     taken = []
     native_linear, kernel_linear, bf16 = backend._native_linear, backend._int4_kernel_linear, cpu_weight_only.bf16_sorted
     monkeypatch.setattr(backend, "_native_linear", lambda *a: taken.append("native") or native_linear(*a))
@@ -289,8 +252,40 @@ def test_sorted_bf16_int4_without_amx_takes_integer_products_up_to_the_bf16_kern
     kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
               expert_map=None)
     out = backend.apply(x, w, tw, ids, **kw)
+    return taken, lib, out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+
+
+@pytest.mark.parametrize("T", [5, 40, 128, 160])  # 2.5, 20, 64 and 80 rows an expert
+def test_sorted_bf16_int4_takes_integer_products_up_to_the_measured_rows(monkeypatch, T, gen):
+    """cpu_weight_only.NATIVE_ROWS_INT4_INTEGER: sorted bf16 int4 calls of up to the build's
+    measured number of rows an expert (on average over the experts with rows) take the native
+    integer products, more rows torch's int4 kernel; both against the reference."""
+    from moekit.experts.cpu_weight_only import NATIVE_ROWS_INT4_INTEGER
+    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: False)  # the rule of the AMX / AVX2 hosts
+    lib = native.load()
+    if lib is None or not NATIVE_ROWS_INT4_INTEGER.get(lib.isa) or not CPUWeightOnlyBackend.uses_int4_kernel(
+            torch.bfloat16, get_scheme("int4_w4a16")):
+        pytest.skip("needs a native build with integer int4 products and torch's int4 kernel")
+    taken, lib, out, ref = _sorted_bf16_int4_call(monkeypatch, T, gen)
+    expected = "native" if T * 4 / 8 <= NATIVE_ROWS_INT4_INTEGER[lib.isa] else "kernel"
     assert taken == [expected]
-    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT[f"cpu_wo {expected}"]
+    assert rel_err(out, ref) <= TIGHT[f"cpu_wo {'int4 kernel' if expected == 'kernel' else 'native'}"]
+
+
+@pytest.mark.parametrize("T", [5, 20, 40])  # 2.5, 10 and 20 rows an expert
+def test_sorted_bf16_int4_without_amx_takes_integer_products_up_to_the_bf16_kernels(monkeypatch, T, gen):
+    """On AVX-512 BF16 CPUs without AMX, sorted bf16 int4 calls take the native integer products
+    up to BF16_ROWS["int4"] rows an expert and the vdpbf16ps kernels past it, never torch's int4
+    kernel; both against the reference."""
+    monkeypatch.setattr(cpu_weight_only, "bf16_without_amx", lambda: True)
+    monkeypatch.setitem(cpu_weight_only.BF16_ROWS, "int4", 16)
+    lib = native.load()
+    if lib is None or not lib.bf16_dot:
+        pytest.skip("needs a native build with AVX-512 BF16 products")
+    taken, _, out, ref = _sorted_bf16_int4_call(monkeypatch, T, gen)
+    expected = "native" if T * 4 / 8 <= 16 else "bf16"
+    assert taken == [expected]
+    assert rel_err(out, ref) <= TIGHT[f"cpu_wo {expected}"]
 
 
 @pytest.mark.parametrize("name, opts, activation, bias, on_input, rows", [
