@@ -675,9 +675,9 @@ static inline void wo_rows4(int wtype, const uint8_t *q, int64_t row_bytes, cons
  * (int4: even columns, then odd columns); lane_f [T][VL] (T = K / C chunks of C columns: 8 VL
  * for int4, 4 VL else): 2^e of each lane's group; zs [T][VL] (AVX-512): -z sum X over each
  * lane's columns, z the implied zero point (8 for int4, 128 for int8 taken as uint8); xsum [G]:
- * the groups' sums of X 2^e; gstep [G]: the groups' steps 2^e. */
+ * the groups' sums of X 2^e. */
 typedef struct {
-    int64_t C, T, G, per_row;
+    int64_t C, T, per_row;
     int64_t l2, l1;         /* prefetch distances: L2_AHEAD and L1_AHEAD in whole weight rows */
     int32_t *chunk_group;   /* [T]: the group of chunk t's first column */
     int32_t lane_idx[16];   /* groups narrower than a chunk: lane l's group within its chunk */
@@ -686,7 +686,7 @@ typedef struct {
 
 /* Row j of vx, as its parts. */
 typedef struct {
-    float *lane_f, *xsum, *gstep;
+    float *lane_f, *xsum;
     int32_t *zs;
     int8_t *lo, *hi;
 } vnni_row;
@@ -697,7 +697,6 @@ static inline vnni_row vx_row(const vnni_x *vx, int64_t j, int64_t K) {
     row.lane_f = (float *)(row.hi + K);
     row.zs = (int32_t *)(row.lane_f + vx->T * VL);
     row.xsum = (float *)(row.zs + vx->T * VL);
-    row.gstep = row.xsum + vx->G;
     return row;
 }
 
@@ -775,7 +774,6 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         xsum[c] = (float)((double)_mm512_reduce_add_epi32(sum) * gf[c]);
     }
     vnni_lane_steps(vx, row.lane_f, gf, g);
-    memcpy(row.gstep, gf, (size_t)G * sizeof(float));
     /* zs: the implied zero point's products, lane by lane as the weight bytes' products sum */
     const __m512i ones = _mm512_set1_epi8(1), zneg = _mm512_set1_epi32(wtype == 0 ? -8 : -128);
     for (int64_t t = 0; t < vx->T; t++) {
@@ -854,12 +852,13 @@ static inline __attribute__((always_inline)) void vnni_whole_impl(
     const int64_t l2 = vx->l2, l1 = vx->l1;
     const int32_t *chunk_group = vx->chunk_group;
     const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-    float s4[4 * G];
+    float step[G], s4[4 * G];  /* x's group steps: lane 0 of each group's first chunk */
+    for (int64_t c = 0; c < G; c++) step[c] = row.lane_f[c * (g / vx->C) * VL];
     for (int64_t r0 = 0; r0 < nr; r0 += 4) {
         const uint8_t *q0 = q + r0 * row_bytes, *q1 = q0 + row_bytes, *q2 = q1 + row_bytes, *q3 = q2 + row_bytes;
         const float *sr = sc + r0 * G;
         for (int64_t i = 0; i < 4 * G; i += G)
-            for (int64_t c = 0; c < G; c++) s4[i + c] = sr[i + c] * row.gstep[c];
+            for (int64_t c = 0; c < G; c++) s4[i + c] = sr[i + c] * step[c];
 #define WHOLE_ROW(W, S, A)                                                                                          \
             {                                                                                                       \
                 __m512i wb = _mm512_loadu_si512((const void *)((W) + t * 64));                                      \
@@ -993,7 +992,6 @@ static int vnni_prepare(const vnni_x *vx, int64_t j, int wtype, const float *xj,
         row.xsum[c] = (float)((double)_mm_cvtsi128_si32(s4) * gf[c]);
     }
     vnni_lane_steps(vx, row.lane_f, gf, g);
-    memcpy(row.gstep, gf, (size_t)G * sizeof(float));
     return 1;
 }
 
@@ -1192,7 +1190,7 @@ static int vnni_init(vnni_x *vx, int wtype, int64_t x_rows, int64_t K, int64_t g
 #ifndef WO_DPBUSD
     if (wtype != 0) return 0;  /* int4 only without VNNI (see above) */
 #endif
-    vx->C = C, vx->T = K / C, vx->G = G, vx->per_row = (2 * K + 4 * (2 * vx->T * VL + 2 * G) + 63) / 64 * 64;
+    vx->C = C, vx->T = K / C, vx->per_row = (2 * K + 4 * (2 * vx->T * VL + G) + 63) / 64 * 64;
     vx->l2 = rows_ahead(L2_AHEAD, wtype == 0 ? K / 2 : K), vx->l1 = rows_ahead(L1_AHEAD, wtype == 0 ? K / 2 : K);
     const size_t bytes = (size_t)(x_rows * (vx->per_row + 1) + 4 * vx->T);
     vx->rows = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);  /* free() releases it */
