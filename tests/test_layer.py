@@ -129,3 +129,35 @@ def test_oracle_logs_choice_once(caplog):
             layer(torch.randn(4, H), torch.randn(4, E))
     lines = [r.getMessage() for r in caplog.records if "logged_layer" in r.getMessage()]
     assert len(lines) == 1 and "backend cpu" in lines[0]
+
+
+def test_expert_weights_object_lives_while_the_tensors_do():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True)
+    w = layer.experts.expert_weights()
+    assert layer.experts.expert_weights() is w  # backends keep what they derive from it across calls
+    layer.experts.b2 = torch.nn.Parameter(torch.randn(E, H))
+    w2 = layer.experts.expert_weights()
+    assert w2 is not w and w2.b2 is layer.experts.b2
+    layer.experts.to(torch.bfloat16)  # (parameters keep their objects: the view still holds them)
+    assert layer.experts.expert_weights().w13.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_decode_follows_in_place_weight_and_bias_writes(dtype, tokens, gen):
+    """The weights object (and what the backend derived from it) outlives calls: writes into the
+    weights and biases in place show in the next call (decode's native path and the sorted one)."""
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True, dtype=dtype)
+    x, logits = torch.randn(tokens, H, dtype=dtype), torch.randn(tokens, E)
+    with torch.no_grad():
+        before = layer(x, logits)
+        layer.experts.w13.mul_(-1.5)
+        layer.experts.w2.add_(0.25)
+        layer.experts.b13.normal_()
+        layer.experts.b2.normal_()
+        after = layer(x, logits)
+        assert rel_err(after, expected(layer, x, logits)) <= TOL[dtype]
+        layer.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I), torch.randn(E, H))
+        assert rel_err(layer(x, logits), expected(layer, x, logits)) <= TOL[dtype]
+    assert not torch.equal(before, after)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from .activations import check_activation, is_gated
 from .checks import check_float_tensor, copy_biases
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
-from .experts.base import ExpertWeights
+from .experts.base import ExpertWeights, held_weights
 from .graphs import EagerGraphs
 from .parallel.config import ParallelConfig
 from .runner import MoERunner
@@ -42,7 +42,8 @@ class RoutedExperts(nn.Module):
         nn.init.normal_(self.w2, std=I ** -0.5)
 
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
+        tensors = (self.w13, self.w2, self.b13, self.b2)
+        return held_weights(self, tensors, lambda: ExpertWeights(*tensors))
 
     @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
@@ -283,8 +284,10 @@ class FusedMoE(nn.Module):
             if self.gate is None:
                 raise ValueError("router_logits is required: this layer was built without a gate (gate=False)")
             dt = self.router_dtype or x2.dtype
+            gate_w, gate_b = self.gate.weight, self.gate.bias
             router_logits = nn.functional.linear(
-                x2.to(dt), self.gate.weight.to(dt), None if self.gate.bias is None else self.gate.bias.to(dt))
+                x2 if x2.dtype == dt else x2.to(dt), gate_w if gate_w.dtype == dt else gate_w.to(dt),
+                None if gate_b is None else gate_b.to(dt))
         else:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")

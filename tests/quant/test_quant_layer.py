@@ -143,3 +143,24 @@ def test_eplb_moves_scales_with_the_weights(name, bf16_layer, gen):
     assert state.rearrange(skewed)
     after = q(x, logits)
     assert torch.equal(after, before)  # replicas are exact copies, scales and zero points included
+
+
+@pytest.mark.parametrize("name", ["int4_w4a16", "int8_w8a8", "int8_w8a16"])
+def test_decode_follows_reloads_and_in_place_scale_writes(name, bf16_layer, gen):
+    """A quantized layer's weights object lives across calls: a reload (new buffers) and an
+    in-place write into a scale both show in the next decode call."""
+    layer = _layer(name).requires_grad_(False)
+    x = torch.randn(1, H, generator=gen).bfloat16()
+    logits = torch.randn(1, E, generator=gen)
+    with torch.no_grad():
+        first = layer(x, logits)
+        held = layer.experts.expert_weights()
+        assert layer.experts.expert_weights() is held
+        layer.load_weights(bf16_layer.experts.w13.float(), bf16_layer.experts.w2.float())
+        assert layer.experts.expert_weights() is not held
+        reloaded = layer(x, logits)
+        assert _rel(reloaded, bf16_layer(x, logits)) <= LAYER_ERROR_BOUND[get_scheme(name).name]
+        layer.experts.w2_scale.mul_(2.0)  # every output is W2 a: doubling W2's scales doubles it
+        doubled = layer(x, logits)
+    assert not torch.equal(first, reloaded)
+    assert _rel(doubled, 2 * reloaded.float()) <= 1e-2

@@ -112,6 +112,22 @@ def _intermediate_size(weights: ExpertWeights) -> int:
     return logical_intermediate_size(weights)
 
 
+_DEFAULT_PARAMS = ActivationParams()
+
+
+def _oracle():
+    """moekit.oracle, imported on first use (it imports the experts registry, which imports this)."""
+    global _ORACLE
+    if _ORACLE is None:
+        from .. import oracle  # noqa: PLC0415
+
+        _ORACLE = oracle
+    return _ORACLE
+
+
+_ORACLE = None
+
+
 def problem_of(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -214,8 +230,7 @@ def experts_forward(
     """
     if apply_router_weight_on_input and topk_ids.shape[1] != 1:
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={topk_ids.shape[1]}")
-    from ..oracle import choose_backend  # noqa: PLC0415 (oracle imports the experts registry)
-
+    choose_backend = _oracle().choose_backend
     problem = problem_of(x, weights, topk_ids.shape[1], activation,
                          apply_router_weight_on_input, expert_map is not None, topk_weights)
     chosen = choose_backend(problem, backend, owner=owner).backend
@@ -226,6 +241,6 @@ def experts_forward(
     return chosen.apply(
         x.contiguous(), weights, topk_weights.float().contiguous(),
         topk_ids.to(torch.int32).contiguous(), activation=activation,
-        activation_params=activation_params or ActivationParams(),
+        activation_params=activation_params or _DEFAULT_PARAMS,
         apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map, **native,
     ).to(out_dtype)

@@ -28,6 +28,7 @@ __all__ = [
     "register_backend",
     "get_backend",
     "cached_for",
+    "held_weights",
 ]
 
 
@@ -56,6 +57,23 @@ def cached_for(obj: Any, purpose: str, key: tuple, compute: Callable[[], Any]) -
     value = compute()
     entry[1][purpose] = (key, value)
     return value
+
+
+def held_weights(holder: Any, tensors: tuple, build: Callable[[], "ExpertWeights"]) -> "ExpertWeights":
+    """The ExpertWeights a module builds from its tensors, one object while they are the same ones.
+
+    A layer asks for its weights on every call; one object for as long as the module holds the
+    same tensors (by identity: a replaced parameter or buffer, or a .to() that swaps buffers,
+    builds a new one) lets what backends derive from it (cached_for) live across calls.
+    In-place writes keep the object: the derived values key on data pointers and versions.
+    """
+    if torch.compiler.is_compiling():  # traced code: no host-side state to keep
+        return build()
+    held = holder.__dict__.get("_held_weights")
+    if held is None or len(held[0]) != len(tensors) or any(a is not b for a, b in zip(held[0], tensors)):
+        held = (tensors, build())
+        holder.__dict__["_held_weights"] = held
+    return held[1]
 
 
 @dataclass(frozen=True)

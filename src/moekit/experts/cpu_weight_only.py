@@ -42,6 +42,7 @@ points, every activation, biases, expert_map, weights on input. No autograd.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -99,6 +100,7 @@ _SCHEMES = ("int8_w8a16", "int4_w4a16")
 _NIBBLES = 0x0F0F0F0F  # a low-nibble mask for each byte of an int32
 
 
+@functools.lru_cache(maxsize=1)
 def int4_kernel_available() -> bool:
     """Whether this torch has the CPU int4 GEMM the int4 kernel path uses."""
     ops = torch.ops.aten

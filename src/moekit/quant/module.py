@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..activations import is_gated
 from ..checks import check_float_tensor, copy_biases
-from ..experts.base import ExpertWeights
+from ..experts.base import ExpertWeights, held_weights
 from .layout import check_quantized_weights, scheme_of
 from .quantize import check_fits, quantize_experts
 from .schemes import QuantScheme, get_scheme
@@ -74,8 +74,10 @@ class QuantizedRoutedExperts(nn.Module):
             self.register_buffer(name, q.scales[name])
 
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2, self.b13, self.b2,
-                             scales={n: getattr(self, n) for n in self._scale_names}, quant=self.scheme.name)
+        names = self._scale_names
+        tensors = (self.w13, self.w2, self.b13, self.b2, self.scheme, *names, *(getattr(self, n) for n in names))
+        return held_weights(self, tensors, lambda: ExpertWeights(
+            self.w13, self.w2, self.b13, self.b2, scales={n: getattr(self, n) for n in names}, quant=self.scheme.name))
 
     @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:

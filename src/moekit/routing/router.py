@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import RoutingConfig
+from ..config import RoutingConfig, settings
 from .scoring import score
 from .select import group_mask, renormalize, stable_topk
 
@@ -37,8 +37,6 @@ def check_router_logits(router_logits: torch.Tensor) -> None:
 
 
 def _should_check(t: torch.Tensor) -> bool:
-    from ..config import settings
-
     if t.device.type == "cpu":
         return True
     if not settings.check_ids:

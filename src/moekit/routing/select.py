@@ -40,5 +40,8 @@ def group_mask(c: torch.Tensor, num_groups: int, topk_group: int, group_score: s
 def renormalize(w: torch.Tensor, eps: float = 0.0, clamp: bool = False) -> torch.Tensor:
     """w / sum(w) over the last dim; eps is added to (or, with clamp, a floor of) the sum."""
     denom = w.sum(dim=-1, keepdim=True)
-    denom = denom.clamp_min(eps) if clamp else denom + eps
+    if clamp:
+        denom = denom.clamp_min(eps)
+    elif eps:
+        denom = denom + eps
     return w / denom
