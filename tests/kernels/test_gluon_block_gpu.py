@@ -10,7 +10,7 @@ from conftest import rel_err, random_expert_map, triton_act_dtype
 pytest.importorskip("triton")
 
 from moekit.config import settings  # noqa: E402
-from moekit.kernels import gluon_block  # noqa: E402
+from moekit.kernels import cublas_block, gluon_block  # noqa: E402
 from moekit.kernels.launch_quant import fused_moe_quant  # noqa: E402
 from moekit.kernels.quant_tuning import QuantKnobs  # noqa: E402
 from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of  # noqa: E402
@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, rea
               pytest.mark.skipif(gluon_block.GLUON_MISSING is not None, reason=str(gluon_block.GLUON_MISSING))]
 
 SCHEME = "fp8_w8a8_block128"
+CUBLAS_REFUSAL = cublas_block.refusal(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
 
 
 def _weights(E, H, I, gen):
@@ -36,10 +37,11 @@ def _routing(T, E_global, k, gen, skewed=False):
     return torch.rand(T, k, device="cuda", generator=gen) + 0.05, scores.topk(k, dim=1).indices.to(torch.int32)
 
 
-def _run(wts, x, w, ids, emap=None, rows=0):
+def _run(wts, x, w, ids, emap=None, rows=0, cublas1="auto"):
     s = wts.scales
     return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w,
-                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows), out_dtype=x.dtype)
+                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows, cublas1=cublas1),
+                           out_dtype=x.dtype)
 
 
 def _poison_allocator():
@@ -98,3 +100,47 @@ def test_explicit_gluon_knob_refused_with_the_reason(cuda_gen):
     with pytest.raises(ValueError, match="knobs.gluon=128 .*silu"):
         fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w, ids,
                         None, scheme_of(wts), "gelu", knobs=QuantKnobs(gluon=128), out_dtype=x.dtype)
+
+
+@pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
+@pytest.mark.parametrize("T,E,k,H,I,n_remote,skewed", [
+    (1, 8, 2, 256, 256, 0, False),
+    (37, 16, 4, 512, 256, 3, False),      # expert map
+    (300, 16, 1, 768, 512, 0, True),      # k = 1, experts without tokens
+    (700, 32, 8, 1024, 768, 0, False),
+    (3000, 8, 2, 2048, 1536, 0, True),    # the rule's own sizes (750 rows an expert)
+], ids=["T1", "T37-expert-map", "T300-k1-skewed", "T700-k8", "T3000-skewed"])
+def test_cublas_gemm1_matches_the_reference_and_the_gluon_gemm1(T, E, k, H, I, n_remote, skewed, cuda_gen):
+    wts = _weights(E, H, I, cuda_gen)
+    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
+    w, ids = _routing(T, E + n_remote, k, cuda_gen, skewed)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(T, H, device="cuda", generator=cuda_gen).to(dtype)
+        _poison_allocator()
+        out = _run(wts, x, w, ids, emap, 128, cublas1="on")
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
+        assert out.shape == (T, H) and out.dtype == dtype and torch.isfinite(out).all()
+        assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
+        assert rel_err(out, _run(wts, x, w, ids, emap, 128, cublas1="off")) <= TOLERANCE["fp8"]
+        assert torch.equal(out, _run(wts, x, w, ids, emap, 128, cublas1="on"))  # run to run
+
+
+@pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
+def test_cublas_gemm1_steps_aside_in_cuda_graph_capture(cuda_gen):
+    """The rule's sizes take cuBLAS eagerly; captured, the same call runs the Gluon GEMM1 (the
+    host cannot read the row counts), and an explicit "on" says why it cannot."""
+    E, k, H, I, T = 8, 2, 512, 512, 2048
+    assert T * k >= cublas_block.CUBLAS_ROWS * E
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    assert torch.equal(_run(wts, x, w, ids, rows=128), _run(wts, x, w, ids, rows=128, cublas1="on"))
+    gluon = _run(wts, x, w, ids, rows=128, cublas1="off")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(wts, x, w, ids, rows=128)
+    graph.replay()
+    assert torch.equal(out, gluon)
+    with pytest.raises(ValueError, match="cublas1='on' cannot run .* CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            _run(wts, x, w, ids, rows=128, cublas1="on")

@@ -516,7 +516,7 @@ def quant_floor_terms(scheme: str) -> Tuple[float, float]:
 def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: float = 1e9, replays: int = 5,
                     command: str = "", progress: Optional[Callable[[str], None]] = None,
                     dtype: torch.dtype = torch.bfloat16, device: str = "cuda", rounds: int = 3,
-                    sustain_ms: float = 0.0, sustain_from_m: int = 4096) -> Dict:
+                    sustain_ms: float = 0.0, sustain_from_m: int = 4096, eager_from_m: int = 16384) -> Dict:
     """Time the quantized Triton experts (and the unquantized Triton kernel where a target compares them).
 
     Floors: weight bytes at 1 byte (fp8), 1 + 4/128 (int8 weight-only) or 0.5 + 4/128 (int4,
@@ -528,7 +528,11 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
     (medians recorded, and each round's times when rounds > 1). sustain_ms > 0: points from
     sustain_from_m tokens are also timed after sustain_ms of back-to-back replays of each kernel
     (record "sustained": the clocks of sustained work, which the power limit sets for
-    compute-bound calls), next to the standard short-burst timing.
+    compute-bound calls), next to the standard short-burst timing. Points from eager_from_m
+    tokens are also timed eagerly, both kernels (record "eager"): prefill runs outside CUDA
+    graphs in serving engines, and there moekit's block-scaled fp8 GEMM1 runs on cuBLAS, which
+    reads the experts' row counts back to the host and so steps aside in a graph
+    (kernels/cublas_block.py).
     """
     import triton  # noqa: PLC0415
 
@@ -549,7 +553,8 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
         "weights": "random, silu, no bias; tiles and knobs: the tuned quantized tables (kernels/quant_tuning.py), "
                    "else the bf16 tuned table with BLOCK_SIZE_K fitted to the scale groups",
         "timing": (f"CUDA graph of several calls with distinct softmax top-k routing, replayed; median us per call; "
-                   f"{rounds} round(s) per point, the quantized and the bf16 kernel alternately, medians"),
+                   f"{rounds} round(s) per point, the quantized and the bf16 kernel alternately, medians; "
+                   f"from {eager_from_m} tokens also eagerly (record 'eager')"),
         "records": [],
     }
     dev = torch.device(device)
@@ -598,6 +603,11 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
                     if rounds > 1:
                         row["rounds_us"] = q_us
                         row["rounds_bf16_triton_us"] = b_us
+                    if M >= eager_from_m:
+                        q_us, b_us = _alternate(quant_fn, bf16_fn, sets, rounds, replays, eager=True)
+                        row["eager"] = {"us": statistics.median(q_us), "bf16_triton_us": statistics.median(b_us),
+                                        "speedup_vs_bf16_triton": statistics.median(b_us) / statistics.median(q_us),
+                                        "rounds_us": q_us, "rounds_bf16_triton_us": b_us}
                     if sustain_ms > 0 and M >= sustain_from_m:
                         q_us, b_us = _alternate(quant_fn, bf16_fn, sets, rounds, replays, sustain_ms)
                         row["sustained"] = {"warm_ms": sustain_ms, "us": statistics.median(q_us),
@@ -613,7 +623,9 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
                 f"{row['pct_of_floor']:5.1f}% of floor  x{row.get('speedup_vs_bf16_triton', float('nan')):.2f} vs bf16"
                 + (f"  rel_err {rel:.1e}" if M == 16 else "")
                 + (f"  sustained: {row['sustained']['us']:.1f} us x{row['sustained']['speedup_vs_bf16_triton']:.2f}"
-                   if "sustained" in row else ""))
+                   if "sustained" in row else "")
+                + (f"  eager: {row['eager']['us']:.1f} us x{row['eager']['speedup_vs_bf16_triton']:.2f}"
+                   if "eager" in row else ""))
             result["records"].append(row)
             _write_json(out_json, result)
             del sets
@@ -624,12 +636,13 @@ def run_quant_bench(out_json: Optional[str], cases=QUANT_CASES, deadline_s: floa
 
 
 def _alternate(fn_a: Callable, fn_b: Callable, sets, rounds: int, replays: int,
-               warm_ms: float = 0.0) -> Tuple[List[float], List[float]]:
-    """(fn_a's, fn_b's) graph times over `rounds` rounds that time them alternately."""
+               warm_ms: float = 0.0, eager: bool = False) -> Tuple[List[float], List[float]]:
+    """(fn_a's, fn_b's) graph times (eager: eager_time_us) over `rounds` rounds that time them alternately."""
+    timer = eager_time_us if eager else graph_time_us
     a_us, b_us = [], []
     for _ in range(rounds):
-        a_us.append(graph_time_us(fn_a, sets, replays, warm_ms=warm_ms))
-        b_us.append(graph_time_us(fn_b, sets, replays, warm_ms=warm_ms))
+        a_us.append(timer(fn_a, sets, replays, warm_ms=warm_ms))
+        b_us.append(timer(fn_b, sets, replays, warm_ms=warm_ms))
     return a_us, b_us
 
 

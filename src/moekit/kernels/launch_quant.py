@@ -31,7 +31,7 @@ import triton
 
 from ..activations import check_activation, is_gated
 from ..quant.schemes import QuantScheme
-from . import gluon_block, launch
+from . import cublas_block, gluon_block, launch
 from . import triton_moe as moe
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
@@ -468,11 +468,15 @@ def fused_moe_quant(
                                          al.expert_end, R, activation, alpha, limit, False, config, out_dtype,
                                          scales=scales, src=src, y_dtype=x.dtype)
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
-    if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs
+    if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs, GEMM1 on cuBLAS at prefill sizes
         a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
-        act = torch.empty(R, I, dtype=x.dtype, device=dev)
-        gluon_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end, gluon_rows)
-        a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
+        if _cublas_gemm1(knobs.cublas1, T, k, E, dev):
+            a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w13, w13_scale, topk_ids, expert_map, al.sorted_ids,
+                                          al.expert_end, x.dtype)
+        else:
+            act = torch.empty(R, I, dtype=x.dtype, device=dev)
+            gluon_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end, gluon_rows)
+            a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
         y = torch.empty(1, TK, H, dtype=x.dtype, device=dev)
         gluon_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end, gluon_rows)
         return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
@@ -526,6 +530,18 @@ def fused_moe_quant(
         PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), SUM_G=sum_g, **chain, **flags,
         **_tile_kwargs(g2))
     return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
+
+
+def _cublas_gemm1(mode: str, T: int, k: int, E: int, device: torch.device) -> bool:
+    """Whether GEMM1 of a Gluon call runs on cuBLAS (QuantKnobs.cublas1)."""
+    if mode == "off":
+        return False
+    if mode == "on":
+        why = cublas_block.refusal(device)
+        if why:
+            raise ValueError(f"knobs.cublas1='on' cannot run this call's GEMM1 on cuBLAS: {why}")
+        return True
+    return cublas_block.wanted(T, k, E, device)
 
 
 def _sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], T: int, H: int, k: int,

@@ -29,6 +29,9 @@ W_CONVERT = {"auto": 1, "bits": 1, "cast": 0, "ptx": 2, "pairs": 3, "pairs_bits"
 _SMEM_LIMIT = 220 * 1024
 
 
+CUBLAS1 = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class QuantKnobs:
     """Variants of the quantized kernels that a tuned entry picks (the defaults: no tuned entry).
@@ -71,6 +74,10 @@ class QuantKnobs:
         scheme on Hopper (kernels/gluon_block.py: each K block's promotion overlapped with the
         next product), which then run GEMM1 and GEMM2 instead of these tiles; a tuned entry's
         gluon falls back to the tiles on calls the Gluon kernels cannot run.
+    cublas1: with gluon, where GEMM1 runs: "auto" on cuBLAS (torch._scaled_mm, one product an
+        expert; kernels/cublas_block.py) from cublas_block.CUBLAS_ROWS rows an expert where
+        torch runs the recipe and the call is not being captured or compiled, else the Gluon
+        GEMM1; "on" on cuBLAS (a call that cannot raises); "off" the Gluon GEMM1.
     """
 
     gate_up: bool = False
@@ -85,6 +92,7 @@ class QuantKnobs:
     static_prefill: Optional[MoEConfig] = None
     gluon: int = 0
     fold_w: bool = False
+    cublas1: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,6 +100,9 @@ class QuantKnobs:
             if f.name == "gluon":
                 if isinstance(value, bool) or value not in (0, 64, 128):
                     raise ValueError(f"gluon must be 0 (off) or a row tile of 64 or 128, got {value!r}")
+            elif f.name == "cublas1":
+                if value not in CUBLAS1:
+                    raise ValueError(f"cublas1 must be one of {list(CUBLAS1)}, got {value!r}")
             elif f.name == "split_k":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"split_k must be an int >= 1, got {value!r}")

@@ -1,0 +1,184 @@
+"""GEMM1 of the 128 x 128 block-scaled fp8 scheme on cuBLAS, one product an expert, at prefill sizes.
+
+cuBLAS (CUDA 12.9 and newer, Hopper) multiplies fp8 operands with DeepSeek-V3's scales itself:
+1 x 128 groups of the activation rows and 128 x 128 blocks of the weights, each K block's
+product promoted with its two scales (torch._scaled_mm picks that recipe from the scales'
+shapes and layouts). Per expert, on its rows of the alignment, it ran DeepSeek-V3's GEMM1 (N =
+2I = 4096, K = H = 7168) at 1069 TFLOP/s at 512 rows and 1251 at 1024 on an H200, 1173 for the
+256 experts one after another at 512 rows each, where the Gluon GEMM1 reaches 691
+(bench/results/h200-scaled-mm-block-probe.json; bench/NOTES-triton.md). At 128 rows an expert
+it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert.
+
+Pipeline (launch_quant.fused_moe_quant, knob `cublas1`, with the Gluon GEMM2 after it):
+    align (+ x quantized per 128 columns) -> gather_rows -> scales of each expert's rows
+    copied M-major (segment_scales_kernel) -> the host reads the experts' ends and row counts
+    (one synchronisation) -> one torch._scaled_mm an expert into GEMM1's bf16 rows [R, 2I]
+    -> silu(gate) * up rounded to x's dtype and quantized per 128 columns (silu_quant_kernel:
+    the values the Gluon GEMM1 and quantize_rows give, up to GEMM1's own rounding) -> GEMM2.
+
+The host synchronisation keeps it out of CUDA-graph capture and torch.compile; there the Gluon
+GEMM1 runs. An expert's product covers its live rows rounded up to 4 (cuBLAS wants M-major
+scales 16-byte aligned); the rows after them in its segment stay unwritten in GEMM1's output and
+come out of silu_quant_kernel as zeros, as padding rows do on the Gluon path.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_quant_rows import FP8_MAX, to_quant
+
+__all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
+
+# Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: 219 / 533 / 1069 TFLOP/s
+# at 128 / 256 / 512 rows an expert on DeepSeek-V3's GEMM1, against 691 for the Gluon kernel.
+CUBLAS_ROWS = 384
+
+_ACCEPTS: Dict[int, Optional[str]] = {}  # device index -> refusal (None: torch's cuBLAS takes the recipe)
+
+
+def _probe(device: torch.device) -> Optional[str]:
+    """Whether torch._scaled_mm runs the 1 x 128 / 128 x 128 recipe here (one tiny product)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_mm"
+    try:
+        a = torch.zeros(16, 128, dtype=torch.float8_e4m3fn, device=device)
+        w = torch.zeros(128, 128, dtype=torch.float8_e4m3fn, device=device)
+        sa = torch.ones(1, 16, device=device).t()  # [16, 1], M-major
+        sw = torch.ones(1, 1, device=device)
+        torch._scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, ValueError) as err:
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) does not run block-scaled fp8 products "
+                f"({str(err).splitlines()[0][:120]}); they need CUDA 12.9 or newer on Hopper")
+    return None
+
+
+def refusal(device: torch.device) -> Optional[str]:
+    """Why GEMM1 cannot run on cuBLAS here, as a sentence, or None (the call's other conditions
+    are the Gluon kernels': gluon_block.refusal)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        got = device.type if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
+        return f"torch's block-scaled fp8 products run on Hopper (compute capability 9.x), got {got}"
+    if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return "it reads the experts' row counts back to the host, which CUDA-graph capture and torch.compile forbid"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ACCEPTS:
+        _ACCEPTS[index] = _probe(device)
+    return _ACCEPTS[index]
+
+
+def wanted(T: int, k: int, E: int, device: torch.device) -> bool:
+    """The rule for knob cublas1="auto": at least CUBLAS_ROWS rows an expert and nothing refused."""
+    return T * k >= CUBLAS_ROWS * E and refusal(device) is None
+
+
+@triton.jit
+def segment_scales_kernel(s_ptr, out_ptr, expert_end_ptr, counts_ptr, G, stride_s, BR: tl.constexpr,
+                          BG: tl.constexpr):
+    """Expert e = program_id(0): the scales [m, G] of the first m = count rounded up to 4 rows of
+    its segment (rows [start, end) of the alignment), stored M-major at out + start * G: entry
+    (i, g) at g * m + i, as torch._scaled_mm wants a 1 x 128 operand's scales."""
+    e = tl.program_id(0)
+    start = tl.where(e > 0, tl.load(expert_end_ptr + tl.maximum(e - 1, 0)), 0)
+    m = (tl.load(counts_ptr + e) + 3) // 4 * 4
+    g = tl.arange(0, BG)
+    for i0 in range(0, m, BR):
+        i = i0 + tl.arange(0, BR)
+        ok = (i < m)[:, None] & (g < G)[None, :]
+        v = tl.load(s_ptr + (start + i).to(tl.int64)[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
+        tl.store(out_ptr + start.to(tl.int64) * G + g[None, :] * m + i[:, None], v, mask=ok)
+
+
+@triton.jit
+def silu_quant_kernel(h_ptr, q_ptr, s_ptr, sorted_ptr, expert_end_ptr, E, TK, I, stride_h, stride_q, stride_s,
+                      ROWS: tl.constexpr, BC: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr):
+    """Rows r0 .. r0 + ROWS - 1 (program_id(0)) and columns [c BC, (c + 1) BC) (program_id(1)) of
+    GEMM1's rows h [R, 2I] (gate | up): a = silu(gate) * up in fp32, rounded to q's source dtype
+    (h's), then quantized per G columns as quantize_rows does (scale max|a| / QMAX, 1 for a zero
+    group). Padding rows (sorted id >= TK) get zeros; rows past the last expert's end are left
+    unwritten."""
+    r0 = tl.program_id(0) * ROWS
+    c = tl.program_id(1)
+    end = tl.load(expert_end_ptr + E - 1)
+    if r0 < end:
+        rr = r0 + tl.arange(0, ROWS)
+        row_ok = rr < end
+        live = row_ok & (tl.load(sorted_ptr + rr, mask=row_ok, other=TK) < TK)
+        cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
+        ok = live[:, None, None] & (cols < I)[None, :, :]
+        row = h_ptr + rr.to(tl.int64)[:, None, None] * stride_h
+        gate = tl.load(row + cols[None, :, :], mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(row + I + cols[None, :, :], mask=ok, other=0.0).to(tl.float32)
+        a = (gate / (1.0 + tl.exp(-gate)) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
+        mx = tl.max(tl.abs(a), axis=2)  # [ROWS, BC/G]
+        s = tl.where(mx > 0.0, mx / QMAX, 1.0)
+        groups = c * (BC // G) + tl.arange(0, BC // G)
+        store_ok = row_ok[:, None, None] & (cols < I)[None, :, :]
+        tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], s,
+                 mask=row_ok[:, None] & (groups * G < I)[None, :])
+        tl.store(q_ptr + rr.to(tl.int64)[:, None, None] * stride_q + cols[None, :, :],
+                 to_quant(a / s[:, :, None], QMAX, False), mask=store_ok)
+
+
+def _product(a, b, scale_a, scale_b, out_dtype, out):
+    """out = (a scale_a) (b scale_b) on cuBLAS: a [m, K] fp8 with M-major 1 x 128 scales [m, K/128],
+    b [K, N] fp8 column-major with 128 x 128 block scales [K/128, N/128]."""
+    return torch.ops.aten._scaled_mm.out(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
+
+
+def _counts(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> torch.Tensor:
+    """Assignments of each local expert [E] int32 (on the device; non-local ones dropped)."""
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    ids = torch.where(ids < 0, E, ids)
+    return torch.bincount(ids, minlength=E + 1)[:E].to(torch.int32)
+
+
+def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, topk_ids: torch.Tensor,
+          expert_map: Optional[torch.Tensor], sorted_ids: torch.Tensor, expert_end: torch.Tensor,
+          out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 and its activation on cuBLAS, then GEMM2's input (module docstring).
+
+    Args:
+        a1s: [R, H] fp8, x's quantized rows in the alignment's order (gather_rows).
+        a1s_s: [R, H / 128] fp32, their scales.  w13: [E, 2I, H] fp8.  w13_s: [E, 2I / 128, H / 128].
+        topk_ids, expert_map: the call's routing (the experts' row counts).
+        sorted_ids: [R] int32, expert_end: [E] int32: the alignment.
+        out_dtype: x's dtype (bf16 or fp16): GEMM1's rows and the activation's rounding.
+    Returns:
+        a2 [R, I] fp8 and a2_s [R, I / 128] fp32, as quantize_rows writes them.
+    """
+    R, H = a1s.shape
+    E, N1, _ = w13.shape
+    I, G = N1 // 2, H // 128
+    dev = a1s.device
+    counts = _counts(topk_ids, expert_map, E)
+    scales = torch.empty(R * G, dtype=torch.float32, device=dev)
+    segment_scales_kernel[(E,)](a1s_s, scales, expert_end, counts, G, a1s_s.stride(0), BR=64,
+                                BG=triton.next_power_of_2(G), num_warps=4)
+    h = torch.empty(R, N1, dtype=out_dtype, device=dev)
+    ends, live = torch.stack((expert_end, counts)).tolist()  # the one host synchronisation
+    # Views made a whole list at a time: the launches must keep ahead of products of ~25 us.
+    rows = [(live[e] + 3) // 4 * 4 for e in range(E)]
+    pieces = [n for e in range(E) for n in (rows[e], ends[e] - (ends[e - 1] if e else 0) - rows[e])]
+    a_parts = a1s[:ends[-1]].split(pieces)[::2]
+    h_parts = h[:ends[-1]].split(pieces)[::2]
+    s_parts = scales[:ends[-1] * G].split([n * G for n in pieces])[::2]
+    w_parts, ws_parts = w13.transpose(1, 2).unbind(0), w13_s.transpose(1, 2).unbind(0)
+    mm = _product
+    for e in range(E):
+        m = rows[e]
+        if m:  # scales [m, G] M-major
+            mm(a_parts[e], w_parts[e], s_parts[e].view(G, m).t(), ws_parts[e], out_dtype=out_dtype, out=h_parts[e])
+    a2 = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=dev)
+    a2_s = torch.empty(R, I // 128, dtype=torch.float32, device=dev)
+    rows, bc = 4, 512
+    silu_quant_kernel[(triton.cdiv(R, rows), triton.cdiv(I, bc))](
+        h, a2, a2_s, sorted_ids, expert_end, E, topk_ids.numel(), I, h.stride(0), a2.stride(0), a2_s.stride(0),
+        ROWS=rows, BC=bc, G=128, QMAX=FP8_MAX, num_warps=4)
+    return a2, a2_s

@@ -1,0 +1,118 @@
+"""GEMM1 of the 128 x 128 block scheme on cuBLAS (kernels/cublas_block.py), without the GPU.
+
+The rule and the knob run here; the data flow around the products (the experts' counts, their
+scales copied M-major, the per-expert views, the activation and its quantization) runs under
+Triton's interpreter in a child process with the cuBLAS product replaced by its dequantized
+fp32 emulation, which also checks the operand layouts cuBLAS wants. The GPU suite runs the real
+products (tests/kernels/test_gluon_block_gpu.py).
+"""
+
+import pytest
+import torch
+
+from conftest import random_expert_map
+from triton_child import IN_INTERPRETER, run_in_interpreter
+
+pytest.importorskip("triton")
+
+from moekit.kernels import cublas_block  # noqa: E402
+from moekit.kernels.quant_tuning import QuantKnobs  # noqa: E402
+
+if not IN_INTERPRETER:
+
+    def test_cublas_gemm1_under_the_triton_interpreter():
+        run_in_interpreter(__file__)
+
+    def test_knob_validates_and_round_trips():
+        assert QuantKnobs().cublas1 == "auto" and QuantKnobs().to_json() == {}
+        assert QuantKnobs.from_json({"gluon": 128, "cublas1": "off"}) == QuantKnobs(gluon=128, cublas1="off")
+        with pytest.raises(ValueError, match=r"cublas1 must be one of \['auto', 'on', 'off'\], got 'yes'"):
+            QuantKnobs(cublas1="yes")
+
+    def test_refused_off_hopper_and_the_rule_counts_rows_an_expert(monkeypatch):
+        assert "Hopper (compute capability 9.x), got cpu" in cublas_block.refusal(torch.device("cpu"))
+        assert not cublas_block.wanted(16384, 8, 256, torch.device("cpu"))
+        monkeypatch.setattr(cublas_block, "refusal", lambda device: None)
+        E, k = 256, 8
+        rows = cublas_block.CUBLAS_ROWS
+        assert cublas_block.wanted(rows * E // k, k, E, torch.device("cpu"))
+        assert not cublas_block.wanted(rows * E // k - 1, k, E, torch.device("cpu"))
+
+    def test_an_explicit_on_that_cannot_run_says_why():
+        from moekit.kernels.launch_quant import _cublas_gemm1  # noqa: PLC0415
+
+        with pytest.raises(ValueError, match="knobs.cublas1='on' cannot run this call's GEMM1 on cuBLAS: .*Hopper"):
+            _cublas_gemm1("on", 4096, 8, 16, torch.device("cpu"))
+        assert not _cublas_gemm1("off", 1 << 20, 8, 16, torch.device("cpu"))
+
+else:
+    from moekit.kernels.launch import moe_align
+    from moekit.quant import quantize_experts
+
+    def _block_scales(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """[r/128, c/128] block scales -> [r, c]."""
+        return s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+
+    def _emulated_product(a, b, scale_a, scale_b, out_dtype, out):
+        """torch._scaled_mm's block recipe in fp32, checking the layouts cuBLAS takes."""
+        m, K = a.shape
+        N = b.shape[1]
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous()
+        assert b.stride() == (1, K), "w13[e].t(): column-major"
+        assert scale_a.shape == (m, K // 128) and scale_a.stride() == (1, m), "1 x 128 scales M-major"
+        assert scale_b.shape == (K // 128, N // 128) and scale_b.stride() == (1, K // 128)
+        assert out.shape == (m, N) and out.is_contiguous() and out.dtype == out_dtype
+        av = a.float() * scale_a.repeat_interleave(128, 1)
+        bv = b.float() * _block_scales(scale_b, K, N)
+        out.copy_(av @ bv)
+        return out
+
+    def _quant_x(x: torch.Tensor):
+        g = x.float().view(x.shape[0], x.shape[1] // 128, 128)
+        s = g.abs().amax(dim=2).clamp_min(1e-12) / 448.0
+        return (g / s[..., None]).to(torch.float8_e4m3fn).view(x.shape), s
+
+    @pytest.mark.parametrize("T, k, E, n_remote, empty", [(5, 2, 4, 0, True), (9, 3, 6, 3, False), (3, 1, 2, 0, True),
+                                                         (70, 4, 5, 2, False)])
+    def test_gemm1_gives_the_quantized_activation_of_the_dequantized_product(T, k, E, n_remote, empty, gen,
+                                                                           monkeypatch):
+        monkeypatch.setattr(cublas_block, "_product", _emulated_product)
+        H, I = 256, 256
+        w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
+                             torch.randn(E, H, I, generator=gen) * I ** -0.5, "fp8_w8a8_block128")
+        emap = random_expert_map(E, n_remote, gen)
+        n_ids = E + n_remote
+        ids = torch.stack([torch.randperm(n_ids, generator=gen)[:k] for _ in range(T)])
+        if empty:  # an expert with no rows: global id 0 never chosen
+            ids = torch.stack([torch.randperm(n_ids - 1, generator=gen)[:k] + 1 for _ in range(T)])
+        ids = ids.to(torch.int32)
+        x = torch.randn(T, H, generator=gen).half()
+        xq, xs = _quant_x(x)
+        al = moe_align(ids, emap, E, 128)
+        R = al.max_blocks * al.block_m
+        # x's rows in sorted order, zeros on padding rows (gluon_block.gather_rows on the GPU)
+        sid = al.sorted_ids.long()
+        live = (torch.arange(R) < int(al.expert_end[-1])) & (sid >= 0) & (sid < T * k)  # rows past the end: unwritten
+        tok = torch.where(live, sid // k, 0)
+        a1s = torch.where(live[:, None], xq.view(torch.uint8)[tok], 0).to(torch.uint8).view(
+            torch.float8_e4m3fn)
+        a1s_s = torch.where(live[:, None], xs[tok], 0.0)
+        a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w.w13, w.scales["w13_scale"], ids, emap, al.sorted_ids,
+                                      al.expert_end, torch.float16)
+        assert a2.shape == (R, I) and a2.dtype == torch.float8_e4m3fn and a2_s.shape == (R, I // 128)
+        end = int(al.expert_end[-1])
+        w13 = torch.stack([w.w13[e].float() * _block_scales(w.scales["w13_scale"][e], 2 * I, H) for e in range(E)])
+        xd = (xq.float().view(T, H // 128, 128) * xs[..., None]).view(T, H)
+        starts = [0] + al.expert_end.tolist()[:-1]
+        for r in range(end):
+            a = int(al.sorted_ids[r])
+            got = (a2[r].float().view(-1, 128) * a2_s[r][:, None]).view(-1)
+            if a >= T * k:  # padding: zeros
+                assert torch.equal(a2[r].float(), torch.zeros(I)) and torch.equal(a2_s[r], torch.ones(I // 128))
+                continue
+            e = max(i for i, s in enumerate(starts) if s <= r and int(al.expert_end[i]) > r)
+            h = (xd[a // k] @ w13[e].t()).half().float()  # GEMM1's rows in x's dtype
+            act = (h[:I] / (1 + torch.exp(-h[:I])) * h[I:]).half().float()
+            assert float((got - act).norm() / act.norm()) <= 0.07  # e4m3: 3 mantissa bits
+            # the quantization is quantize_rows': scale max|a| / 448 per 128 columns
+            assert torch.allclose(a2_s[r], act.view(-1, 128).abs().amax(1) / 448.0, rtol=2e-3)
