@@ -63,6 +63,7 @@ def time_ms(fn, reps=20):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep", action="store_true", help="also: few rows, rows around 512, host time a launch")
     args = p.parse_args(argv)
     dev = "cuda"
     doc = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
@@ -125,10 +126,56 @@ def main(argv=None) -> int:
             row = {"gemm": gname, "experts": E, "rows_each": rows, "ms": round(t, 3), "TFLOPs": round(flop / t / 1e9, 1)}
             doc["loop"].append(row)
             print(row, flush=True)
+    if good is not None and args.sweep:
+        sweep(doc, good, dev)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0
+
+
+def sweep(doc: dict, good: str, dev: str) -> None:
+    """Few rows with the M-major scales as a slice at an offset of a larger buffer (as the layer
+    passes them), checked; GEMM1's time by rows around 512; the host time of a launch."""
+    import time  # noqa: PLC0415
+
+    K, N, G = 7168, 4096, 7168 // 128
+    w = torch.randn(N, K, device=dev) * 0.02
+    wq, sb = quant_blocks(w)
+    wd = (wq.float().view(N // 128, 128, K // 128, 128) * sb[:, None, :, None]).view(N, K)
+    doc["small"] = {}
+    for M in (1, 2, 3, 4, 5, 8, 12, 16, 17, 32, 64, 100, 128, 200):
+        m = (M + 3) // 4 * 4
+        x = torch.zeros(m, K, device=dev)
+        x[:M] = torch.randn(M, K, device=dev)
+        xq, sa = quant_groups(x)
+        buf = torch.zeros(64 * G + m * G, device=dev)
+        buf[64 * G:].view(G, m).copy_(sa.t())
+        a_s = buf[64 * G:].view(G, m).t()
+        out = torch.empty(m + 8, N, device=dev, dtype=torch.bfloat16)
+        try:
+            torch.ops.aten._scaled_mm.out(xq, wq.t(), a_s, sb.t(), out_dtype=torch.bfloat16, out=out[4:4 + m])
+            ref = (xq.float().view(m, G, 128) * sa[..., None]).view(m, K)[:M] @ wd.t()
+            err = float((out[4:4 + M].float() - ref).norm() / ref.norm())
+            doc["small"][M] = round(err, 5)
+        except Exception as e:  # noqa: BLE001
+            doc["small"][M] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        print("small", M, doc["small"][M], flush=True)
+    doc["rows_sweep"] = {}
+    for M in list(range(448, 580, 4)) + [496, 512, 528, 544, 576, 640]:
+        xq, sa = quant_groups(torch.randn(M, K, device=dev))
+        a_s = sa.t().contiguous().t()
+        out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+        fn = lambda: torch.ops.aten._scaled_mm.out(xq, wq.t(), a_s, sb.t(), out_dtype=torch.bfloat16, out=out)  # noqa: E731
+        doc["rows_sweep"][M] = round(time_ms(fn, reps=30) * 1e3, 2)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        print("rows", M, doc["rows_sweep"][M], "us; host", round(host, 1), "us a launch", flush=True)
+        doc.setdefault("host_us_per_launch", {})[M] = round(host, 1)
 
 
 if __name__ == "__main__":
