@@ -63,7 +63,7 @@ def main() -> int:
     if good:
         K, N = 7168, 4096
         wq, sb = quant_blocks(torch.randn(N, K, device=dev) * 0.02)
-        for M in (128, 256, 384, 448, 480, 512, 516, 544, 576, 640, 768, 1024):
+        for M in (128, 256, 384, 448, 480, 496, 512, 528, 544, 576, 608, 640, 768, 1024):
             xq, sa = quant_groups(torch.randn(M, K, device=dev))
             a = dict(zip(a_opts, (sb.contiguous(), sb.t().contiguous().t(), sb.t().contiguous(), sb.t())))[good[0]]
             b = dict(zip(b_opts, (sa.t().contiguous(), sa.t().contiguous().t().t(), sa.contiguous(),
@@ -73,6 +73,26 @@ def main() -> int:
                         reps=30)
             doc["transposed_rows"][M] = round(t * 1e3, 2)
             print("transposed rows", M, round(t * 1e3, 2), "us", flush=True)
+    # out^T written straight into GEMM1's row layout: out = h[rows].t() (column-major [N, m])
+    K, N = 7168, 4096
+    wq, sb = quant_blocks(torch.randn(N, K, device=dev) * 0.02)
+    doc["transposed_into_rows"] = {}
+    for M in (16, 496, 512, 528, 576, 640):
+        xq, sa = quant_groups(torch.randn(M, K, device=dev))
+        h = torch.zeros(M + 32, N, device=dev, dtype=torch.bfloat16)
+        try:
+            torch.ops.aten._scaled_mm.out(wq, xq.t(), sb, sa.t().contiguous(), out_dtype=torch.bfloat16,
+                                          out=h[16:16 + M].t())
+            ref = (xq.float().view(M, K // 128, 128) * sa[..., None]).view(M, K) @ \
+                  (wq.float().view(N // 128, 128, K // 128, 128) * sb[:, None, :, None]).view(N, K).t()
+            err = round(float((h[16:16 + M].float() - ref).norm() / ref.norm()), 5)
+            t = time_ms(lambda: torch.ops.aten._scaled_mm.out(wq, xq.t(), sb, sa.t().contiguous(),
+                                                              out_dtype=torch.bfloat16, out=h[16:16 + M].t()), reps=30)
+            res = {"err": err, "us": round(t * 1e3, 2), "untouched": bool((h[:16] == 0).all() and (h[16 + M:] == 0).all())}
+        except Exception as e:  # noqa: BLE001
+            res = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        doc["transposed_into_rows"][M] = res
+        print("transposed into rows", M, res, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
