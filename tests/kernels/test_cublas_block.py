@@ -30,20 +30,22 @@ if not IN_INTERPRETER:
             QuantKnobs(cublas1="yes")
 
     def test_refused_off_hopper_and_the_rule_counts_rows_an_expert(monkeypatch):
-        assert "Hopper (compute capability 9.x), got cpu" in cublas_block.refusal(torch.device("cpu"))
-        assert not cublas_block.wanted(16384, 8, 256, torch.device("cpu"))
-        monkeypatch.setattr(cublas_block, "refusal", lambda device: None)
+        cpu = torch.device("cpu")
+        assert "Hopper (compute capability 9.x), got cpu" in cublas_block.refusal(cpu, 7168, 2048)
+        assert "H and 2I must be multiples of 512" in cublas_block.refusal(cpu, 768, 512)
+        assert not cublas_block.wanted(16384, 8, 256, 7168, 2048, cpu)
+        monkeypatch.setattr(cublas_block, "refusal", lambda device, H, I: None)
         E, k = 256, 8
         rows = cublas_block.CUBLAS_ROWS
-        assert cublas_block.wanted(rows * E // k, k, E, torch.device("cpu"))
-        assert not cublas_block.wanted(rows * E // k - 1, k, E, torch.device("cpu"))
+        assert cublas_block.wanted(rows * E // k, k, E, 7168, 2048, cpu)
+        assert not cublas_block.wanted(rows * E // k - 1, k, E, 7168, 2048, cpu)
 
     def test_an_explicit_on_that_cannot_run_says_why():
         from moekit.kernels.launch_quant import _cublas_gemm1  # noqa: PLC0415
 
         with pytest.raises(ValueError, match="knobs.cublas1='on' cannot run this call's GEMM1 on cuBLAS: .*Hopper"):
-            _cublas_gemm1("on", 4096, 8, 16, torch.device("cpu"))
-        assert not _cublas_gemm1("off", 1 << 20, 8, 16, torch.device("cpu"))
+            _cublas_gemm1("on", 4096, 8, 16, 1024, 512, torch.device("cpu"))
+        assert not _cublas_gemm1("off", 1 << 20, 8, 16, 1024, 512, torch.device("cpu"))
 
 else:
     from moekit.kernels.launch import moe_align
@@ -77,7 +79,7 @@ else:
     def test_gemm1_gives_the_quantized_activation_of_the_dequantized_product(T, k, E, n_remote, empty, gen,
                                                                            monkeypatch):
         monkeypatch.setattr(cublas_block, "_product", _emulated_product)
-        H, I = 256, 256
+        H, I = 512, 256
         w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
                              torch.randn(E, H, I, generator=gen) * I ** -0.5, "fp8_w8a8_block128")
         emap = random_expert_map(E, n_remote, gen)

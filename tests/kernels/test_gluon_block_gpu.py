@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, rea
               pytest.mark.skipif(gluon_block.GLUON_MISSING is not None, reason=str(gluon_block.GLUON_MISSING))]
 
 SCHEME = "fp8_w8a8_block128"
-CUBLAS_REFUSAL = cublas_block.refusal(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+CUBLAS_REFUSAL = cublas_block.refusal(torch.device("cuda"), 512, 256) if torch.cuda.is_available() else "no CUDA GPU"
 
 
 def _weights(E, H, I, gen):
@@ -104,9 +104,9 @@ def test_explicit_gluon_knob_refused_with_the_reason(cuda_gen):
 
 @pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
 @pytest.mark.parametrize("T,E,k,H,I,n_remote,skewed", [
-    (1, 8, 2, 256, 256, 0, False),
-    (37, 16, 4, 512, 256, 3, False),      # expert map
-    (300, 16, 1, 768, 512, 0, True),      # k = 1, experts without tokens
+    (1, 8, 2, 512, 256, 0, False),
+    (37, 16, 4, 512, 512, 3, False),      # expert map
+    (300, 16, 1, 1024, 512, 0, True),     # k = 1, experts without tokens
     (700, 32, 8, 1024, 768, 0, False),
     (3000, 8, 2, 2048, 1536, 0, True),    # the rule's own sizes (750 rows an expert)
 ], ids=["T1", "T37-expert-map", "T300-k1-skewed", "T700-k8", "T3000-skewed"])
@@ -144,3 +144,14 @@ def test_cublas_gemm1_steps_aside_in_cuda_graph_capture(cuda_gen):
     with pytest.raises(ValueError, match="cublas1='on' cannot run .* CUDA-graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             _run(wts, x, w, ids, rows=128, cublas1="on")
+
+
+@pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
+def test_cublas_gemm1_refuses_scale_rows_cublas_misreads(cuda_gen):
+    wts = _weights(8, 768, 256, cuda_gen)  # H / 128 = 6 blocks a scale row: cuBLAS computed garbage
+    w, ids = _routing(64, 8, 2, cuda_gen)
+    x = torch.randn(64, 768, device="cuda", generator=cuda_gen).bfloat16()
+    with pytest.raises(ValueError, match="H and 2I must be multiples of 512"):
+        _run(wts, x, w, ids, rows=128, cublas1="on")
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    assert rel_err(_run(wts, x, w, ids, rows=128), ref) <= TOLERANCE["fp8"]  # "auto": the Gluon GEMM1

@@ -24,6 +24,7 @@ come out of silu_quant_kernel as zeros, as padding rows do on the Gluon path.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -37,6 +38,10 @@ __all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
 # Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: 219 / 533 / 1069 TFLOP/s
 # at 128 / 256 / 512 rows an expert on DeepSeek-V3's GEMM1, against 691 for the Gluon kernel.
 CUBLAS_ROWS = 384
+# Side streams the experts' products take in turn. One product of 512 rows on DeepSeek-V3's GEMM1
+# fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25 us); 528 rows take a second
+# wave for 32 tiles (45 us): products on other streams fill the idle SMs.
+STREAMS = 4
 
 _ACCEPTS: Dict[int, Optional[str]] = {}  # device index -> refusal (None: torch's cuBLAS takes the recipe)
 
@@ -57,9 +62,13 @@ def _probe(device: torch.device) -> Optional[str]:
     return None
 
 
-def refusal(device: torch.device) -> Optional[str]:
+def refusal(device: torch.device, H: int, I: int) -> Optional[str]:
     """Why GEMM1 cannot run on cuBLAS here, as a sentence, or None (the call's other conditions
     are the Gluon kernels': gluon_block.refusal)."""
+    if H % 512 or (2 * I) % 512:
+        # cuBLAS reads the scales' rows 16-byte aligned: with K / 128 not a multiple of 4 (H = 256
+        # or 768) its products came out wrong, silently (bench/results/h200-scaled-mm-block-probe-3.json)
+        return f"H and 2I must be multiples of 512 (scale rows of a multiple of 4 blocks), got H={H}, I={I}"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         got = device.type if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
         return f"torch's block-scaled fp8 products run on Hopper (compute capability 9.x), got {got}"
@@ -71,9 +80,20 @@ def refusal(device: torch.device) -> Optional[str]:
     return _ACCEPTS[index]
 
 
-def wanted(T: int, k: int, E: int, device: torch.device) -> bool:
+def wanted(T: int, k: int, E: int, H: int, I: int, device: torch.device) -> bool:
     """The rule for knob cublas1="auto": at least CUBLAS_ROWS rows an expert and nothing refused."""
-    return T * k >= CUBLAS_ROWS * E and refusal(device) is None
+    return T * k >= CUBLAS_ROWS * E and refusal(device, H, I) is None
+
+
+_STREAMS: Dict[int, Tuple[torch.cuda.Stream, ...]] = {}
+
+
+def _streams(device: torch.device) -> Tuple[torch.cuda.Stream, ...]:
+    """STREAMS side streams of device (made once), which take the experts' products in turn."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = tuple(torch.cuda.Stream(device=index) for _ in range(STREAMS))
+    return _STREAMS[index]
 
 
 @triton.jit
@@ -170,11 +190,22 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     h_parts = h[:ends[-1]].split(pieces)[::2]
     s_parts = scales[:ends[-1] * G].split([n * G for n in pieces])[::2]
     w_parts, ws_parts = w13.transpose(1, 2).unbind(0), w13_s.transpose(1, 2).unbind(0)
-    mm = _product
+    mm, on_cuda = _product, dev.type == "cuda"
+    if on_cuda:
+        main, streams = torch.cuda.current_stream(dev), _streams(dev)
+        for st in streams:
+            st.wait_stream(main)
+    j = 0
     for e in range(E):
         m = rows[e]
         if m:  # scales [m, G] M-major
-            mm(a_parts[e], w_parts[e], s_parts[e].view(G, m).t(), ws_parts[e], out_dtype=out_dtype, out=h_parts[e])
+            with torch.cuda.stream(streams[j % STREAMS]) if on_cuda else contextlib.nullcontext():
+                mm(a_parts[e], w_parts[e], s_parts[e].view(G, m).t(), ws_parts[e], out_dtype=out_dtype,
+                   out=h_parts[e])
+            j += 1
+    if on_cuda:
+        for st in streams:  # (every tensor here was allocated on main: its later reuse waits for this)
+            main.wait_stream(st)
     a2 = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=dev)
     a2_s = torch.empty(R, I // 128, dtype=torch.float32, device=dev)
     rows, bc = 4, 512

@@ -470,7 +470,7 @@ def fused_moe_quant(
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
     if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs, GEMM1 on cuBLAS at prefill sizes
         a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
-        if _cublas_gemm1(knobs.cublas1, T, k, E, dev):
+        if _cublas_gemm1(knobs.cublas1, T, k, E, H, I, dev):
             a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w13, w13_scale, topk_ids, expert_map, al.sorted_ids,
                                           al.expert_end, x.dtype)
         else:
@@ -532,16 +532,16 @@ def fused_moe_quant(
     return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
 
 
-def _cublas_gemm1(mode: str, T: int, k: int, E: int, device: torch.device) -> bool:
+def _cublas_gemm1(mode: str, T: int, k: int, E: int, H: int, I: int, device: torch.device) -> bool:
     """Whether GEMM1 of a Gluon call runs on cuBLAS (QuantKnobs.cublas1)."""
     if mode == "off":
         return False
     if mode == "on":
-        why = cublas_block.refusal(device)
+        why = cublas_block.refusal(device, H, I)
         if why:
             raise ValueError(f"knobs.cublas1='on' cannot run this call's GEMM1 on cuBLAS: {why}")
         return True
-    return cublas_block.wanted(T, k, E, device)
+    return cublas_block.wanted(T, k, E, H, I, device)
 
 
 def _sum_over_k(y: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], T: int, H: int, k: int,
