@@ -42,6 +42,7 @@ CUBLAS_ROWS = 384
 # fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25 us); 528 rows take a second
 # wave for 32 tiles (45 us): products on other streams fill the idle SMs.
 STREAMS = 4
+CHUNK = 4  # experts a stream takes at a time
 
 _ACCEPTS: Dict[int, Optional[str]] = {}  # device index -> refusal (None: torch's cuBLAS takes the recipe)
 
@@ -195,14 +196,12 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
         main, streams = torch.cuda.current_stream(dev), _streams(dev)
         for st in streams:
             st.wait_stream(main)
-    j = 0
-    for e in range(E):
-        m = rows[e]
-        if m:  # scales [m, G] M-major
-            with torch.cuda.stream(streams[j % STREAMS]) if on_cuda else contextlib.nullcontext():
-                mm(a_parts[e], w_parts[e], s_parts[e].view(G, m).t(), ws_parts[e], out_dtype=out_dtype,
+    busy = [e for e in range(E) if rows[e]]
+    for c0 in range(0, len(busy), CHUNK):  # CHUNK experts a stream in turn (a stream switch costs host time)
+        with torch.cuda.stream(streams[c0 // CHUNK % STREAMS]) if on_cuda else contextlib.nullcontext():
+            for e in busy[c0:c0 + CHUNK]:  # scales [m, G] M-major
+                mm(a_parts[e], w_parts[e], s_parts[e].view(G, rows[e]).t(), ws_parts[e], out_dtype=out_dtype,
                    out=h_parts[e])
-            j += 1
     if on_cuda:
         for st in streams:  # (every tensor here was allocated on main: its later reuse waits for this)
             main.wait_stream(st)
