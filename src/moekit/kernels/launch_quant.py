@@ -18,7 +18,9 @@ specialized; the scales applied after the K loop, GEMM2's fp8 input stored by GE
 config carries prefill knobs, or the tuned entry's knobs carry static_prefill; an explicit
 prefill config that a call cannot take is refused with the reason. 128 x 128 fp8 blocks on
 Hopper run kernels/gluon_block.py's GEMMs (the promotion of each K block overlapped with the
-next product) when the knobs carry gluon: tuned entries, or gluon_block.default_rows untuned.
+next product) when the knobs carry gluon: tuned entries, or gluon_block.default_rows untuned;
+their GEMM1 runs on cuBLAS at prefill sizes outside graph capture (knob cublas1,
+kernels/cublas_block.py).
 """
 
 from __future__ import annotations
