@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -29,7 +28,7 @@ from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_quant import cpu_name  # noqa: E402
+from cpu_quant import cpu_name, write_json  # noqa: E402
 
 E, K_TOP, H, I = 64, 8, 1024, 512
 SCHEMES = {"bf16": (None, "cpu"), "int8_w8a8": ("int8_w8a8", "cpu_int8"), "int4_w4a16": ("int4_w4a16", "cpu_wo")}
@@ -87,10 +86,7 @@ def main(argv=None) -> int:
                   "next copy's weights with that copy's routing of the same token, alternating which goes first; medians",
         "results": results,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+    write_json(args.out, doc)
     return 0
 
 

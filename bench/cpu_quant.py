@@ -229,11 +229,16 @@ def main(argv=None) -> int:
         "targets_at_M1": {"int8_w8a8 cpu_int8": 1.7, "int4_w4a16 cpu_wo": 2.5},
         "results": results,
     }
-    if args.out:
-        with open(args.out, "w") as f:
+    write_json(args.out, doc)
+    return 0
+
+
+def write_json(path, doc) -> None:
+    """doc as indented JSON at path (nothing when path is None)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
-    return 0
 
 
 if __name__ == "__main__":

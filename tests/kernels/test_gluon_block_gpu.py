@@ -48,6 +48,19 @@ def _poison_allocator():
     torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
 
 
+def _cases(T, E, k, H, I, n_remote, skewed, gen):
+    """(weights, expert map, routing weights, ids, x, emulated reference) for bf16 and fp16 x, the
+    allocator's free memory poisoned with NaN just before each is handed out."""
+    wts = _weights(E, H, I, gen)
+    emap = random_expert_map(E, n_remote, gen, "cuda")
+    w, ids = _routing(T, E + n_remote, k, gen, skewed)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
+        _poison_allocator()
+        yield wts, emap, w, ids, x, ref
+
+
 @pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("T,E,k,H,I,n_remote,skewed", [
     (0, 8, 2, 256, 256, 0, False),
@@ -58,14 +71,9 @@ def _poison_allocator():
     (2000, 8, 2, 2048, 1536, 0, True),
 ], ids=["T0", "T1", "T37-expert-map", "T300-k1-skewed", "T700-k8", "T2000-skewed"])
 def test_gluon_block_matches_emulated_reference(rows, T, E, k, H, I, n_remote, skewed, cuda_gen):
-    wts = _weights(E, H, I, cuda_gen)
-    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
-    w, ids = _routing(T, E + n_remote, k, cuda_gen, skewed)
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(T, H, device="cuda", generator=cuda_gen).to(dtype)
-        _poison_allocator()
+    for wts, emap, w, ids, x, ref in _cases(T, E, k, H, I, n_remote, skewed, cuda_gen):
         out = _run(wts, x, w, ids, emap, rows)
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
+        dtype = x.dtype
         assert out.shape == (T, H) and out.dtype == dtype and torch.isfinite(out).all()
         if T:
             assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
@@ -111,14 +119,9 @@ def test_explicit_gluon_knob_refused_with_the_reason(cuda_gen):
     (3000, 8, 2, 2048, 1536, 0, True),    # the rule's own sizes (750 rows an expert)
 ], ids=["T1", "T37-expert-map", "T300-k1-skewed", "T700-k8", "T3000-skewed"])
 def test_cublas_gemm1_matches_the_reference_and_the_gluon_gemm1(T, E, k, H, I, n_remote, skewed, cuda_gen):
-    wts = _weights(E, H, I, cuda_gen)
-    emap = random_expert_map(E, n_remote, cuda_gen, "cuda")
-    w, ids = _routing(T, E + n_remote, k, cuda_gen, skewed)
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(T, H, device="cuda", generator=cuda_gen).to(dtype)
-        _poison_allocator()
+    for wts, emap, w, ids, x, ref in _cases(T, E, k, H, I, n_remote, skewed, cuda_gen):
         out = _run(wts, x, w, ids, emap, 128, cublas1="on")
-        ref = emulated_experts(x, wts, w, ids, expert_map=emap, act_dtype=triton_act_dtype(wts, x))
+        dtype = x.dtype
         assert out.shape == (T, H) and out.dtype == dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
         assert rel_err(out, _run(wts, x, w, ids, emap, 128, cublas1="off")) <= TOLERANCE["fp8"]
