@@ -7,7 +7,9 @@ shapes and layouts). Per expert, on its rows of the alignment, it ran DeepSeek-V
 2I = 4096, K = H = 7168) at 1069 TFLOP/s at 512 rows and 1251 at 1024 on an H200, 1173 for the
 256 experts one after another at 512 rows each, where the Gluon GEMM1 reaches 691
 (bench/results/h200-scaled-mm-block-probe.json; bench/NOTES-triton.md). At 128 rows an expert
-it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert.
+it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert. In the
+layer, the host's launches (about 20 us each in torch) and the products' second waves past 512
+rows leave 5-10 % of the call's time by median at 12288-16384 tokens (bench/NOTES-triton.md).
 
 Pipeline (launch_quant.fused_moe_quant, knob `cublas1`, with the Gluon GEMM2 after it):
     align (+ x quantized per 128 columns) -> gather_rows -> scales of each expert's rows
@@ -35,8 +37,10 @@ from .triton_quant_rows import FP8_MAX, to_quant
 
 __all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
 
-# Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: 219 / 533 / 1069 TFLOP/s
-# at 128 / 256 / 512 rows an expert on DeepSeek-V3's GEMM1, against 691 for the Gluon kernel.
+# Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: one product ran at 219 /
+# 533 / 1069 TFLOP/s at 128 / 256 / 512 rows on DeepSeek-V3's GEMM1 (the Gluon GEMM1: 691); the
+# layer's call took 0.985x the Gluon GEMM1's time at 256 rows an expert (M = 8192), 0.92x at 384
+# and 512 (M = 12288, 16384; bench/results/h200-cublas-gemm1-ab*.json).
 CUBLAS_ROWS = 384
 # Side streams the experts' products take in turn. One product of 512 rows on DeepSeek-V3's GEMM1
 # fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25 us); 528 rows take a second
@@ -52,10 +56,10 @@ def _probe(device: torch.device) -> Optional[str]:
     if not hasattr(torch, "_scaled_mm"):
         return f"this torch ({torch.__version__}) has no torch._scaled_mm"
     try:
-        a = torch.zeros(16, 128, dtype=torch.float8_e4m3fn, device=device)
-        w = torch.zeros(128, 128, dtype=torch.float8_e4m3fn, device=device)
-        sa = torch.ones(1, 16, device=device).t()  # [16, 1], M-major
-        sw = torch.ones(1, 1, device=device)
+        a = torch.zeros(16, 512, dtype=torch.float8_e4m3fn, device=device)
+        w = torch.zeros(128, 512, dtype=torch.float8_e4m3fn, device=device)
+        sa = torch.ones(4, 16, device=device).t()  # [16, 4], M-major
+        sw = torch.ones(1, 4, device=device)
         torch._scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.bfloat16)
     except (RuntimeError, TypeError, ValueError) as err:
         return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) does not run block-scaled fp8 products "
