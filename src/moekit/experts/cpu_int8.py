@@ -112,7 +112,8 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
 
 class CPUInt8Backend(ExpertsBackend):
     name = "cpu_int8"
-    description = "int8 W8A8 on CPU: dynamic per-token int8 activations, exact int8 GEMM (torch._int_mm)"
+    description = ("int8 W8A8 on CPU: dynamic per-token int8 activations, exact int8 products (moekit's native "
+                   "kernels at decode and few rows an expert, else torch._int_mm)")
     differentiable = False
     # decode and few-row products through moekit's native kernel where it is available
     # (moekit.native); False keeps torch._int_mm (tests compare the two)

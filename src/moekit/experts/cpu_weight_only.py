@@ -178,8 +178,9 @@ def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
 
 class CPUWeightOnlyBackend(ExpertsBackend):
     name = "cpu_wo"
-    description = ("weight-only int4/int8 on CPU: torch's int4 kernel on bf16 inputs, else fp32 GEMMs "
-                   "from weights dequantized in cache-sized blocks")
+    description = ("weight-only int4/int8 on CPU: moekit's native integer products at decode and few rows an expert, "
+                   "its vdpbf16ps kernels on AVX-512 BF16 without AMX, torch's int4 kernel on bf16 inputs, else fp32 "
+                   "GEMMs from weights dequantized in cache-sized blocks")
     differentiable = False
 
     # decode and few-row products through moekit's native kernel where it is available
