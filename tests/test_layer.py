@@ -138,8 +138,13 @@ def test_expert_weights_object_lives_while_the_tensors_do():
     layer.experts.b2 = torch.nn.Parameter(torch.randn(E, H))
     w2 = layer.experts.expert_weights()
     assert w2 is not w and w2.b2 is layer.experts.b2
-    layer.experts.to(torch.bfloat16)  # (parameters keep their objects: the view still holds them)
-    assert layer.experts.expert_weights().w13.dtype == torch.bfloat16
+    x, logits = torch.randn(1, H), torch.randn(1, E)
+    with torch.no_grad():
+        layer(x, logits)  # the decode path derives its native projections from the held object
+        layer.to(torch.bfloat16)  # (parameters keep their objects, with new data: derived state rebuilt)
+        assert layer.experts.expert_weights().w13.dtype == torch.bfloat16
+        xb = x.bfloat16()
+        assert rel_err(layer(xb, logits), expected(layer, xb, logits)) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
