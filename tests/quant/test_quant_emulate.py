@@ -100,8 +100,10 @@ def test_emulation_matches_the_per_token_definition(case, gen):
     out = emulated_experts(x, w, tw, ids, activation=act)
     # With activation quantization, the batched and the per-row fp32 GEMM1 can differ in the
     # last bit, and a value on a rounding boundary then lands one quantization step apart
-    # (seen: 2.4e-4 for fp8 1x128 groups). Weight-only schemes stay within fp32 rounding.
-    tol = 1e-5 if get_scheme(name).activation_dtype is None else 2e-3
+    # (seen: 2.4e-4 for fp8 1x128 groups, 2.5e-3 for one per-tensor fp8 scale over 5 tokens: a
+    # step near the top binade of e4m3 is 1/14 of the value). Weight-only schemes stay within fp32
+    # rounding.
+    tol = 1e-5 if get_scheme(name).activation_dtype is None else 5e-3
     assert rel_err(out, dumb_forward(x, w, tw, ids, act)) <= tol
 
 
