@@ -65,6 +65,25 @@ def test_canonical_layout_is_used_in_place():
     experts = build("mixtral").model.layers[0].mlp.experts
     w = prepared_weights(experts, experts_layout(experts))
     assert w.w13 is experts.gate_up_proj and w.w2 is experts.down_proj
+    # one object while the module holds these tensors, so what backends derive from it lives on
+    assert prepared_weights(experts, experts_layout(experts)) is w
+
+
+def test_decode_through_moekit_follows_in_place_weight_edits():
+    """The held weights object outlives calls: an edit in place shows in the next decode step."""
+    model = build("mixtral").eval()
+    experts = model.model.layers[0].mlp.experts
+    ids = torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        model.set_experts_implementation("moekit")
+        before = model(ids).logits
+        experts.down_proj.mul_(-2.0)
+        experts.gate_up_proj.add_(0.01)
+        after = model(ids).logits
+        model.set_experts_implementation("eager")
+        ref = model(ids).logits
+    assert not torch.equal(before, after)
+    assert rel_err(after, ref) <= 1e-4
 
 
 def test_repacked_layout_is_cached_and_invalidated():

@@ -39,7 +39,7 @@ import torch.nn as nn
 from ..activations import is_gated
 from ..config import ActivationParams
 from ..experts.api import fused_experts
-from ..experts.base import ExpertWeights
+from ..experts.base import ExpertWeights, held_weights
 from .checkpoint import canonical_layout
 
 try:
@@ -240,8 +240,8 @@ def prepared_weights(module: nn.Module, layout: ExpertsLayout) -> ExpertWeights:
     """The module's experts in the canonical layout: its own tensors when they already are,
     else a repacked copy cached on the module (see the module docstring)."""
     tensors = _module_tensors(module, layout)
-    if layout.in_place:
-        return ExpertWeights(*tensors)
+    if layout.in_place:  # one object while the module holds these tensors (experts.base.held_weights)
+        return held_weights(module, tensors, lambda: ExpertWeights(*tensors))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return canonical_layout(*tensors, transposed=layout.transposed, interleaved=layout.interleaved)
     key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
