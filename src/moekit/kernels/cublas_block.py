@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_quant_rows import FP8_MAX, to_quant
+from .triton_quant_rows import FP8_MAX, quant_groups
 
 __all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
 
@@ -139,14 +139,12 @@ def silu_quant_kernel(h_ptr, q_ptr, s_ptr, sorted_ptr, expert_end_ptr, E, TK, I,
         gate = tl.load(row + cols[None, :, :], mask=ok, other=0.0).to(tl.float32)
         up = tl.load(row + I + cols[None, :, :], mask=ok, other=0.0).to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate)) * up).to(h_ptr.dtype.element_ty).to(tl.float32)
-        mx = tl.max(tl.abs(a), axis=2)  # [ROWS, BC/G]
-        s = tl.where(mx > 0.0, mx / QMAX, 1.0)
+        q, s = quant_groups(a, QMAX, False)  # [ROWS, BC/G, G], [ROWS, BC/G]
         groups = c * (BC // G) + tl.arange(0, BC // G)
         store_ok = row_ok[:, None, None] & (cols < I)[None, :, :]
         tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], s,
                  mask=row_ok[:, None] & (groups * G < I)[None, :])
-        tl.store(q_ptr + rr.to(tl.int64)[:, None, None] * stride_q + cols[None, :, :],
-                 to_quant(a / s[:, :, None], QMAX, False), mask=store_ok)
+        tl.store(q_ptr + rr.to(tl.int64)[:, None, None] * stride_q + cols[None, :, :], q, mask=store_ok)
 
 
 def _product(a, b, scale_a, scale_b, out_dtype, out):

@@ -32,7 +32,7 @@ import triton.language as tl
 from . import triton_align as align
 from .triton_moe import INTERPRETED, MAX_TOP_K, _slot_mask
 
-__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel",
+__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "quant_groups", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel",
            "align_quant_kernel", "sum_slots_kernel"]
 
 FP8_MAX = 448.0
@@ -79,6 +79,15 @@ def to_quant(v, QMAX: tl.constexpr, INT8: tl.constexpr):
         tl.static_assert(QMAX == 448.0, "the GPU's fp8 conversion saturates at 448")
         q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q
+
+
+@triton.jit
+def quant_groups(v, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """Values v [ROWS, NG, G] (fp32) quantized per group of G: (q [ROWS, NG, G], scales [ROWS, NG]),
+    each group's scale max|v| / QMAX (1 for an all-zero group)."""
+    m = tl.max(tl.abs(v), axis=2)
+    s = tl.where(m > 0.0, m / QMAX, 1.0)
+    return to_quant(v / s[:, :, None], QMAX, INT8), s
 
 
 @triton.jit
@@ -203,12 +212,11 @@ def _quant_chunk(x_ptr, q_ptr, s_ptr, topk_w_ptr, src_ptr, ids_ptr, map_ptr, r0,
             cols = c * BC + tl.arange(0, BC // G)[:, None] * G + tl.arange(0, G)[None, :]  # [BC/G, G]
             ok = row_ok[:, None, None] & (cols < K)[None, :, :]
             v = tl.load(row[:, :, None] + cols[None, :, :], mask=ok, other=0.0).to(tl.float32) * w_r[:, :, None]
-            m = tl.max(tl.abs(v), axis=2)  # [ROWS, BC/G]
-            s = tl.where(m > 0.0, m / QMAX, 1.0)
+            q, s = quant_groups(v, QMAX, INT8)  # [ROWS, BC/G, G], [ROWS, BC/G]
             groups = c * (BC // G) + tl.arange(0, BC // G)
             tl.store(s_ptr + rr.to(tl.int64)[:, None] * stride_s + groups[None, :], s,
                      mask=row_ok[:, None] & (groups * G < K)[None, :])
-            tl.store(q_row[:, :, None] + cols[None, :, :], to_quant(v / s[:, :, None], QMAX, INT8), mask=ok)
+            tl.store(q_row[:, :, None] + cols[None, :, :], q, mask=ok)
         else:
             ks = tl.arange(0, BC)[None, :]
             if GRAN == 1:

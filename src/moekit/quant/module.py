@@ -75,9 +75,10 @@ class QuantizedRoutedExperts(nn.Module):
 
     def expert_weights(self) -> ExpertWeights:
         names = self._scale_names
-        tensors = (self.w13, self.w2, self.b13, self.b2, self.scheme, *names, *(getattr(self, n) for n in names))
-        return held_weights(self, tensors, lambda: ExpertWeights(
-            self.w13, self.w2, self.b13, self.b2, scales={n: getattr(self, n) for n in names}, quant=self.scheme.name))
+        scales = tuple(getattr(self, n) for n in names)
+        tensors = (self.w13, self.w2, self.b13, self.b2, self.scheme, *names, *scales)
+        return held_weights(self, tensors, lambda: ExpertWeights(*tensors[:4], scales=dict(zip(names, scales)),
+                                                                  quant=self.scheme.name))
 
     @torch.no_grad()
     def load_weights(self, w13, w2, b13=None, b2=None) -> None:
