@@ -74,11 +74,13 @@ else:
         s = g.abs().amax(dim=2).clamp_min(1e-12) / 448.0
         return (g / s[..., None]).to(torch.float8_e4m3fn).view(x.shape), s
 
-    @pytest.mark.parametrize("T, k, E, n_remote, empty", [(5, 2, 4, 0, True), (9, 3, 6, 3, False), (3, 1, 2, 0, True),
-                                                         (70, 4, 5, 2, False)])
-    def test_gemm1_gives_the_quantized_activation_of_the_dequantized_product(T, k, E, n_remote, empty, gen,
+    @pytest.mark.parametrize("T, k, E, n_remote, empty, piece", [(5, 2, 4, 0, True, 0), (9, 3, 6, 3, False, 4),
+                                                                (3, 1, 2, 0, True, 0), (70, 4, 5, 2, False, 12)])
+    def test_gemm1_gives_the_quantized_activation_of_the_dequantized_product(T, k, E, n_remote, empty, piece, gen,
                                                                            monkeypatch):
+        """piece: rows of a product at most (cublas_block.PIECE_ROWS; 0 = an expert's rows)."""
         monkeypatch.setattr(cublas_block, "_product", _emulated_product)
+        monkeypatch.setattr(cublas_block, "PIECE_ROWS", piece)
         H, I = 512, 256
         w = quantize_experts(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5,
                              torch.randn(E, H, I, generator=gen) * I ** -0.5, "fp8_w8a8_block128")

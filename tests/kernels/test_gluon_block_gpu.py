@@ -10,7 +10,7 @@ from conftest import rel_err, random_expert_map, triton_act_dtype
 pytest.importorskip("triton")
 
 from moekit.config import settings  # noqa: E402
-from moekit.kernels import cublas_block, gluon_block  # noqa: E402
+from moekit.kernels import cublas_block, cublaslt, gluon_block  # noqa: E402
 from moekit.kernels.launch_quant import fused_moe_quant  # noqa: E402
 from moekit.kernels.quant_tuning import QuantKnobs  # noqa: E402
 from moekit.quant import TOLERANCE, emulated_experts, quantize_experts, scheme_of  # noqa: E402
@@ -126,6 +126,25 @@ def test_cublas_gemm1_matches_the_reference_and_the_gluon_gemm1(T, E, k, H, I, n
         assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
         assert rel_err(out, _run(wts, x, w, ids, emap, 128, cublas1="off")) <= TOLERANCE["fp8"]
         assert torch.equal(out, _run(wts, x, w, ids, emap, 128, cublas1="on"))  # run to run
+
+
+@pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
+@pytest.mark.skipif(cublaslt.refusal() is not None, reason=str(cublaslt.refusal()))
+@pytest.mark.parametrize("T,E,k,H,I,skewed", [(37, 16, 4, 512, 512, False), (3000, 8, 2, 2048, 1536, True),
+                                              (700, 32, 8, 1024, 768, False)])
+def test_cublaslt_called_directly_gives_torchs_bits(T, E, k, H, I, skewed, cuda_gen, monkeypatch):
+    """The products through cublaslt.py and through torch._scaled_mm: same algorithm choice
+    aside, the same recipe; the layer's output must agree to the bit."""
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen, skewed)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    assert cublaslt.engine(torch.device("cuda"), 2 * I, H, torch.bfloat16) is not None
+    direct = _run(wts, x, w, ids, rows=128, cublas1="on")
+    monkeypatch.setattr(cublas_block, "USE_DIRECT", False)
+    via_torch = _run(wts, x, w, ids, rows=128, cublas1="on")
+    ref = emulated_experts(x, wts, w, ids, act_dtype=triton_act_dtype(wts, x))
+    assert rel_err(direct, ref) <= TOLERANCE["fp8"] and rel_err(via_torch, ref) <= TOLERANCE["fp8"]
+    assert torch.equal(direct, via_torch), rel_err(direct, via_torch)
 
 
 @pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))

@@ -7,14 +7,20 @@ shapes and layouts). Per expert, on its rows of the alignment, it ran DeepSeek-V
 2I = 4096, K = H = 7168) at 1069 TFLOP/s at 512 rows and 1251 at 1024 on an H200, 1173 for the
 256 experts one after another at 512 rows each, where the Gluon GEMM1 reaches 691
 (bench/results/h200-scaled-mm-block-probe.json; bench/NOTES-triton.md). At 128 rows an expert
-it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert. In the
-layer, the host's launches (about 20 us each in torch) and the products' second waves past 512
-rows leave 5-10 % of the call's time by median at 12288-16384 tokens (bench/NOTES-triton.md).
+it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert.
+
+The products go to cuBLASLt directly where torch's library is found (cublaslt.py: 15 us of host
+time a launch against 26 through torch._scaled_mm, the same bits), else through torch. At
+DeepSeek-V3's shape the call took 12.1-12.3 ms at M = 12288 (torch's launches: 14.2-17.8, the
+Gluon GEMM1: 14.8-15.0) and 16.9-17.0 ms at M = 16384 (17.2-17.6; 18.9-19.2), eagerly: 1.34-1.41x
+and 1.29-1.31x the bf16 kernel (bench/results/h200-cublaslt-block-probe.json, -sweep.json). What
+is left is on the GPU: products of 513-640 rows take a second wave of tiles (48 against 31.6 us
+at 512 rows), which products on the other streams fill only in part.
 
 Pipeline (launch_quant.fused_moe_quant, knob `cublas1`, with the Gluon GEMM2 after it):
     align (+ x quantized per 128 columns) -> gather_rows -> scales of each expert's rows
     copied M-major (segment_scales_kernel) -> the host reads the experts' ends and row counts
-    (one synchronisation) -> one torch._scaled_mm an expert into GEMM1's bf16 rows [R, 2I]
+    (one synchronisation) -> one cuBLAS product an expert into GEMM1's bf16 rows [R, 2I]
     -> silu(gate) * up rounded to x's dtype and quantized per 128 columns (silu_quant_kernel:
     the values the Gluon GEMM1 and quantize_rows give, up to GEMM1's own rounding) -> GEMM2.
 
@@ -33,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cublaslt
 from .triton_quant_rows import FP8_MAX, quant_groups
 
 __all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
@@ -43,10 +50,18 @@ __all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
 # and 512 (M = 12288, 16384; bench/results/h200-cublas-gemm1-ab*.json).
 CUBLAS_ROWS = 384
 # Side streams the experts' products take in turn. One product of 512 rows on DeepSeek-V3's GEMM1
-# fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25 us); 528 rows take a second
-# wave for 32 tiles (45 us): products on other streams fill the idle SMs.
+# fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25-32 us); 528 rows take a
+# second wave for 32 tiles (45-50 us): products on other streams fill some of the idle SMs (one
+# stream 3 % slower than four at M = 16384, eight even with four).
 STREAMS = 4
-CHUNK = 4  # experts a stream takes at a time
+CHUNK = 4  # products a stream takes at a time
+# Rows of one product at most (0: an expert's rows in one product). Pieces of 256-512 rows, meant
+# to leave SMs to the other streams' products, measured even or slower at DeepSeek-V3 M = 12288
+# and 16384, pieces of 128 rows 1.35-1.4x slower (host-bound; h200-cublaslt-block-sweep.json).
+PIECE_ROWS = 0
+# Products through cuBLASLt directly (cublaslt.py: a few us of host time a launch, against about
+# 20 in torch._scaled_mm), where it is found; False keeps torch._scaled_mm (same bits).
+USE_DIRECT = True
 
 _ACCEPTS: Dict[int, Optional[str]] = {}  # device index -> refusal (None: torch's cuBLAS takes the recipe)
 
@@ -102,20 +117,24 @@ def _streams(device: torch.device) -> Tuple[torch.cuda.Stream, ...]:
 
 
 @triton.jit
-def segment_scales_kernel(s_ptr, out_ptr, expert_end_ptr, counts_ptr, G, stride_s, BR: tl.constexpr,
+def segment_scales_kernel(s_ptr, out_ptr, expert_end_ptr, counts_ptr, G, stride_s, P, BR: tl.constexpr,
                           BG: tl.constexpr):
     """Expert e = program_id(0): the scales [m, G] of the first m = count rounded up to 4 rows of
-    its segment (rows [start, end) of the alignment), stored M-major at out + start * G: entry
-    (i, g) at g * m + i, as torch._scaled_mm wants a 1 x 128 operand's scales."""
+    its segment (rows [start, end) of the alignment), in pieces of P rows (a product each), each
+    piece's stored M-major at out + (start + p0) * G: entry (i, g) of the piece of rows [p0, p0 +
+    pr) at g * pr + i - p0, as cuBLAS wants a 1 x 128 operand's scales."""
     e = tl.program_id(0)
     start = tl.where(e > 0, tl.load(expert_end_ptr + tl.maximum(e - 1, 0)), 0)
     m = (tl.load(counts_ptr + e) + 3) // 4 * 4
     g = tl.arange(0, BG)
     for i0 in range(0, m, BR):
         i = i0 + tl.arange(0, BR)
+        p0 = i // P * P
+        pr = tl.minimum(P, m - p0)
         ok = (i < m)[:, None] & (g < G)[None, :]
         v = tl.load(s_ptr + (start + i).to(tl.int64)[:, None] * stride_s + g[None, :], mask=ok, other=0.0)
-        tl.store(out_ptr + start.to(tl.int64) * G + g[None, :] * m + i[:, None], v, mask=ok)
+        dst = (start + p0).to(tl.int64)[:, None] * G + g[None, :] * pr[:, None] + (i - p0)[:, None]
+        tl.store(out_ptr + dst, v, mask=ok)
 
 
 @triton.jit
@@ -153,6 +172,14 @@ def _product(a, b, scale_a, scale_b, out_dtype, out):
     return torch.ops.aten._scaled_mm.out(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
 
 
+def _engine(dev: torch.device, N1: int, H: int, out_dtype: torch.dtype, *operands: torch.Tensor):
+    """cuBLASLt's products called directly (cublaslt.engine), where the device, library and the
+    operands' layouts allow; None sends the products through torch._scaled_mm."""
+    if not USE_DIRECT or dev.type != "cuda" or not all(t.is_contiguous() for t in operands):
+        return None
+    return cublaslt.engine(dev, N1, H, out_dtype)
+
+
 def _counts(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> torch.Tensor:
     """Assignments of each local expert [E] int32 (on the device; non-local ones dropped)."""
     ids = topk_ids.reshape(-1).long()
@@ -182,28 +209,39 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     dev = a1s.device
     counts = _counts(topk_ids, expert_map, E)
     scales = torch.empty(R * G, dtype=torch.float32, device=dev)
-    segment_scales_kernel[(E,)](a1s_s, scales, expert_end, counts, G, a1s_s.stride(0), BR=64,
+    P = PIECE_ROWS or R
+    segment_scales_kernel[(E,)](a1s_s, scales, expert_end, counts, G, a1s_s.stride(0), P, BR=64,
                                 BG=triton.next_power_of_2(G), num_warps=4)
     h = torch.empty(R, N1, dtype=out_dtype, device=dev)
     ends, live = torch.stack((expert_end, counts)).tolist()  # the one host synchronisation
-    # Views made a whole list at a time: the launches must keep ahead of products of ~25 us.
-    rows = [(live[e] + 3) // 4 * 4 for e in range(E)]
-    pieces = [n for e in range(E) for n in (rows[e], ends[e] - (ends[e - 1] if e else 0) - rows[e])]
-    a_parts = a1s[:ends[-1]].split(pieces)[::2]
-    h_parts = h[:ends[-1]].split(pieces)[::2]
-    s_parts = scales[:ends[-1] * G].split([n * G for n in pieces])[::2]
-    w_parts, ws_parts = w13.transpose(1, 2).unbind(0), w13_s.transpose(1, 2).unbind(0)
-    mm, on_cuda = _product, dev.type == "cuda"
+    # Products (expert, first row, rows): an expert's live rows rounded up to 4, in pieces of P rows
+    products = [(e, start + p0, min(P, m - p0)) for e, start, m in
+                ((e, ends[e - 1] if e else 0, (live[e] + 3) // 4 * 4) for e in range(E)) for p0 in range(0, m, P)]
+    on_cuda = dev.type == "cuda"
     if on_cuda:
         main, streams = torch.cuda.current_stream(dev), _streams(dev)
         for st in streams:
             st.wait_stream(main)
-    busy = [e for e in range(E) if rows[e]]
-    for c0 in range(0, len(busy), CHUNK):  # CHUNK experts a stream in turn (a stream switch costs host time)
-        with torch.cuda.stream(streams[c0 // CHUNK % STREAMS]) if on_cuda else contextlib.nullcontext():
-            for e in busy[c0:c0 + CHUNK]:  # scales [m, G] M-major
-                mm(a_parts[e], w_parts[e], s_parts[e].view(G, rows[e]).t(), ws_parts[e], out_dtype=out_dtype,
-                   out=h_parts[e])
+    direct = _engine(dev, N1, H, out_dtype, a1s, w13, w13_s)
+    if direct is not None:
+        # Addresses, not views: a launch costs about 15 us of host time this way, 26 through torch (cublaslt.py)
+        a0, s0, h0 = a1s.data_ptr(), scales.data_ptr(), h.data_ptr()
+        w0, ws0 = w13.data_ptr(), w13_s.data_ptr()
+        w_step, ws_step, h_row = w13.stride(0), w13_s.stride(0) * 4, N1 * h.element_size()
+        handles = [st.cuda_stream for st in streams]
+        with torch.cuda.device(dev):
+            for c0 in range(0, len(products), CHUNK):  # CHUNK products a stream in turn
+                stream = handles[c0 // CHUNK % STREAMS]
+                for e, r0, m in products[c0:c0 + CHUNK]:
+                    direct(m, a0 + r0 * H, s0 + r0 * G * 4, w0 + e * w_step, ws0 + e * ws_step, h0 + r0 * h_row,
+                           stream, 0)
+    else:
+        w_parts, ws_parts = w13.transpose(1, 2).unbind(0), w13_s.transpose(1, 2).unbind(0)
+        for c0 in range(0, len(products), CHUNK):  # (a stream switch costs host time)
+            with torch.cuda.stream(streams[c0 // CHUNK % STREAMS]) if on_cuda else contextlib.nullcontext():
+                for e, r0, m in products[c0:c0 + CHUNK]:  # scales [m, G] M-major
+                    _product(a1s[r0:r0 + m], w_parts[e], scales[r0 * G:(r0 + m) * G].view(G, m).t(), ws_parts[e],
+                             out_dtype=out_dtype, out=h[r0:r0 + m])
     if on_cuda:
         for st in streams:  # (every tensor here was allocated on main: its later reuse waits for this)
             main.wait_stream(st)
