@@ -39,6 +39,11 @@ if not IN_INTERPRETER:
         rows = cublas_block.CUBLAS_ROWS
         assert cublas_block.wanted(rows * E // k, k, E, 7168, 2048, cpu)
         assert not cublas_block.wanted(rows * E // k - 1, k, E, 7168, 2048, cpu)
+        # products too short to hide their launches stay on the Gluon GEMM1 (Qwen3-30B-A3B, OLMoE)
+        assert not cublas_block.wanted(16384, 8, 128, 2048, 768, cpu)  # 1024 rows an expert, 6.4 GFLOP
+        assert not cublas_block.wanted(16384, 8, 64, 2048, 1024, cpu)  # 2048 rows, 17 GFLOP
+        assert cublas_block.wanted(65536, 8, 64, 2048, 1024, cpu)  # 8192 rows, 69 GFLOP
+        assert cublas_block.wanted(2048, 2, 8, 4096, 14336, cpu)  # Mixtral, 512 rows
 
     def test_an_explicit_on_that_cannot_run_says_why():
         from moekit.kernels.launch_quant import _cublas_gemm1  # noqa: PLC0415

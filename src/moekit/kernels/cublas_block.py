@@ -7,7 +7,8 @@ shapes and layouts). Per expert, on its rows of the alignment, it ran DeepSeek-V
 2I = 4096, K = H = 7168) at 1069 TFLOP/s at 512 rows and 1251 at 1024 on an H200, 1173 for the
 256 experts one after another at 512 rows each, where the Gluon GEMM1 reaches 691
 (bench/results/h200-scaled-mm-block-probe.json; bench/NOTES-triton.md). At 128 rows an expert
-it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert.
+it ran at 219: the rule below keeps it to calls of at least CUBLAS_ROWS rows an expert, whose
+products are each long enough to hide their launch (CUBLAS_MIN_FLOP).
 
 The products go to cuBLASLt directly where torch's library is found (cublaslt.py: 15 us of host
 time a launch against 26 through torch._scaled_mm, the same bits), else through torch. At
@@ -42,13 +43,22 @@ import triton.language as tl
 from . import cublaslt
 from .triton_quant_rows import FP8_MAX, quant_groups
 
-__all__ = ["CUBLAS_ROWS", "refusal", "wanted", "gemm1"]
+__all__ = ["CUBLAS_ROWS", "CUBLAS_MIN_FLOP", "refusal", "wanted", "gemm1"]
 
 # Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: one product ran at 219 /
 # 533 / 1069 TFLOP/s at 128 / 256 / 512 rows on DeepSeek-V3's GEMM1 (the Gluon GEMM1: 691); the
 # layer's call took 0.985x the Gluon GEMM1's time at 256 rows an expert (M = 8192), 0.92x at 384
 # and 512 (M = 12288, 16384; bench/results/h200-cublas-gemm1-ab*.json).
 CUBLAS_ROWS = 384
+# Floating-point operations of one expert's product (2 rows 2I H, at the mean rows an expert) from
+# which the rule runs GEMM1 on cuBLAS: a launch takes 15 us of host time, so a product must keep
+# the GPU busy about as long (20 GFLOP: about 20 us at 1000 TFLOP/s) or the launches set the pace.
+# The cuBLAS GEMM1's call against the Gluon GEMM1's, eagerly (h200-cublas-gemm1-ab-shapes.json,
+# -ab.json, h200-cublaslt-block-probe.json): DeepSeek-V3 (2I H = 29.4 M) 0.82x at 384 rows an
+# expert (22.5 GFLOP), 0.88x at 512; Mixtral (117 M) 1.15x at 256 rows (under CUBLAS_ROWS), 0.99x
+# at 512, 0.79-0.85x from 1024; OLMoE (4.2 M) 2.7x at 512 rows, 1.15x at 2048 (17 GFLOP); Qwen3
+# (3.1 M) 2.0-4.5x up to 1024 rows (6.4 GFLOP).
+CUBLAS_MIN_FLOP = 2e10
 # Side streams the experts' products take in turn. One product of 512 rows on DeepSeek-V3's GEMM1
 # fills 4 x 32 tiles of 128 x 128, one wave of the H200's 132 SMs (25-32 us); 528 rows take a
 # second wave for 32 tiles (45-50 us): products on other streams fill some of the idle SMs (one
@@ -101,8 +111,10 @@ def refusal(device: torch.device, H: int, I: int) -> Optional[str]:
 
 
 def wanted(T: int, k: int, E: int, H: int, I: int, device: torch.device) -> bool:
-    """The rule for knob cublas1="auto": at least CUBLAS_ROWS rows an expert and nothing refused."""
-    return T * k >= CUBLAS_ROWS * E and refusal(device, H, I) is None
+    """The rule for knob cublas1="auto": at least CUBLAS_ROWS rows an expert, products of at least
+    CUBLAS_MIN_FLOP, and nothing refused."""
+    rows = T * k / E
+    return rows >= CUBLAS_ROWS and 2 * rows * 2 * I * H >= CUBLAS_MIN_FLOP and refusal(device, H, I) is None
 
 
 _STREAMS: Dict[int, Tuple[torch.cuda.Stream, ...]] = {}

@@ -74,10 +74,11 @@ class QuantKnobs:
         scheme on Hopper (kernels/gluon_block.py: each K block's promotion overlapped with the
         next product), which then run GEMM1 and GEMM2 instead of these tiles; a tuned entry's
         gluon falls back to the tiles on calls the Gluon kernels cannot run.
-    cublas1: with gluon, where GEMM1 runs: "auto" on cuBLAS (torch._scaled_mm, one product an
-        expert; kernels/cublas_block.py) from cublas_block.CUBLAS_ROWS rows an expert where
-        torch runs the recipe and the call is not being captured or compiled, else the Gluon
-        GEMM1; "on" on cuBLAS (a call that cannot raises); "off" the Gluon GEMM1.
+    cublas1: with gluon, where GEMM1 runs: "auto" on cuBLAS (one product an expert;
+        kernels/cublas_block.py) from cublas_block.CUBLAS_ROWS rows an expert and products of
+        cublas_block.CUBLAS_MIN_FLOP, where torch's cuBLAS runs the recipe and the call is not
+        being captured or compiled, else the Gluon GEMM1; "on" on cuBLAS (a call that cannot
+        raises); "off" the Gluon GEMM1.
     """
 
     gate_up: bool = False
