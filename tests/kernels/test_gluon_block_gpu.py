@@ -148,6 +148,35 @@ def test_cublaslt_called_directly_gives_torchs_bits(T, E, k, H, I, skewed, cuda_
 
 
 @pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
+@pytest.mark.skipif(cublaslt.refusal() is not None, reason=str(cublaslt.refusal()))
+def test_a_cublaslt_failure_falls_back_to_torch_for_every_product(cuda_gen, monkeypatch, caplog):
+    """cuBLASLt refusing a product halfway (some products already enqueued): the call redoes every
+    product through torch._scaled_mm, says so once, and keeps to torch for that shape."""
+    E, k, H, I, T = 8, 2, 512, 512, 700
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    monkeypatch.setattr(cublas_block, "USE_DIRECT", False)
+    via_torch = _run(wts, x, w, ids, rows=128, cublas1="on")
+    monkeypatch.setattr(cublas_block, "USE_DIRECT", True)
+    monkeypatch.setattr(cublas_block, "_DIRECT_FAILED", {})
+    real, calls = cublaslt.BlockScaledFp8.__call__, []
+
+    def failing(self, m, *args, **kwargs):
+        calls.append(m)
+        if len(calls) == 3:
+            raise RuntimeError("cuBLASLt product failed with status 13")
+        return real(self, m, *args, **kwargs)
+    monkeypatch.setattr(cublaslt.BlockScaledFp8, "__call__", failing)
+    with caplog.at_level("WARNING", logger="moekit"):
+        out = _run(wts, x, w, ids, rows=128, cublas1="on")
+    assert torch.equal(out, via_torch)
+    assert "status 13" in caplog.text and "through torch._scaled_mm from now on" in caplog.text
+    assert len(calls) == 3
+    assert torch.equal(_run(wts, x, w, ids, rows=128, cublas1="on"), via_torch) and len(calls) == 3
+
+
+@pytest.mark.skipif(CUBLAS_REFUSAL is not None, reason=str(CUBLAS_REFUSAL))
 def test_cublas_gemm1_steps_aside_in_cuda_graph_capture(cuda_gen, monkeypatch):
     """The rule's sizes take cuBLAS eagerly; captured, the same call runs the Gluon GEMM1 (the
     host cannot read the row counts), and an explicit "on" says why it cannot."""

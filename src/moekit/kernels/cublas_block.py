@@ -34,6 +34,7 @@ come out of silu_quant_kernel as zeros, as padding rows do on the Gluon path.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -42,6 +43,8 @@ import triton.language as tl
 
 from . import cublaslt
 from .triton_quant_rows import FP8_MAX, quant_groups
+
+logger = logging.getLogger("moekit")
 
 __all__ = ["CUBLAS_ROWS", "CUBLAS_MIN_FLOP", "refusal", "wanted", "gemm1"]
 
@@ -184,12 +187,32 @@ def _product(a, b, scale_a, scale_b, out_dtype, out):
     return torch.ops.aten._scaled_mm.out(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
 
 
+_DIRECT_FAILED: Dict[tuple, str] = {}  # (device index, N, K, out dtype) -> why cuBLASLt failed there
+
+
 def _engine(dev: torch.device, N1: int, H: int, out_dtype: torch.dtype, *operands: torch.Tensor):
     """cuBLASLt's products called directly (cublaslt.engine), where the device, library and the
-    operands' layouts allow; None sends the products through torch._scaled_mm."""
-    if not USE_DIRECT or dev.type != "cuda" or not all(t.is_contiguous() for t in operands):
+    operands' layouts allow and it has not failed before; None sends the products through
+    torch._scaled_mm."""
+    if (not USE_DIRECT or dev.type != "cuda" or not all(t.is_contiguous() for t in operands)
+            or (dev.index, N1, H, out_dtype) in _DIRECT_FAILED):
         return None
     return cublaslt.engine(dev, N1, H, out_dtype)
+
+
+def _direct_products(direct, products, a1s, scales, w13, w13_s, h, streams) -> None:
+    """The products (expert, first row, rows) through cuBLASLt called directly, by address (a
+    launch costs about 15 us of host time this way, 26 through torch; cublaslt.py)."""
+    H, G, N1 = a1s.shape[1], a1s.shape[1] // 128, h.shape[1]
+    a0, s0, h0 = a1s.data_ptr(), scales.data_ptr(), h.data_ptr()
+    w0, ws0 = w13.data_ptr(), w13_s.data_ptr()
+    w_step, ws_step, h_row = w13.stride(0), w13_s.stride(0) * 4, N1 * h.element_size()
+    handles = [st.cuda_stream for st in streams]
+    with torch.cuda.device(a1s.device):
+        for c0 in range(0, len(products), CHUNK):  # CHUNK products a stream in turn
+            stream = handles[c0 // CHUNK % STREAMS]
+            for e, r0, m in products[c0:c0 + CHUNK]:
+                direct(m, a0 + r0 * H, s0 + r0 * G * 4, w0 + e * w_step, ws0 + e * ws_step, h0 + r0 * h_row, stream, 0)
 
 
 def _counts(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> torch.Tensor:
@@ -236,18 +259,14 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
             st.wait_stream(main)
     direct = _engine(dev, N1, H, out_dtype, a1s, w13, w13_s)
     if direct is not None:
-        # Addresses, not views: a launch costs about 15 us of host time this way, 26 through torch (cublaslt.py)
-        a0, s0, h0 = a1s.data_ptr(), scales.data_ptr(), h.data_ptr()
-        w0, ws0 = w13.data_ptr(), w13_s.data_ptr()
-        w_step, ws_step, h_row = w13.stride(0), w13_s.stride(0) * 4, N1 * h.element_size()
-        handles = [st.cuda_stream for st in streams]
-        with torch.cuda.device(dev):
-            for c0 in range(0, len(products), CHUNK):  # CHUNK products a stream in turn
-                stream = handles[c0 // CHUNK % STREAMS]
-                for e, r0, m in products[c0:c0 + CHUNK]:
-                    direct(m, a0 + r0 * H, s0 + r0 * G * 4, w0 + e * w_step, ws0 + e * ws_step, h0 + r0 * h_row,
-                           stream, 0)
-    else:
+        try:
+            _direct_products(direct, products, a1s, scales, w13, w13_s, h, streams)
+        except RuntimeError as err:  # cuBLASLt refused a product: every product again through torch
+            _DIRECT_FAILED[(dev.index, N1, H, out_dtype)] = str(err)
+            logger.warning("moekit: cuBLASLt called directly failed (%s); the block scheme's GEMM1 products of "
+                           "shape N=%d, K=%d go through torch._scaled_mm from now on", err, N1, H)
+            direct = None
+    if direct is None:
         w_parts, ws_parts = w13.transpose(1, 2).unbind(0), w13_s.transpose(1, 2).unbind(0)
         for c0 in range(0, len(products), CHUNK):  # (a stream switch costs host time)
             with torch.cuda.stream(streams[c0 // CHUNK % STREAMS]) if on_cuda else contextlib.nullcontext():
