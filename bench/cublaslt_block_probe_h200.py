@@ -10,7 +10,7 @@ against torch._scaled_mm, on an H200.
    each timed over 64 experts;
 4. layer: the block scheme's call at DeepSeek-V3 M = 8192 / 12288 / 16384, eagerly, alternating:
    GEMM1 on Gluon, on cuBLAS through torch, on cuBLAS directly, and the bf16 kernel;
-5. sweep: the direct path's (PIECE_ROWS, STREAMS, CHUNK) at each M.
+5. sweep: the direct path's (PIECE_ROWS, SM_COUNT, STREAMS, CHUNK) at each M.
 
     PYTHONPATH=src python bench/cublaslt_block_probe_h200.py --out $OUT/h200-cublaslt-block-probe.json
 """
@@ -151,8 +151,9 @@ def algorithms(doc, gen):
     doc["algorithms"] = res
 
 
-# (PIECE_ROWS, STREAMS, CHUNK) of the direct path, timed after the alternating rounds
-SWEEP = ((0, 1, 256), (0, 4, 4), (512, 4, 4), (384, 4, 4), (256, 4, 4), (256, 8, 4), (128, 8, 8), (384, 8, 2))
+# (PIECE_ROWS, SM_COUNT, STREAMS, CHUNK) of the direct path, timed after the alternating rounds
+SWEEP = ((0, 0, 1, 256), (0, 0, 4, 4), (0, 66, 2, 4), (0, 66, 4, 4), (0, 44, 3, 4), (0, 44, 6, 2), (0, 33, 4, 4),
+         (0, 33, 8, 2), (0, 100, 4, 4), (0, 120, 4, 4))
 
 
 def layer(doc, Ms, rounds, gen):
@@ -194,16 +195,18 @@ def layer(doc, Ms, rounds, gen):
                "bf16_over": {n: med["bf16"] / med[n] for n in ("gluon", "cublas_torch", "cublas_direct")}}
         doc["layer"].append(row)
         print("layer", json.dumps(row), flush=True)
-        for piece, streams, chunk in SWEEP:
+        for piece, sms, streams, chunk in SWEEP:
             cublas_block.PIECE_ROWS, cublas_block.STREAMS, cublas_block.CHUNK = piece, streams, chunk
+            cublas_block.SM_COUNT = sms
             cublas_block._STREAMS.clear()
             with torch.inference_mode():
                 ts = [eager_time_us(fns["cublas_direct"], sets, replays=3) for _ in range(3)]
-            row = {"M": M, "piece_rows": piece, "streams": streams, "chunk": chunk, "us": statistics.median(ts),
+            row = {"M": M, "piece_rows": piece, "sm_count": sms, "streams": streams, "chunk": chunk, "us": statistics.median(ts),
                    "rounds": ts, "bf16_over": med["bf16"] / statistics.median(ts)}
             doc["streams"].append(row)
             print("sweep", row, flush=True)
         cublas_block.PIECE_ROWS, cublas_block.STREAMS, cublas_block.CHUNK = 0, 4, 4
+        cublas_block.SM_COUNT = 0
         cublas_block._STREAMS.clear()
         del sets
     cublas_block.USE_DIRECT = True

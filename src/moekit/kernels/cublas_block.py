@@ -72,6 +72,8 @@ CHUNK = 4  # products a stream takes at a time
 # to leave SMs to the other streams' products, measured even or slower at DeepSeek-V3 M = 12288
 # and 16384, pieces of 128 rows 1.35-1.4x slower (host-bound; h200-cublaslt-block-sweep.json).
 PIECE_ROWS = 0
+# SMs a product may take at most (0: cuBLAS's choice).
+SM_COUNT = 0
 # Products through cuBLASLt directly (cublaslt.py: a few us of host time a launch, against about
 # 20 in torch._scaled_mm), where it is found; False keeps torch._scaled_mm (same bits).
 USE_DIRECT = True
@@ -197,7 +199,7 @@ def _engine(dev: torch.device, N1: int, H: int, out_dtype: torch.dtype, *operand
     if (not USE_DIRECT or dev.type != "cuda" or not all(t.is_contiguous() for t in operands)
             or (dev.index, N1, H, out_dtype) in _DIRECT_FAILED):
         return None
-    return cublaslt.engine(dev, N1, H, out_dtype)
+    return cublaslt.engine(dev, N1, H, out_dtype, sm_count=SM_COUNT)
 
 
 def _direct_products(direct, products, a1s, scales, w13, w13_s, h, streams) -> None:

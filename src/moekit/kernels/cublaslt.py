@@ -37,6 +37,7 @@ _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_8F_E4M3 = 0, 2, 14, 28
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_SM_COUNT_TARGET = 15
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _SCALE_VEC128_32F, _SCALE_BLK128x128_32F = 4, 5
@@ -105,7 +106,8 @@ class BlockScaledFp8:
     and uses `workspace` (an address of workspace_bytes bytes no other stream uses meanwhile).
     """
 
-    def __init__(self, lib: ctypes.CDLL, N: int, K: int, out_dtype: torch.dtype, workspace_bytes: int):
+    def __init__(self, lib: ctypes.CDLL, N: int, K: int, out_dtype: torch.dtype, workspace_bytes: int,
+                 sm_count: int = 0):
         self.lib, self.N, self.K, self.workspace_bytes = lib, N, K, workspace_bytes
         self.out_type = _OUT_TYPES[out_dtype]
         self.handle, self.desc, self.a_layout, self.pref = (ctypes.c_void_p() for _ in range(4))
@@ -115,6 +117,10 @@ class BlockScaledFp8:
                             (_DESC_B_SCALE_MODE, _SCALE_VEC128_32F)):
             v = ctypes.c_int32(value)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), f"attribute {attr}")
+        if sm_count:  # the products' kernels on at most this many SMs (others stay free for other streams)
+            v = ctypes.c_int32(sm_count)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_SM_COUNT_TARGET, ctypes.byref(v), 4),
+                   "SM count target")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.a_layout), _CUDA_R_8F_E4M3, K, N, K), "layout of w")
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)), "preference creation")
         ws = ctypes.c_uint64(workspace_bytes)
@@ -191,16 +197,17 @@ def refusal() -> Optional[str]:
     return _LIB["why"]
 
 
-def engine(device: torch.device, N: int, K: int, out_dtype: torch.dtype,
-           workspace_bytes: int = 0) -> Optional[BlockScaledFp8]:
-    """The products of shape (N, K) into out_dtype on device (made once), or None (see refusal)."""
+def engine(device: torch.device, N: int, K: int, out_dtype: torch.dtype, workspace_bytes: int = 0,
+           sm_count: int = 0) -> Optional[BlockScaledFp8]:
+    """The products of shape (N, K) into out_dtype on device (made once), or None (see refusal);
+    sm_count: at most this many SMs a product (0: cuBLAS's choice)."""
     if refusal() is not None or out_dtype not in _OUT_TYPES:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index)[0] != 9:
         return None
-    key = (index, N, K, out_dtype, workspace_bytes)
+    key = (index, N, K, out_dtype, workspace_bytes, sm_count)
     if key not in _ENGINES:
         with _LOCK, torch.cuda.device(index):
-            _ENGINES[key] = BlockScaledFp8(_LIB["lib"], N, K, out_dtype, workspace_bytes)
+            _ENGINES[key] = BlockScaledFp8(_LIB["lib"], N, K, out_dtype, workspace_bytes, sm_count)
     return _ENGINES[key]
