@@ -130,17 +130,7 @@ def algorithms(doc, gen):
                             sw.data_ptr() + e * (N // 128) * G * 4, out.data_ptr() + e * m * N * 2, stream,
                             wsbuf.data_ptr(), result=r)
                 try:
-                    run()
-                    torch.cuda.synchronize()
-                    ts = []
-                    for _ in range(3):
-                        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        ev0.record()
-                        run()
-                        ev1.record()
-                        torch.cuda.synchronize()
-                        ts.append(ev0.elapsed_time(ev1) * 1e3 / E)
-                    us = statistics.median(ts)
+                    us = eager_time_us(run, [()], replays=3) / E
                     row = {"m": m, "workspace": ws_bytes, "rank": i, "waves": r.waves, "ws_size": r.workspace_size,
                            "us_per_product": us, "tflops": 2 * m * N * K / (us * 1e-6) / 1e12}
                 except RuntimeError as err:
