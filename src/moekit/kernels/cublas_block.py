@@ -50,8 +50,10 @@ __all__ = ["CUBLAS_ROWS", "CUBLAS_MIN_FLOP", "refusal", "wanted", "gemm1"]
 
 # Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: one product ran at 219 /
 # 533 / 1069 TFLOP/s at 128 / 256 / 512 rows on DeepSeek-V3's GEMM1 (the Gluon GEMM1: 691); the
-# layer's call took 0.985x the Gluon GEMM1's time at 256 rows an expert (M = 8192), 0.92x at 384
-# and 512 (M = 12288, 16384; bench/results/h200-cublas-gemm1-ab*.json).
+# layer's call, its products launched through torch, took 0.985x the Gluon GEMM1's time at 256
+# rows an expert (M = 8192), 0.92x at 384 and 512 (M = 12288, 16384;
+# bench/results/h200-cublas-gemm1-ab*.json); launched directly, 0.82x and 0.88x
+# (h200-cublaslt-block-probe.json).
 CUBLAS_ROWS = 384
 # Floating-point operations of one expert's product (2 rows 2I H, at the mean rows an expert) from
 # which the rule runs GEMM1 on cuBLAS: a launch takes 15 us of host time, so a product must keep
@@ -74,8 +76,8 @@ CHUNK = 4  # products a stream takes at a time
 PIECE_ROWS = 0
 # SMs a product may take at most (0: cuBLAS's choice).
 SM_COUNT = 0
-# Products through cuBLASLt directly (cublaslt.py: a few us of host time a launch, against about
-# 20 in torch._scaled_mm), where it is found; False keeps torch._scaled_mm (same bits).
+# Products through cuBLASLt directly (cublaslt.py: 15 us of host time a launch, against 26 in
+# torch._scaled_mm), where it is found; False keeps torch._scaled_mm (same bits).
 USE_DIRECT = True
 
 _ACCEPTS: Dict[int, Optional[str]] = {}  # device index -> refusal (None: torch's cuBLAS takes the recipe)
@@ -138,7 +140,7 @@ def segment_scales_kernel(s_ptr, out_ptr, expert_end_ptr, counts_ptr, G, stride_
                           BG: tl.constexpr):
     """Expert e = program_id(0): the scales [m, G] of the first m = count rounded up to 4 rows of
     its segment (rows [start, end) of the alignment), in pieces of P rows (a product each), each
-    piece's stored M-major at out + (start + p0) * G: entry (i, g) of the piece of rows [p0, p0 +
+    piece stored M-major at out + (start + p0) * G: entry (i, g) of the piece of rows [p0, p0 +
     pr) at g * pr + i - p0, as cuBLAS wants a 1 x 128 operand's scales."""
     e = tl.program_id(0)
     start = tl.where(e > 0, tl.load(expert_end_ptr + tl.maximum(e - 1, 0)), 0)
