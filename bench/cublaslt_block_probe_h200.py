@@ -10,7 +10,9 @@ against torch._scaled_mm, on an H200.
    each timed over 64 experts;
 4. layer: the block scheme's call at DeepSeek-V3 M = 8192 / 12288 / 16384, eagerly, alternating:
    GEMM1 on Gluon, on cuBLAS through torch, on cuBLAS directly, and the bf16 kernel;
-5. sweep: the direct path's (PIECE_ROWS, SM_COUNT, STREAMS, CHUNK) at each M.
+5. sweep: the direct path's (PIECE_ROWS, SM_COUNT, STREAMS, CHUNK) at each M;
+6. batched (only with --parts batched): the 256 experts' products as one strided batch at a
+   fixed row capacity.
 
     PYTHONPATH=src python bench/cublaslt_block_probe_h200.py --out $OUT/h200-cublaslt-block-probe.json
 """
@@ -139,6 +141,65 @@ def algorithms(doc, gen):
                 print("algo", row, flush=True)
         del a, w, out
     doc["algorithms"] = res
+
+
+def batched(doc, gen):
+    """Whether cuBLASLt runs the recipe as one strided batch (experts at a fixed row capacity C,
+    the scales of each batch member packed one after another), and how fast: DeepSeek-V3's GEMM1,
+    256 experts, C = 576 and 512, against the products one by one."""
+    import ctypes
+    N, K, E = 4096, 7168, 256
+    G = K // 128
+    res = []
+    for C in (512, 576):
+        a, sa, w, sw = _operands(E * C, N, K, E, gen)
+        out = torch.zeros(E * C, N, device="cuda", dtype=torch.bfloat16)
+        eng = cublaslt.BlockScaledFp8(cublaslt._LIB["lib"], N, K, torch.bfloat16, 0)
+        lib = eng.lib
+        b, d = ctypes.c_void_p(), ctypes.c_void_p()
+        lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), 28, K, C, K)
+        lib.cublasLtMatrixLayoutCreate(ctypes.byref(d), 14, N, C, N)
+        set_attr = lib.cublasLtMatrixLayoutSetAttribute
+        set_attr.argtypes, set_attr.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+        st = []
+        for layout, stride in ((eng.a_layout, N * K), (b, C * K), (d, C * N)):
+            cnt, off = ctypes.c_int32(E), ctypes.c_int64(stride)
+            st.append(set_attr(layout, 5, ctypes.byref(cnt), 4))
+            st.append(set_attr(layout, 6, ctypes.byref(off), 8))
+        row = {"C": C, "set_status": st}
+        try:
+            eng._set_scales(sa.data_ptr(), sw.data_ptr())
+            results = (cublaslt._HeuristicResult * 4)()
+            n = ctypes.c_int(0)
+            hs = lib.cublasLtMatmulAlgoGetHeuristic(eng.handle, eng.desc, eng.a_layout, b, d, d, eng.pref, 4, results,
+                                                    ctypes.byref(n))
+            row.update(heuristic_status=hs, algos=n.value)
+            if hs == 0 and n.value:
+                stream = torch.cuda.current_stream().cuda_stream
+
+                def run():
+                    rc = lib.cublasLtMatmul(eng.handle, eng.desc, ctypes.byref(eng.alpha), w.data_ptr(), eng.a_layout,
+                                            a.data_ptr(), b, ctypes.byref(eng.beta), out.data_ptr(), d, out.data_ptr(), d,
+                                            ctypes.byref(results[0].algo), None, 0, stream)
+                    if rc:
+                        raise RuntimeError(f"matmul status {rc}")
+                run()
+                torch.cuda.synchronize()
+                errs = []
+                for e in (0, 1, 77, E - 1):
+                    ref = torch._scaled_mm(a[e * C:(e + 1) * C], w[e].t(), sa[e * C * G:(e + 1) * C * G].view(G, C).t(),
+                                           sw[e].t(), out_dtype=torch.bfloat16)
+                    errs.append({"e": e, "equal": bool(torch.equal(ref, out[e * C:(e + 1) * C])),
+                                 "max_diff": float((ref.float() - out[e * C:(e + 1) * C].float()).abs().max())})
+                row["checks"] = errs
+                us = eager_time_us(run, [()], replays=5)
+                row.update(us=us, tflops=2 * E * C * N * K / (us * 1e-6) / 1e12)
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"
+        res.append(row)
+        print("batched", row, flush=True)
+        del a, w, out
+    doc["batched"] = res
 
 
 # (PIECE_ROWS, SM_COUNT, STREAMS, CHUNK) of the direct path, timed after the alternating rounds
