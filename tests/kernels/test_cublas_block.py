@@ -45,6 +45,25 @@ if not IN_INTERPRETER:
         assert cublas_block.wanted(65536, 8, 64, 2048, 1024, cpu)  # 8192 rows, 69 GFLOP
         assert cublas_block.wanted(2048, 2, 8, 4096, 14336, cpu)  # Mixtral, 512 rows
 
+    def test_explain_says_where_gemm1_runs_and_why(monkeypatch):
+        assert "32 rows an expert, under 384" in cublas_block.explain(1024, 8, 256, 7168, 2048, None)
+        assert "6.4 GFLOP, under 20" in cublas_block.explain(16384, 8, 128, 2048, 768, None)
+        assert "(cuBLAS: no CUDA device here); on cuBLAS eagerly" in cublas_block.explain(16384, 8, 256, 7168, 2048, None)
+        cpu = torch.device("cpu")
+        assert "Hopper (compute capability 9.x), got cpu" in cublas_block.explain(16384, 8, 256, 7168, 2048, cpu)
+        monkeypatch.setattr(cublas_block, "refusal", lambda device, H, I: None)
+        assert cublas_block.explain(16384, 8, 256, 7168, 2048, cpu) == (
+            "GEMM1 on cuBLAS (torch._scaled_mm) eagerly, on the Gluon kernel under CUDA-graph capture")
+
+    def test_info_shows_the_gemm1_rule(capsys):
+        from moekit.cli.main import main  # noqa: PLC0415
+
+        assert main(["info", "--quant", "fp8_w8a8_block128", "--tiles", "deepseek-v3", "--device-name", "NVIDIA_H200",
+                     "--M", "1024", "16384"]) == 0
+        out = capsys.readouterr().out
+        assert "GEMM1 on the Gluon kernel (cuBLAS: 32 rows an expert, under 384)" in out.split("M=  1024")[1]
+        assert "on cuBLAS eagerly where it runs" in out.split("M= 16384")[1]
+
     def test_an_explicit_on_that_cannot_run_says_why():
         from moekit.kernels.launch_quant import _cublas_gemm1  # noqa: PLC0415
 

@@ -46,7 +46,7 @@ from .triton_quant_rows import FP8_MAX, quant_groups
 
 logger = logging.getLogger("moekit")
 
-__all__ = ["CUBLAS_ROWS", "CUBLAS_MIN_FLOP", "refusal", "wanted", "gemm1"]
+__all__ = ["CUBLAS_ROWS", "CUBLAS_MIN_FLOP", "refusal", "wanted", "explain", "gemm1"]
 
 # Rows an expert (on average) from which the rule runs GEMM1 on cuBLAS: one product ran at 219 /
 # 533 / 1069 TFLOP/s at 128 / 256 / 512 rows on DeepSeek-V3's GEMM1 (the Gluon GEMM1: 691); the
@@ -123,6 +123,23 @@ def wanted(T: int, k: int, E: int, H: int, I: int, device: torch.device) -> bool
     CUBLAS_MIN_FLOP, and nothing refused."""
     rows = T * k / E
     return rows >= CUBLAS_ROWS and 2 * rows * 2 * I * H >= CUBLAS_MIN_FLOP and refusal(device, H, I) is None
+
+
+def explain(T: int, k: int, E: int, H: int, I: int, device: Optional[torch.device]) -> str:
+    """Where knob cublas1="auto" runs a Gluon call's GEMM1 and why, as a phrase (for moekit info);
+    device None: no CUDA device here."""
+    rows = T * k / E
+    flop = 2 * rows * 2 * I * H
+    if rows < CUBLAS_ROWS:
+        return f"GEMM1 on the Gluon kernel (cuBLAS: {rows:.0f} rows an expert, under {CUBLAS_ROWS})"
+    if flop < CUBLAS_MIN_FLOP:
+        return (f"GEMM1 on the Gluon kernel (cuBLAS: products of {flop / 1e9:.1f} GFLOP, under "
+                f"{CUBLAS_MIN_FLOP / 1e9:.0f}: the launches would set the pace)")
+    why = "no CUDA device here" if device is None else refusal(device, H, I)
+    if why is not None:
+        return f"GEMM1 on the Gluon kernel here (cuBLAS: {why}); on cuBLAS eagerly where it runs"
+    how = "cuBLASLt called directly" if _engine(device, 2 * I, H, torch.bfloat16) is not None else "torch._scaled_mm"
+    return f"GEMM1 on cuBLAS ({how}) eagerly, on the Gluon kernel under CUDA-graph capture"
 
 
 _STREAMS: Dict[int, Tuple[torch.cuda.Stream, ...]] = {}
