@@ -125,9 +125,10 @@ def make_variants(gen: torch.Generator, l3_bytes: int, min_copies: int = 6):
         ("int8_w8a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a16")),
         ("int4_w4a16 cpu_wo fp32 x", "cpu_wo", torch.float32, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
     ]
-    firsts = [build(w13, w2) for _, _, _, build in specs]
-    out = {name: (backend, dtype, [first], read_bytes(first))
-           for (name, backend, dtype, _), first in zip(specs, firsts)}
+    out = {}
+    for name, backend, dtype, build in specs:
+        first = build(w13, w2)
+        out[name] = (backend, dtype, [first], read_bytes(first))
     wanted = {name: max(min_copies, -(-3 * l3_bytes // nbytes)) for name, (_, _, _, nbytes) in out.items()}
     # Copy c of every variant before copy c + 1 of any: the variants' pages interleave in memory,
     # so none holds only early or only late allocations (on a 2-vCPU AMD EPYC guest the variant
