@@ -1,10 +1,14 @@
 """The router: a pure function of (logits, RoutingConfig, correction bias) -> TopK.
 
 Every variant of ROUTING.md; all arithmetic in fp32. Ties go to the lowest expert index.
+On CUDA one Triton launch routes (moekit.kernels.triton_router: every variant but custom
+functions, without autograd); elsewhere, and for what it does not cover, torch ops do
+(route_torch).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -13,7 +17,7 @@ from ..config import RoutingConfig, settings
 from .scoring import score
 from .select import group_mask, renormalize, stable_topk
 
-__all__ = ["TopK", "route", "check_router_logits"]
+__all__ = ["TopK", "route", "route_torch", "check_router_logits"]
 
 
 class TopK(NamedTuple):
@@ -23,7 +27,11 @@ class TopK(NamedTuple):
     ids: torch.Tensor
 
 
-def check_router_logits(router_logits: torch.Tensor) -> None:
+_NAN_MESSAGE = "router_logits contains NaN; routing over NaN scores is undefined"
+
+
+def check_router_logits(router_logits: torch.Tensor, nan: bool = True) -> None:
+    """Type and shape of router_logits; with nan, also that no logit is NaN (see _should_check)."""
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
     if router_logits.dim() != 2:
@@ -32,8 +40,8 @@ def check_router_logits(router_logits: torch.Tensor) -> None:
         raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
     # NaN logits: an error, never a silent pick. The check costs a host sync, so it runs on
     # CPU tensors (and on accelerators outside graph capture, see Settings.check_ids).
-    if _should_check(router_logits) and bool(torch.isnan(router_logits).any()):
-        raise ValueError("router_logits contains NaN; routing over NaN scores is undefined")
+    if nan and _should_check(router_logits) and bool(torch.isnan(router_logits).any()):
+        raise ValueError(_NAN_MESSAGE)
 
 
 def _should_check(t: torch.Tensor) -> bool:
@@ -44,6 +52,30 @@ def _should_check(t: torch.Tensor) -> bool:
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     return not torch.compiler.is_compiling()
+
+
+def _kernel_routes(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor]) -> bool:
+    """Whether the one-launch Triton router (moekit.kernels.triton_router) takes this call: CUDA
+    (not ROCm), Triton importable, no autograd through the logits or the bias, not inside
+    torch.compile (which traces the torch path), and a config and E it covers."""
+    if z.device.type != "cuda" or getattr(torch.version, "hip", None) or not _triton_available():
+        return False
+    if torch.is_grad_enabled() and (z.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    from ..kernels.triton_router import kernel_refusal  # noqa: PLC0415
+
+    return kernel_refusal(cfg, z.shape[1]) is None
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
 
 
 def _score_then_topk(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor]) -> TopK:
@@ -109,7 +141,7 @@ def route(
         TopK(weights [T, k] fp32, ids [T, k] int32); weights are renormalised and multiplied
         by routed_scaling_factor when the config says so (scale_on="router").
     """
-    check_router_logits(router_logits)
+    check_router_logits(router_logits, nan=False)
     T, E = router_logits.shape
     config.validate_for(E)
     if correction_bias is not None:
@@ -117,6 +149,26 @@ def route(
             raise ValueError(f"correction_bias must have shape [{E}], got {tuple(correction_bias.shape)}")
         if config.order != "score_then_topk" or config.custom is not None:
             raise ValueError(f"correction_bias needs order='score_then_topk' without custom, got order={config.order!r}")
+    if _kernel_routes(router_logits, config, correction_bias):
+        from ..kernels.triton_router import triton_route  # noqa: PLC0415 (triton is optional)
+
+        w, ids, nan = triton_route(router_logits, config, correction_bias, check_nan=_should_check(router_logits))
+        if nan is not None and bool(nan):
+            raise ValueError(_NAN_MESSAGE)
+        return TopK(w, ids)
+    check_router_logits(router_logits)
+    return route_torch(router_logits, config, correction_bias, hidden_states=hidden_states)
+
+
+def route_torch(
+    router_logits: torch.Tensor,
+    config: RoutingConfig,
+    correction_bias: Optional[torch.Tensor] = None,
+    *,
+    hidden_states: Optional[torch.Tensor] = None,
+) -> TopK:
+    """route()'s math in torch ops, on any device (route() checks its arguments first; on CUDA
+    it runs the one-launch kernel instead where that covers the call)."""
     z = router_logits.float()  # [T, E]
     if config.custom is not None:
         w, ids = _custom(z, config, hidden_states)

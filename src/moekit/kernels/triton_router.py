@@ -1,0 +1,208 @@
+"""The router in one launch: logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32).
+
+The same math as moekit.routing.route (ROUTING.md), for every variant but custom routing
+functions: scoring (softmax, sigmoid, sqrt-softplus) with an optional correction bias and
+DeepSeek grouped top-k, or top-k on the raw logits then softmax / sigmoid of the k; the
+renormalisation and the router-side scaling. Selection is the stable descending order of the
+torch path: among equal scores the lowest expert index wins, and -inf scores come last, in
+index order. Scores use the precise exp / log1p / division / square root of torch's CUDA
+kernels, so ids agree with the torch path; weights agree to an ulp or two (sums may add in
+another order).
+
+Eagerly, the torch path runs a dozen small kernels and a sort per call (about 250 us of host
+time and 15 us of GPU time at one decode token on an H200 host); this is one launch. A program
+routes R rows of at most EP >= E logits, picking the k experts one at a time (each pick a max
+and a min over the row). NaN logits set a flag the caller reads (its one host sync) when the
+check is on; whatever the logits, every id written is in [0, E).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..config import RoutingConfig, settings
+
+__all__ = ["route_kernel", "triton_route", "kernel_refusal", "MAX_EXPERTS", "MAX_TOP_K"]
+
+MAX_EXPERTS = 4096  # a row of logits per program
+MAX_TOP_K = 64  # picks are unrolled
+MAX_GROUPS = 64
+
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+_ORDER = {"score_then_topk": 0, "topk_then_softmax": 1, "topk_then_sigmoid": 2}
+# renormalisation of the k picked weights: none, w / sum, w / (sum + eps), w / max(sum, eps)
+RENORM_NONE, RENORM_SUM, RENORM_EPS, RENORM_CLAMP = 0, 1, 2, 3
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """expf as torch's CUDA kernels compute it (libdevice; tl.exp is the approximate ex2 path).
+    Triton's interpreter has no libdevice: there, numpy's exp."""
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log1p(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log1p(x)
+    else:  # log(u) * x / (u - 1), u = 1 + x: accurate to a few ulp where 1 + x rounds
+        u = 1.0 + x
+        return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def _first_max(v, avail, cols, BIG: tl.constexpr):
+    """Per row of v [R, N] over the available entries: the largest value and its lowest column.
+    A row whose available values are all NaN (only when the NaN check is off) picks its lowest
+    available column, so the column is always a real one."""
+    v = tl.where(avail, v, float("-inf"))
+    m = tl.max(v, axis=1)
+    idx = tl.min(tl.where(avail & (v == m[:, None]), cols[None, :], BIG), axis=1)
+    first = tl.min(tl.where(avail, cols[None, :], BIG), axis=1)
+    return m, tl.where(idx < BIG, idx, first)
+
+
+@triton.jit
+def route_kernel(
+    z_ptr, b_ptr, w_ptr, ids_ptr, flag_ptr,
+    T, E, stride_z, eps, scale,
+    K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, R: tl.constexpr,
+    SCORING: tl.constexpr, ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, TOPG: tl.constexpr, TOP2: tl.constexpr,
+    RENORM: tl.constexpr, SCALE: tl.constexpr, CHECK: tl.constexpr, PRECISE: tl.constexpr,
+):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    cols = tl.arange(0, EP)
+    kcols = tl.arange(0, KP)
+    live = (rows < T)[:, None] & (cols < E)[None, :]  # [R, EP]
+    z = tl.load(z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :], mask=live,
+                other=float("-inf")).to(tl.float32)
+    if CHECK:
+        tl.atomic_max(flag_ptr, tl.sum(tl.where(live & (z != z), 1, 0)))
+    avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [R, EP]; padding rows pick too (not stored)
+    z = tl.where(avail & ~live, 0.0, z)  # padding rows: finite logits, no NaN scores
+    if ORDER == 0:
+        if SCORING == 0:  # softmax over the row: exp(z - max) / sum, as torch's kernel
+            e = _exp(z - tl.max(z, axis=1)[:, None], PRECISE)
+            p = tl.div_rn(e, tl.sum(e, axis=1)[:, None] + tl.zeros_like(e))  # (the interpreter needs equal shapes)
+        elif SCORING == 1:
+            p = tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
+        else:  # sqrt(softplus(z)), softplus with torch's threshold 20
+            p = tl.sqrt_rn(tl.where(z > 20.0, z, _log1p(_exp(z, PRECISE), PRECISE)))
+        c = p
+        if HAS_BIAS:
+            c = p + tl.load(b_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        if G > 0:  # DeepSeek grouped top-k: keep the TOPG best of G contiguous groups
+            gid = cols // (E // G)
+            gcols = tl.arange(0, GP)
+            gscore = tl.full((R, GP), float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                in_g = avail & (gid == g)[None, :]
+                m1, i1 = _first_max(c, in_g, cols, EP)
+                s = m1
+                if TOP2:
+                    m2, _i2 = _first_max(c, in_g & (cols[None, :] != i1[:, None]), cols, EP)
+                    s = m1 + m2
+                gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
+            gavail = (gcols < G)[None, :] & (rows >= 0)[:, None]
+            kept = (cols < 0)[None, :] & (rows >= 0)[:, None]  # [R, EP], all false
+            for _j in tl.static_range(TOPG):
+                _m, gi = _first_max(gscore, gavail, gcols, GP)
+                gavail = gavail & (gcols[None, :] != gi[:, None])
+                kept = kept | (gid[None, :] == gi[:, None])
+            c = tl.where(kept, c, float("-inf"))
+    else:
+        c = z
+    ids = tl.zeros((R, KP), tl.int32)
+    w = tl.zeros((R, KP), tl.float32)
+    for j in tl.static_range(K):
+        m, i = _first_max(c, avail, cols, EP)
+        avail = avail & (cols[None, :] != i[:, None])
+        ids = tl.where(kcols[None, :] == j, i[:, None], ids)
+        if ORDER == 0:  # the unbiased score of the pick
+            v = tl.sum(tl.where(cols[None, :] == i[:, None], p, 0.0), axis=1)
+        else:  # the raw logit of the pick
+            v = m
+        w = tl.where(kcols[None, :] == j, v[:, None], w)
+    kmask = (kcols < K)[None, :]
+    if ORDER == 1:  # softmax over the k picked logits
+        e = tl.where(kmask, _exp(w - tl.max(tl.where(kmask, w, float("-inf")), axis=1)[:, None], PRECISE), 0.0)
+        w = tl.div_rn(e, tl.sum(e, axis=1)[:, None] + tl.zeros_like(e))
+    elif ORDER == 2:
+        w = tl.div_rn(tl.full(w.shape, 1.0, tl.float32), 1.0 + _exp(-w, PRECISE))
+    if RENORM != 0:
+        denom = tl.sum(tl.where(kmask, w, 0.0), axis=1)
+        if RENORM == 2:
+            denom = denom + eps
+        elif RENORM == 3:
+            denom = tl.maximum(denom, eps)
+        w = tl.div_rn(w, denom[:, None] + tl.zeros_like(w))
+    if SCALE:
+        w = w * scale
+    out = rows[:, None].to(tl.int64) * K + kcols[None, :]
+    smask = (rows < T)[:, None] & kmask
+    tl.store(w_ptr + out, w, mask=smask)
+    tl.store(ids_ptr + out, ids, mask=smask)
+
+
+def kernel_refusal(cfg: RoutingConfig, E: int) -> Optional[str]:
+    """Why the kernel cannot route this config over E experts (None: it can)."""
+    if cfg.custom is not None:
+        return "custom routing functions run in Python"
+    if E > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if cfg.top_k > MAX_TOP_K:
+        return f"top_k above {MAX_TOP_K}"
+    if cfg.uses_groups(E) and cfg.num_expert_group > MAX_GROUPS:
+        return f"more than {MAX_GROUPS} expert groups"
+    return None
+
+
+def _renorm_mode(cfg: RoutingConfig, grouped: bool, has_bias: bool) -> Tuple[int, float]:
+    """moekit.routing.router's renormalisation rule as (mode, eps)."""
+    if cfg.order != "score_then_topk" or not cfg.renormalize:
+        return RENORM_NONE, 0.0
+    if cfg.scoring == "sqrtsoftplus":
+        return RENORM_CLAMP, 1e-20
+    if cfg.scoring == "sigmoid" or grouped or has_bias:
+        return RENORM_EPS, 1e-20
+    return RENORM_SUM, 0.0
+
+
+def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor],
+                 check_nan: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Route logits z [T, E] (any float dtype, rows contiguous) -> (weights [T, k] fp32, ids [T, k]
+    int32, NaN flag [1] int32 or None). The caller validated cfg for E and the bias's shape; the
+    flag, when check_nan, is nonzero if z holds a NaN."""
+    T, E = z.shape
+    k = cfg.top_k
+    w = torch.empty(T, k, dtype=torch.float32, device=z.device)
+    ids = torch.empty(T, k, dtype=torch.int32, device=z.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=z.device) if check_nan else None
+    if T == 0:
+        return w, ids, flag
+    if z.stride(1) != 1:
+        z = z.contiguous()
+    grouped = cfg.order == "score_then_topk" and cfg.uses_groups(E)
+    G = cfg.num_expert_group if grouped else 0
+    top2 = grouped and (cfg.group_score or ("top2_sum" if bias is not None else "max")) == "top2_sum" and E // G >= 2
+    mode, eps = _renorm_mode(cfg, grouped, bias is not None)
+    scale = cfg.routed_scaling_factor if cfg.scale_on == "router" else 1.0
+    EP = triton.next_power_of_2(E)
+    R = max(1, min(triton.next_power_of_2(T), 4096 // EP, 16))
+    b = bias.float() if bias is not None else z
+    route_kernel[(triton.cdiv(T, R),)](
+        z, b, w, ids, flag if flag is not None else ids, T, E, z.stride(0), float(eps), float(scale),
+        K=k, KP=triton.next_power_of_2(k), EP=EP, R=R, SCORING=_SCORING[cfg.scoring], ORDER=_ORDER[cfg.order],
+        HAS_BIAS=bias is not None and cfg.order == "score_then_topk", G=G, GP=triton.next_power_of_2(max(G, 1)),
+        TOPG=cfg.topk_group if grouped else 0, TOP2=bool(top2), RENORM=mode, SCALE=scale != 1.0,
+        CHECK=check_nan, PRECISE=not settings.triton_interpret, num_warps=8 if EP >= 2048 else 4)
+    return w, ids, flag
