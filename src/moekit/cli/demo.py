@@ -6,9 +6,10 @@ transformers config with seeded random weights; `--model PATH` takes a local che
 folder instead (transformers loads it for the eager run, moekit's own loader for moekit).
 The demo checks that the logits match (fp32: 1e-5 relative, bf16/fp16: 2e-2), greedily
 generates the same tokens with both (required identical in fp32) and prints tokens/s of that
-generation (decode: one token a step) and of one longer prompt's forward (prefill: many tokens a
-call, where the experts' batched GEMMs matter), the backend the oracle chose for each MoE layer
-and why, and the expert load per layer.
+generation (decode: one token a step; the median of --rounds generations, the two models taking
+turns) and of one longer prompt's forward (prefill: many tokens a call, where the experts'
+batched GEMMs matter; the median of 5, in turns), the backend the oracle chose for each MoE
+layer and why, and the expert load per layer.
 Exit status 0 only when every check passed.
 """
 
@@ -43,6 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt (default 8)")
     p.add_argument("--prefill-tokens", type=int, default=256,
                    help="length of the prompt whose forward is timed for prefill tokens/s (default 256; 0: skip)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed generations per model, taking turns; the median is reported (default 3)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
     p.add_argument("--backend", default="auto", help="moekit experts backend (default auto: the oracle picks)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights and the prompt")
@@ -111,16 +114,23 @@ def _generate(model, prompt: torch.Tensor, n: int, desc: str) -> Tuple[torch.Ten
     return out, time.perf_counter() - start
 
 
-def _prefill_seconds(model, ids: torch.Tensor, repeats: int = 5) -> float:
-    """Median seconds of one forward over ids [1, P], after a warm-up forward."""
-    times = []
+def _median(xs: List[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _prefill_seconds(models, ids: torch.Tensor, repeats: int = 5) -> List[float]:
+    """Median seconds of one forward over ids [1, P] per model, the models taking turns (so a
+    slower stretch of a shared host falls on both), after a warm-up forward each."""
+    times = [[] for _ in models]
     with torch.no_grad():
-        model(ids)
-        for _ in range(repeats):
-            start = time.perf_counter()
+        for model in models:
             model(ids)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for _ in range(repeats):
+            for model, ts in zip(models, times):
+                start = time.perf_counter()
+                model(ids)
+                ts.append(time.perf_counter() - start)
+    return [_median(ts) for ts in times]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -178,6 +188,8 @@ def run(args) -> int:
         return 2
     if args.tokens < 1 or args.prompt_tokens < 1:
         raise ValueError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.prefill_tokens < 0:
         raise ValueError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
     dtype = DTYPES[args.dtype]
@@ -190,16 +202,25 @@ def run(args) -> int:
     for model in (eager, ours):  # warm-up: first-call costs (kernel selection, caches) stay out of tokens/s
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    ids_eager, t_eager = _generate(eager, prompt, args.tokens, "transformers eager")
-    counts, handles = _count_routing(ours)
-    ids_ours, t_ours = _generate(ours, prompt, args.tokens, "moekit")
-    for h in handles:
-        h.remove()
+    times_eager, times_ours = [], []
+    for r in range(args.rounds):  # the two take turns; each one's median round is reported
+        ids, t = _generate(eager, prompt, args.tokens, "transformers eager")
+        times_eager.append(t)
+        if r == 0:
+            ids_eager = ids
+            counts, handles = _count_routing(ours)  # the first round's routing only
+        ids, t = _generate(ours, prompt, args.tokens, "moekit")
+        times_ours.append(t)
+        if r == 0:
+            ids_ours = ids
+            for h in handles:
+                h.remove()
+    t_eager, t_ours = _median(times_eager), _median(times_ours)
     prefill = None
     if args.prefill_tokens:
         long_prompt = torch.randint(0, vocab, (1, args.prefill_tokens),
                                     generator=torch.Generator().manual_seed(args.seed + 2))
-        prefill = (_prefill_seconds(eager, long_prompt), _prefill_seconds(ours, long_prompt))
+        prefill = _prefill_seconds((eager, ours), long_prompt)
     P = args.prompt_tokens
     same = int((ids_eager[0, P:] == ids_ours[0, P:]).sum())
     logits_ok = err <= tol
@@ -213,7 +234,7 @@ def run(args) -> int:
     print()
     speed = [["transformers eager", f"{args.tokens / t_eager:.1f}", "1.00x"],
              ["moekit", f"{args.tokens / t_ours:.1f}", f"{t_eager / t_ours:.2f}x"]]
-    header = ("run", "decode tokens/s", "vs eager")
+    header = ("run", f"decode tokens/s (median of {args.rounds})", "vs eager")
     if prefill is not None:
         n = args.prefill_tokens
         speed[0] += [f"{n / prefill[0]:.0f}", "1.00x"]
