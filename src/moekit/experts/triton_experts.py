@@ -28,6 +28,7 @@ from ..config import settings
 from ..kernels.launch import fused_moe
 from ..kernels.launch_quant import fused_moe_quant, quant_unsupported
 from ..kernels.triton_moe import MAX_EXPERTS
+from ..kernels.tuning import cuda_capability
 from ..quant.layout import scheme_of
 from ..quant.schemes import SCHEMES, get_scheme
 from .base import ExpertsBackend, ExpertsProblem, register_backend
@@ -38,8 +39,12 @@ __all__ = ["TritonBackend", "triton_fused_experts", "triton_quant_experts", "TOL
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@library.custom_op("moekit::triton_fused_experts", mutates_args=())
-def triton_fused_experts(
+# Each call runs as a torch custom op under torch.compile (with a fake implementation for
+# tracing) and as the plain function eagerly: the op's dispatch (autograd, redispatch, aliasing
+# checks) costs host time per call that an eager decode step, host-bound already, would feel.
+
+
+def _fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -59,14 +64,16 @@ def triton_fused_experts(
                      alpha=alpha, limit=limit, on_input=on_input, out_dtype=out_dtype)
 
 
+triton_fused_experts = library.custom_op("moekit::triton_fused_experts", mutates_args=())(_fused_experts)
+
+
 @triton_fused_experts.register_fake
 def _triton_fused_experts_fake(x, w13, w2, b13, b2, topk_weights, topk_ids, expert_map, activation, alpha,
                                limit, on_input, out_dtype):
     return x.new_empty((x.shape[0], x.shape[1]), dtype=out_dtype)
 
 
-@library.custom_op("moekit::triton_quant_experts", mutates_args=())
-def triton_quant_experts(
+def _quant_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -97,6 +104,9 @@ def triton_quant_experts(
     return fused_moe_quant(x, w13, w2, b13, b2, w13_scale, w2_scale, w13_zero, w2_zero, a13_scale, a2_scale,
                            topk_weights, topk_ids, expert_map, scheme, activation, alpha=alpha, limit=limit,
                            on_input=on_input, out_dtype=out_dtype)
+
+
+triton_quant_experts = library.custom_op("moekit::triton_quant_experts", mutates_args=())(_quant_experts)
 
 
 @triton_quant_experts.register_fake
@@ -136,8 +146,8 @@ class TritonBackend(ExpertsBackend):
                 return "the Triton interpreter is on (TRITON_INTERPRET=1) and would run the kernels on the CPU"
             if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 return f"takes bfloat16, float16 or float32, got {problem.dtype}"
-            if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-                return f"needs compute capability 8.0 or newer, got {torch.cuda.get_device_capability()}"
+            if torch.cuda.is_available() and cuda_capability() < (8, 0):
+                return f"needs compute capability 8.0 or newer, got {cuda_capability()}"
             return None
         if problem.device == "cpu":
             if not settings.triton_interpret:
@@ -158,7 +168,7 @@ class TritonBackend(ExpertsBackend):
             if settings.triton_interpret:
                 return "the Triton interpreter is on (TRITON_INTERPRET=1) and would run the kernels on the CPU"
             if torch.cuda.is_available():
-                capability = torch.cuda.get_device_capability()
+                capability = cuda_capability()
         elif problem.device == "cpu":
             if not settings.triton_interpret:
                 return "runs on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1, for tests)"
@@ -172,15 +182,16 @@ class TritonBackend(ExpertsBackend):
     def apply(self, x, weights, topk_weights, topk_ids, *, activation, activation_params,
               apply_router_weight_on_input, expert_map, out_dtype=torch.float32):
         emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
+        compiling = torch.compiler.is_compiling()
         if weights.quant is not None:
             scheme = scheme_of(weights)
             sc = weights.scales
-            return triton_quant_experts(
+            return (triton_quant_experts if compiling else _quant_experts)(
                 x, weights.w13, weights.w2, weights.b13, weights.b2, sc["w13_scale"], sc["w2_scale"],
                 sc.get("w13_zero"), sc.get("w2_zero"), sc.get("a13_scale"), sc.get("a2_scale"), topk_weights,
                 topk_ids, emap, scheme.name, scheme.group_size or 0, activation, float(activation_params.alpha),
                 float(activation_params.limit), bool(apply_router_weight_on_input), out_dtype)
-        return triton_fused_experts(
+        return (triton_fused_experts if compiling else _fused_experts)(
             x, weights.w13, weights.w2, weights.b13, weights.b2, topk_weights, topk_ids, emap, activation,
             float(activation_params.alpha), float(activation_params.limit), bool(apply_router_weight_on_input),
             out_dtype)

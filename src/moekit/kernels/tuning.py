@@ -274,8 +274,32 @@ class MoEConfig:
 
 
 def device_name(device: Optional[torch.device] = None) -> str:
-    """The name used in config files, e.g. "NVIDIA_H200"."""
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    """The name used in config files, e.g. "NVIDIA_H200" (device: a CUDA device, an index, or None
+    for the current one; cached per index, since every call of the layer asks)."""
+    return _name_of(cuda_index(device))
+
+
+def cuda_capability(device: Optional[torch.device] = None) -> Tuple[int, int]:
+    """torch.cuda.get_device_capability, cached per device index."""
+    return _capability_of(cuda_index(device))
+
+
+def cuda_index(device) -> int:
+    """The index of a CUDA device given as a torch.device, a string, an index or None (current)."""
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+@functools.lru_cache(maxsize=None)
+def _name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def on_hopper(device: Optional[str]) -> bool:
