@@ -27,7 +27,7 @@ from triton.language.extra import libdevice
 
 from ..config import RoutingConfig, settings
 
-__all__ = ["route_kernel", "triton_route", "kernel_refusal", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["route_kernel", "triton_route", "kernel_refusal", "program_shape", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 4096  # a row of logits per program
 MAX_TOP_K = 64  # picks are unrolled
@@ -153,6 +153,16 @@ def route_kernel(
     tl.store(ids_ptr + out, ids, mask=smask)
 
 
+def program_shape(T: int, EP: int) -> Tuple[int, int]:
+    """(rows a program, warps) for T rows of EP padded logits: about 8 logits a thread. Up to 256
+    experts one warp holds whole rows, so every pick reduces within the warp (no shared memory);
+    more experts spread a row over EP / 256 warps. (4 warps over R x EP blocks took 27 us a call
+    at DeepSeek-V3's 256 experts from 16 rows, spilling; 9 us for one row.)"""
+    if EP <= 256:
+        return min(256 // EP, triton.next_power_of_2(T)), 1
+    return 1, min(16, EP // 256)
+
+
 def kernel_refusal(cfg: RoutingConfig, E: int) -> Optional[str]:
     """Why the kernel cannot route this config over E experts (None: it can)."""
     if cfg.custom is not None:
@@ -197,12 +207,12 @@ def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tenso
     mode, eps = _renorm_mode(cfg, grouped, bias is not None)
     scale = cfg.routed_scaling_factor if cfg.scale_on == "router" else 1.0
     EP = triton.next_power_of_2(E)
-    R = max(1, min(triton.next_power_of_2(T), 4096 // EP, 16))
+    R, warps = program_shape(T, EP)
     b = bias.float() if bias is not None else z
     route_kernel[(triton.cdiv(T, R),)](
         z, b, w, ids, flag if flag is not None else ids, T, E, z.stride(0), float(eps), float(scale),
         K=k, KP=triton.next_power_of_2(k), EP=EP, R=R, SCORING=_SCORING[cfg.scoring], ORDER=_ORDER[cfg.order],
         HAS_BIAS=bias is not None and cfg.order == "score_then_topk", G=G, GP=triton.next_power_of_2(max(G, 1)),
         TOPG=cfg.topk_group if grouped else 0, TOP2=bool(top2), RENORM=mode, SCALE=scale != 1.0,
-        CHECK=check_nan, PRECISE=not settings.triton_interpret, num_warps=8 if EP >= 2048 else 4)
+        CHECK=check_nan, PRECISE=not settings.triton_interpret, num_warps=warps)
     return w, ids, flag
