@@ -38,7 +38,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def per_call_us(fn, inputs, device, reps=3):
+def per_call_us(fn, inputs, device, reps=7):
     for args in inputs[:3]:
         fn(*args)
     sync(device)
@@ -98,7 +98,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--calls", type=int, default=100)
     p.add_argument("--points", nargs="*", default=None, help="names of POINTS to run (default all)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -132,7 +132,7 @@ def main():
     out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="PYTHONPATH=src python bench/eager_host_profile.py", torch=torch.__version__,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               note="mean per call of back-to-back eager calls, best of 3, host time included",
+               note="mean per call of back-to-back eager calls, best of 7 rounds, host time included",
                launch_floors=floors, rows=rows)
     with open(os.path.join(args.out, "eager-host.json"), "w") as f:
         json.dump(out, f, indent=1)
