@@ -5,8 +5,8 @@ Pipeline (every size known from shapes, no host synchronisation, CUDA-graph safe
 x is quantized in the alignment's launch (knob fuse_x_quant; a launch of its own
 otherwise) for dynamic per-token and per-group scales and for static per-expert scales
 (once per assignment: a token's k experts have k scales); dynamic per-tensor scales take a
-row-amax kernel, one more that turns the rows' max into the scale (tensor_scale_kernel) and
-the quantizing kernel. GEMM1's output is quantized by one more launch (dynamic scales) or by GEMM1 itself (static
+row-amax kernel, a max over rows (torch, on the device) and the quantizing kernel. GEMM1's
+output is quantized by one more launch (dynamic scales) or by GEMM1 itself (static
 "a2_scale"). GEMM2 may split K over programs (knob split_k): its fp32 partials are added
 with the k slots, in a fixed order, by the sum kernel.
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from . import triton_align as align
 from .triton_moe import INTERPRETED, MAX_TOP_K, _slot_mask
 
-__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "quant_groups", "to_pairs_order", "row_amax_kernel", "tensor_scale_kernel", "quant_rows_kernel",
+__all__ = ["FP8_MAX", "INT8_MAX", "fp8_grid_rne", "to_quant", "quant_groups", "to_pairs_order", "row_amax_kernel", "quant_rows_kernel",
            "align_quant_kernel", "sum_slots_kernel"]
 
 FP8_MAX = 448.0
@@ -141,24 +141,6 @@ def row_amax_kernel(
     if ON_INPUT:
         out = out * tl.abs(tl.load(topk_w_ptr + r, mask=in_range, other=0.0))
     tl.store(amax_ptr + r, out, mask=in_range)
-
-
-@triton.jit
-def tensor_scale_kernel(amax_ptr, s_ptr, n, QMAX: tl.constexpr, B: tl.constexpr):
-    """s = max(amax[:n]) / QMAX, or 1 where that is 0 or NaN: the dynamic per-tensor scale from
-    row_amax_kernel's rows, in one launch (one program; amax >= 0, so the max starts at 0). The
-    division rounds as torch's does."""
-    offs = tl.arange(0, B)
-    acc = tl.zeros([B], tl.float32)
-    nan = tl.zeros([B], tl.int32)
-    for i0 in range(0, n, B):
-        v = tl.load(amax_ptr + i0 + offs, mask=i0 + offs < n, other=0.0)
-        acc = tl.maximum(acc, v)
-        nan = nan | (v != v).to(tl.int32)
-    m = tl.zeros([1], tl.float32) + tl.max(acc, axis=0)
-    s = tl.div_rn(m, tl.full([1], QMAX, tl.float32))
-    ok = (s > 0) & (tl.max(nan, axis=0) == 0)
-    tl.store(s_ptr + tl.arange(0, 1), tl.where(ok, s, 1.0))
 
 
 @triton.jit

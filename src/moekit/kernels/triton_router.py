@@ -9,11 +9,12 @@ index order. Scores use the precise exp / log1p / division / square root of torc
 kernels, so ids agree with the torch path; weights agree to an ulp or two (sums may add in
 another order).
 
-Eagerly, the torch path runs a dozen small kernels and a sort per call (about 250 us of host
-time and 15 us of GPU time at one decode token on an H200 host); this is one launch. A program
-routes R rows of at most EP >= E logits, picking the k experts one at a time (each pick a max
-and a min over the row). NaN logits set a flag the caller reads (its one host sync) when the
-check is on; whatever the logits, every id written is in [0, E).
+The torch path runs a dozen small kernels and one or two sorts a call: on an H200 host 97-503 us
+of host time eagerly (with the NaN check) and 13-60 us of GPU time in a CUDA graph at one
+decode token, where this one launch takes 51-92 us and 1.4-5.7 us (bench/results/h200-router.json).
+A program routes whole rows of at most EP >= E logits (program_shape), picking the k experts
+one at a time (each pick a max and a min over the row). NaN logits set a flag the caller reads
+(its one host sync) when the check is on; whatever the logits, every id written is in [0, E).
 """
 
 from __future__ import annotations
