@@ -13,6 +13,8 @@ def test_info_lists_backends_and_choice(capsys):
     for name in ("reference", "grouped_mm", "cpu"):
         assert name in out
     assert "-> cpu: chosen" in out
+    router = next(line for line in out.splitlines() if line.startswith("router: "))
+    assert "torch ops on CPU tensors" in router and "one Triton launch on CUDA" in router
 
 
 def test_info_shows_refusals(capsys):

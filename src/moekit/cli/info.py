@@ -70,6 +70,18 @@ def print_tiles(text: str, Ms, dtype: torch.dtype, scheme, device) -> None:
         print(f"  M={M:6d} ({M * k / E:8.1f} rows an expert): {source}\n      {config.to_json()}{extra}")
 
 
+def _router_line() -> str:
+    """Where route() runs here: one Triton launch on CUDA, torch ops elsewhere."""
+    here = "torch ops on CPU tensors, under autograd and in torch.compile"
+    if not torch.cuda.is_available():
+        return here + "; one Triton launch on CUDA tensors (no CUDA here)"
+    try:
+        import triton  # noqa: F401, PLC0415
+    except ImportError:
+        return here + "; on CUDA too (triton is not installed: pip install 'moekit[gpu]')"
+    return "one Triton launch on CUDA tensors (every variant but custom functions); " + here
+
+
 def _devices():
     yield "cpu"
     if torch.cuda.is_available():
@@ -98,6 +110,7 @@ def run(args) -> int:
         print(f"cuda: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})")
     else:
         print("cuda: not available")
+    print(f"router: {_router_line()}")
     print("\nbackends (can it run on this machine?)")
     for name, reason in available_backends().items():
         desc = moekit.BACKENDS[name].description
