@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 __all__ = [
     "RoutingConfig",
@@ -103,6 +103,20 @@ class RoutingConfig:
                 f"scoring={self.scoring!r} only applies to order='score_then_topk'; "
                 f"order={self.order!r} defines its own weights (leave scoring at 'softmax')"
             )
+
+    def group_score_for(self, has_bias: bool) -> str:
+        """The group score in use: group_score, else "top2_sum" with a correction bias, "max" without."""
+        return self.group_score or ("top2_sum" if has_bias else "max")
+
+    def renorm_eps(self, grouped: bool, has_bias: bool) -> Tuple[float, bool]:
+        """(eps, clamp) of the score-then-top-k renormalisation w / (sum + eps), or w / max(sum, eps)
+        with clamp: sqrt-softplus clamps at 1e-20; sigmoid scoring, groups or a correction bias
+        add 1e-20 (DeepSeek-V3); plain softmax adds nothing."""
+        if self.scoring == "sqrtsoftplus":
+            return 1e-20, True
+        if self.scoring == "sigmoid" or grouped or has_bias:
+            return 1e-20, False
+        return 0.0, False
 
     def uses_groups(self, num_experts: int) -> bool:
         """Whether grouped top-k applies for E = num_experts (after the fallback rule)."""

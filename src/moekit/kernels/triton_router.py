@@ -177,17 +177,6 @@ def kernel_refusal(cfg: RoutingConfig, E: int) -> Optional[str]:
     return None
 
 
-def _renorm_mode(cfg: RoutingConfig, grouped: bool, has_bias: bool) -> Tuple[int, float]:
-    """moekit.routing.router's renormalisation rule as (mode, eps)."""
-    if cfg.order != "score_then_topk" or not cfg.renormalize:
-        return RENORM_NONE, 0.0
-    if cfg.scoring == "sqrtsoftplus":
-        return RENORM_CLAMP, 1e-20
-    if cfg.scoring == "sigmoid" or grouped or has_bias:
-        return RENORM_EPS, 1e-20
-    return RENORM_SUM, 0.0
-
-
 def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor],
                  check_nan: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Route logits z [T, E] (any float dtype, rows contiguous) -> (weights [T, k] fp32, ids [T, k]
@@ -204,8 +193,11 @@ def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tenso
         z = z.contiguous()
     grouped = cfg.order == "score_then_topk" and cfg.uses_groups(E)
     G = cfg.num_expert_group if grouped else 0
-    top2 = grouped and (cfg.group_score or ("top2_sum" if bias is not None else "max")) == "top2_sum" and E // G >= 2
-    mode, eps = _renorm_mode(cfg, grouped, bias is not None)
+    top2 = grouped and cfg.group_score_for(bias is not None) == "top2_sum" and E // G >= 2
+    mode, eps = RENORM_NONE, 0.0
+    if cfg.order == "score_then_topk" and cfg.renormalize:
+        eps, clamp = cfg.renorm_eps(grouped, bias is not None)
+        mode = RENORM_CLAMP if clamp else RENORM_EPS if eps else RENORM_SUM
     scale = cfg.routed_scaling_factor if cfg.scale_on == "router" else 1.0
     EP = triton.next_power_of_2(E)
     R, warps = program_shape(T, EP)

@@ -84,17 +84,12 @@ def _score_then_topk(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.T
     c = p if bias is None else p + bias.float()  # [T, E] selection scores
     grouped = cfg.uses_groups(E)
     if grouped:
-        group_score = cfg.group_score or ("top2_sum" if bias is not None else "max")
-        c = group_mask(c, cfg.num_expert_group, cfg.topk_group, group_score)
+        c = group_mask(c, cfg.num_expert_group, cfg.topk_group, cfg.group_score_for(bias is not None))
     ids = stable_topk(c, cfg.top_k)  # [T, k]
     w = p.gather(1, ids)  # [T, k]
     if cfg.renormalize:
-        if cfg.scoring == "sqrtsoftplus":
-            w = renormalize(w, 1e-20, clamp=True)
-        elif cfg.scoring == "sigmoid" or grouped or bias is not None:
-            w = renormalize(w, 1e-20)  # DeepSeek-V3 adds 1e-20 to the denominator
-        else:
-            w = renormalize(w)
+        eps, clamp = cfg.renorm_eps(grouped, bias is not None)
+        w = renormalize(w, eps, clamp=clamp)
     return TopK(w, ids)
 
 
