@@ -32,9 +32,8 @@ def group_mask(c: torch.Tensor, num_groups: int, topk_group: int, group_score: s
     else:
         g_TG = c_TGn.amax(dim=-1)
     keep_Tg = stable_topk(g_TG, topk_group)
-    keep_TG = torch.zeros_like(g_TG, dtype=torch.bool).scatter_(1, keep_Tg, True)
-    keep_TE = keep_TG.unsqueeze(-1).expand_as(c_TGn).reshape(T, E)
-    return c.masked_fill(~keep_TE, float("-inf"))
+    drop_TG = torch.ones_like(g_TG, dtype=torch.bool).scatter_(1, keep_Tg, False)
+    return c_TGn.masked_fill(drop_TG.unsqueeze(-1), float("-inf")).view(T, E)  # the mask broadcasts over n
 
 
 def renormalize(w: torch.Tensor, eps: float = 0.0, clamp: bool = False) -> torch.Tensor:
