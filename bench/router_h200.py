@@ -6,7 +6,8 @@ For the routing of PERF.md's five models at T in {1, 16, 256, 4096, 16384} token
 - eager: the mean time per call of 200 back-to-back calls, host time included, as route()
   runs them with the NaN check on (the kernel: one launch and a read of its NaN flag; before
   it: torch.isnan(...).any() then the torch router) and with it off (MOEKIT_CHECK_IDS=0);
-- graph: GPU time per call of 20 calls captured in one CUDA graph (no check inside a capture).
+- graph: GPU time per call of 20 calls captured in one CUDA graph, the median of 20 replays
+  (moekit.benchmarks.gpu.graph_time_us; no check inside a capture).
 Every kernel result is compared with the torch router's first (same ids, weights within 1e-6).
 """
 
@@ -19,6 +20,7 @@ import time
 import torch
 
 from moekit import RoutingConfig
+from moekit.benchmarks.gpu import graph_time_us
 from moekit.kernels.triton_router import triton_route
 from moekit.routing.router import check_router_logits, route_torch
 
@@ -44,24 +46,6 @@ def eager_us(fn, calls=200):
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
-
-
-def graph_us(fn, calls=20, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main():
@@ -92,8 +76,8 @@ def main():
                        eager_kernel_us=eager_us(kernel_checked), eager_torch_us=eager_us(torch_checked),
                        eager_kernel_nocheck_us=eager_us(lambda: triton_route(z, cfg, bias, check_nan=False)),
                        eager_torch_nocheck_us=eager_us(lambda: route_torch(z, cfg, bias)),
-                       graph_kernel_us=graph_us(lambda: triton_route(z, cfg, bias, check_nan=False)),
-                       graph_torch_us=graph_us(lambda: route_torch(z, cfg, bias)))
+                       graph_kernel_us=graph_time_us(lambda: triton_route(z, cfg, bias, check_nan=False), [()] * 20, 20),
+                       graph_torch_us=graph_time_us(lambda: route_torch(z, cfg, bias), [()] * 20, 20))
             rows.append(row)
             print(f"{model:14s} T={T:6d} ids equal {same_ids} w rel {max_rel:.1e} | eager {row['eager_kernel_us']:7.1f} "
                   f"vs {row['eager_torch_us']:7.1f} us (no check {row['eager_kernel_nocheck_us']:6.1f} vs "
