@@ -146,3 +146,17 @@ def test_gluon_gemm2_probe_reference_on_cpu():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "rows written 80 of 80" in proc.stdout
+
+
+def test_balance_probe_routing_is_balanced_and_valid():
+    import torch
+
+    probe = _load(BENCH / "balance_probe_h200.py")
+    for M, E, k in ((256, 8, 2), (16, 128, 8), (3, 6, 4)):
+        for x, w, ids in probe.balanced_sets(M, E, k, 32, 2, torch.float32, "cpu"):
+            assert x.shape == (M, 32) and w.shape == ids.shape == (M, k) and ids.dtype == torch.int32
+            assert torch.equal(torch.bincount(ids.flatten().long(), minlength=E), torch.full((E,), M * k // E))
+            assert all(len(set(row.tolist())) == k for row in ids)  # k distinct experts a token
+            torch.testing.assert_close(w.sum(1), torch.ones(M))
+    with pytest.raises(ValueError, match="multiple of E"):
+        probe.balanced_sets(5, 8, 2, 32, 1, torch.float32, "cpu")

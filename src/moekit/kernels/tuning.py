@@ -280,7 +280,10 @@ def device_name(device: Optional[torch.device] = None) -> str:
 
 
 def cuda_capability(device: Optional[torch.device] = None) -> Tuple[int, int]:
-    """torch.cuda.get_device_capability, cached per device index."""
+    """torch.cuda.get_device_capability, cached per device index (torch.compile traces the lookup
+    itself: dynamo warns about, and sees through, functools caches)."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(cuda_index(device))
     return _capability_of(cuda_index(device))
 
 

@@ -58,11 +58,11 @@ def _kernel_routes(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Ten
     """Whether the one-launch Triton router (moekit.kernels.triton_router) takes this call: CUDA
     (not ROCm), Triton importable, no autograd through the logits or the bias, not inside
     torch.compile (which traces the torch path), and a config and E it covers."""
+    if torch.compiler.is_compiling():  # first: dynamo would trace through the cached lookup below
+        return False
     if z.device.type != "cuda" or getattr(torch.version, "hip", None) or not _triton_available():
         return False
     if torch.is_grad_enabled() and (z.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    if torch.compiler.is_compiling():
         return False
     from ..kernels.triton_router import kernel_refusal  # noqa: PLC0415
 
