@@ -184,3 +184,46 @@ def test_gate_and_up_in_one_product_with_bias_map_and_swiglu(cuda_gen):
         out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, activation, config=cfg, direct=False)
         ref = reference_experts(x, wts, w, ids, expert_map=emap, activation=activation)
         assert rel_err(out, ref) <= TOL[torch.bfloat16], activation
+
+
+# live=1: GEMM1 runs a tile's loop by its live rows and leaves padding rows unwritten; on the
+# warp-specialized schedule (both x modes, gate and up in one product or two) and a plain one.
+def _live_configs():
+    """One candidate of the space per (rows, ws, gu1, x_tma) on 64-row tiles (plain) and 128-row
+    ones (warp-specialized), with live=1."""
+    picked = {}
+    for c in prefill_space(4096, 128, 8):
+        p = c.prefill
+        if p.tail == 1 and p.tma == 2 and p.act_tma and p.programs_per_sm and (p.ws or c.block_m == 64):
+            picked.setdefault((c.block_m, p.ws, p.gu1, p.x_tma),
+                              MoEConfig(c.gemm1, c.gemm2, dataclasses.replace(p, flatten=0, live=1)))
+    return list(picked.values())
+
+
+LIVE_CONFIGS = _live_configs()
+
+
+@pytest.mark.parametrize("shape", PERF_SHAPES, ids=[s[0] for s in PERF_SHAPES])
+def test_live_row_loops_match_reference_with_padding_rows_unwritten(shape, cuda_gen):
+    _, E, k, H, I = shape
+    x, wts, w, ids, _ = _problem(min(E, 16), k, H, I, 700, cuda_gen)
+    ref = reference_experts(x, wts, w, ids)
+    assert LIVE_CONFIGS
+    for cfg in LIVE_CONFIGS:
+        torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # the padding rows GEMM2 reads: NaN
+        out = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False,
+                        out_dtype=x.dtype)
+        assert torch.isfinite(out).all() and rel_err(out.float(), ref) <= TOL[torch.bfloat16], cfg.to_json()
+        again = fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", config=cfg, direct=False,
+                          out_dtype=x.dtype)
+        assert torch.equal(out, again), cfg.to_json()
+
+
+def test_live_row_loops_with_bias_map_and_graph_replay(cuda_gen):
+    cfg = LIVE_CONFIGS[0]
+    x, wts, w, ids, emap = _problem(12, 2, 2048, 768, 700, cuda_gen, bias=True, n_remote=5)
+    out = fused_moe(x, wts.w13, wts.w2, wts.b13, wts.b2, w, ids, emap, "silu", config=cfg, direct=False)
+    assert rel_err(out, reference_experts(x, wts, w, ids, expert_map=emap)) <= TOL[torch.bfloat16]
+    _replay_with_new_routing(
+        lambda: fused_moe(x, wts.w13, wts.w2, None, None, w, ids, emap, "silu", config=cfg, direct=False),
+        ids, torch.rand(700, 17, device="cuda", generator=cuda_gen).topk(2, dim=1).indices.int())
