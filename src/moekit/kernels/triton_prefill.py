@@ -23,10 +23,6 @@ Weights: w13 [E, R, H] and w2 [E, H, I] are read as 2-D [E * R, H] and [E * H, I
 TMA descriptors built on the host (TMA=1) or in the kernel (TMA=2), or pointers (TMA=0).
 A tile of BN weight rows may run past an expert's rows into the next matrix; those columns
 are computed and never stored, and TMA fills rows and K columns past the tensor with zeros.
-With the prefill knob `live` (TAIL = 1) GEMM1 instead counts each tile's live rows (an
-expert's assignments come before its padding) and runs the shortest loop holding them, storing
-only those rows: the padded layout, which GEMM2's warp-specialized loop needs, stays; GEMM2
-reads the unwritten padding rows and never stores their results.
 Activation rows (ACT_TMA: GEMM2's act, contiguous per expert; X_TMA: x gathered into the
 sorted row order by one copy first) come through descriptors built in the kernel, one per
 row-tile height; a tile's BMT rows may run past its expert's, and those rows are not stored.
@@ -52,7 +48,7 @@ from .triton_moe import _gate_up_act, _gate_up_bias, _silu_mul_scaled, _gemm2_op
 from .triton_quant_rows import to_quant
 from .tuning import FP8_MIN_TILE_ROWS, MoEConfig, TileConfig
 
-__all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "live_loops", "E_LANES",
+__all__ = ["prefill_gemm1_kernel", "prefill_gemm2_kernel", "fused_moe_prefill", "row_tiles_bound", "E_LANES",
            "INTERPRETER_SMS", "FP8_MIN_TILE_ROWS"]
 
 # Lanes of the per-expert schedule vectors: at least this many (a power of two), so every
@@ -307,7 +303,7 @@ def prefill_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TAIL: tl.constexpr,
     FLATTEN: tl.constexpr, E_PAD: tl.constexpr, TMA: tl.constexpr, X_TMA: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ON_INPUT: tl.constexpr, IEEE: tl.constexpr, GU1: tl.constexpr,
-    SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr = "", LIVE_TAIL: tl.constexpr = 1,
+    SCALED: tl.constexpr, FOLD: tl.constexpr, OUT_POLICY: tl.constexpr = "",
 ):
     """act[row, n] = act(x[token] W13[e]^T + b13[e])[n] for n < N (= I), every row tile.
 
@@ -317,31 +313,25 @@ def prefill_gemm1_kernel(
     w13 with static per-tensor scales): x [T * k, K] rows read through src [T * k]; sx, sw13,
     sa2, sw2 [E] fp32 the scales of x, w13, GEMM2's input and w2;
     FOLD: wy [T * k] fp32, GEMM2's routed weights with its scales.
-    LIVE_TAIL 2 or 4 (TAIL 1, prefill knob live): a tile runs the BM, BM / 2 or BM / 4 row loop
-    by its live rows (its assignments) and stores only them; 1: every row of the tile.
     """
-    LOOPS: tl.constexpr = TAIL * LIVE_TAIL  # row loops of BM / LOOPS rows at the shortest (one factor is 1)
     if GU1:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
     elif TMA == 2:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * w_rows, K], strides=[K, 1], block_shape=[BN, BK])
-    x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, LOOPS, X_TMA)
+    x_d0, x_d1, x_d2 = _row_descs(x_ptr, R, K, stride_xm, BM, BK, TAIL, X_TMA)
     tile_end, row_base, ends, num_m = _schedule(expert_end_ptr, E, BM, E_PAD)
     num_n = tl.cdiv(N, BN)
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=FLATTEN):
         m, nt = _grouped(t, num_m, num_n, GROUP_M)
         e, row0, rows = _tile_rows(m, tile_end, row_base, ends, BM, E_PAD)
-        if LOOPS == 1:
+        if TAIL == 1:
             _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
                         sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
                         wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                         stride_wn, stride_be, stride_om, alpha, limit, BM, BN, BK, TMA, X_TMA, GATED, ACT,
                         HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
         else:
-            if LIVE_TAIL > 1:  # an expert's rows come first in its tiles, its padding after them
-                r = tl.arange(0, BM)
-                rows = tl.sum((tl.load(sorted_ptr + row0 + r, mask=r < rows, other=TK) < TK).to(tl.int32), axis=0)
-            v = _variant(rows, BM, LOOPS)
+            v = _variant(rows, BM, TAIL)
             if v == 0:
                 _gemm1_tile(x_ptr, x_d0, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
                             sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
@@ -354,7 +344,7 @@ def prefill_gemm1_kernel(
                             wy_ptr, e, row0, rows, nt * BN, N, K, TK, top_k, w_rows, stride_xm, stride_we,
                             stride_wn, stride_be, stride_om, alpha, limit, BM // 2, BN, BK, TMA, X_TMA, GATED, ACT,
                             HAS_BIAS, ON_INPUT, IEEE, GU1, SCALED, FOLD, OUT_POLICY)
-            if LOOPS == 4:
+            if TAIL == 4:
                 if v == 2:
                     _gemm1_tile(x_ptr, x_d2, w_ptr, w_desc, b_ptr, out_ptr, topk_w_ptr, sorted_ptr, src_ptr,
                                 sx_ptr, sw13_ptr, sa2_ptr, sw2_ptr,
@@ -416,14 +406,6 @@ def prefill_gemm2_kernel(
                                 sa2_ptr, sw2_ptr, e, row0, rows,
                                 nt * BN, N, K, TK, w_rows, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                                 BM // 4, BN, BK, TMA, ACT_TMA, HAS_BIAS, ON_INPUT, IEEE, SCALED, OUT_POLICY, WS)
-
-def live_loops(block_m: int, live: int, scaled: bool) -> int:
-    """GEMM1's LIVE_TAIL for prefill knob `live`: 4 or 2 when the BLOCK_SIZE_M / 4 or / 2 row
-    loop keeps 16 rows (FP8_MIN_TILE_ROWS for fp8, whose shorter products round differently),
-    1 for none (live off, or no shorter loop fits)."""
-    least = FP8_MIN_TILE_ROWS if scaled else 16
-    return next((t for t in (4, 2) if live and block_m // t >= least), 1)
-
 
 def row_tiles_bound(TK: int, E: int, block_m: int) -> int:
     """Most row tiles TK assignments over E experts can need: every tile holds an assignment,
@@ -557,7 +539,6 @@ def fused_moe_prefill(
         float(alpha), float(limit),
         BM=BM, BN=g1.BLOCK_SIZE_N, BK=g1.BLOCK_SIZE_K, GROUP_M=g1.GROUP_SIZE_M, X_TMA=pre.x_tma,
         GU1=bool(pre.gu1 and is_gated(activation)), SCALED=scaled, FOLD=fold, OUT_POLICY=store_policy(act),
-        LIVE_TAIL=live_loops(BM, pre.live, scaled),
         GATED=is_gated(activation), ACT=activation, HAS_BIAS=b13 is not None, num_warps=g1.num_warps,
         num_stages=g1.num_stages, **common)
     p2 = _programs(bound_m * triton.cdiv(H, g2.BLOCK_SIZE_N), pre.programs_per_sm, dev)

@@ -160,13 +160,6 @@ class PrefillConfig:
         gu1: 1 has GEMM1 multiply a tile's gate and up rows as one [BK, 2 BN] product, its
             weight tiles read as [2, BN, BK] blocks of w13 viewed [E * 2, I, H] (tma=2; gated
             activations; same bits as two products).
-        live: 1 (tail 1, not flatten) has GEMM1 count the live rows of each tile (its
-            assignments; an expert's padding rows come after them) and run the BLOCK_SIZE_M / 2
-            or / 4 row loop when they fit there (16 rows at least; 64 for fp8), storing only
-            them: the rows stay padded to whole tiles for GEMM2 (which warp specialization
-            needs), and GEMM2 never stores the padding rows it reads. Uniform routing leaves
-            each expert's last tile part empty: at Qwen3-30B-A3B M = 4096 GEMM1 took 408 us
-            against 345 with every expert at 256 rows (bench/results/h200-balance-probe.json).
     """
 
     tma: int = 1
@@ -177,11 +170,10 @@ class PrefillConfig:
     x_tma: int = 0
     ws: int = 0
     gu1: int = 0
-    live: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("tma", (0, 1, 2)), ("tail", (1, 2, 4)), ("flatten", (0, 1)), ("act_tma", (0, 1)),
-                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1)), ("live", (0, 1))):
+                              ("x_tma", (0, 1)), ("ws", (0, 1)), ("gu1", (0, 1))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
                 raise ValueError(f"prefill {name} must be one of {list(choices)}, got {value!r}")
@@ -195,9 +187,6 @@ class PrefillConfig:
             if getattr(self, name) and self.tma != 2:
                 raise ValueError(f"prefill {name}=1 builds its descriptors in the kernel: it needs tma=2, "
                                  f"got tma={self.tma}")
-        if self.live and (self.tail != 1 or self.flatten):
-            raise ValueError(f"prefill live=1 picks a loop per tile by its live rows: it needs tail=1 and "
-                             f"flatten=0, got tail={self.tail}, flatten={self.flatten}")
         if self.ws and (self.tma != 2 or not self.act_tma or self.tail != 1 or self.programs_per_sm == 0):
             raise ValueError(f"prefill ws=1 needs tma=2, act_tma=1, tail=1 and programs_per_sm >= 1, "
                              f"got tma={self.tma}, act_tma={self.act_tma}, tail={self.tail}, "
