@@ -26,6 +26,7 @@ import torch
 from moekit.benchmarks.floors import floor_seconds
 from moekit.benchmarks.gpu import (PERF_TABLE_CEILINGS, ab_arg_parser, ab_device, ab_time_us, point_call,
                                    quant_floor_terms, write_ab_result)
+from profile_h200 import _kernel_rows, profile_calls
 
 
 def balanced_sets(M: int, E: int, k: int, H: int, n: int, dtype, device, gen=None) -> list:
@@ -44,22 +45,8 @@ def balanced_sets(M: int, E: int, k: int, H: int, n: int, dtype, device, gen=Non
 
 
 def kernel_us(fn, sets) -> dict:
-    """Device microseconds per call of each kernel over eager calls of fn on sets."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    for args in sets:
-        fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for args in sets:
-            fn(*args)
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        us = float(getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0))
-        if us > 0:
-            out[ev.key[:100]] = us / len(sets)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    """Device microseconds per call of each kernel over eager calls of fn on sets, largest first."""
+    return {r["kernel"][:100]: r["us_per_call"] for r in _kernel_rows(profile_calls(fn, sets), len(sets))}
 
 
 def probe(spec: str, rounds: int, cuda: bool, calls: int) -> dict:

@@ -30,20 +30,12 @@ def _device_us(event) -> float:
 
 
 def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
     fn, sets, (E, k, H, I), scheme = point_call(spec, calls)
     M = sets[0][0].shape[0]
     bpw, fscale = (2.0, 1.0) if scheme == "bf16" else quant_floor_terms(scheme)
     with torch.inference_mode():
         graph_us = graph_time_us(fn, sets, replays=5)
-        for args in sets:
-            fn(*args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for args in sets:
-                fn(*args)
-            torch.cuda.synchronize()
+        prof = profile_calls(fn, sets)
     kernels = _kernel_rows(prof, calls)
     floor = floor_seconds(M, E, k, H, I, bpw, PERF_TABLE_CEILINGS, fscale) * 1e6
     row = {"point": spec, "graph_us": graph_us, "floor_us": floor, "pct_of_floor": 100 * floor / graph_us,
@@ -62,6 +54,20 @@ def profile_point(spec: str, calls: int = 8, replayed: bool = False) -> dict:
         for r in g["gaps"][:6]:
             print(f"   {r['us_per_call']:8.2f} us  {r['between']}", flush=True)
     return row
+
+
+def profile_calls(fn, sets):
+    """torch.profiler's CUDA trace of one eager call of fn on each of sets (after one untimed pass)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    for args in sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for args in sets:
+            fn(*args)
+        torch.cuda.synchronize()
+    return prof
 
 
 def _print_kernels(rows: list) -> None:
