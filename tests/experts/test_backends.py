@@ -141,8 +141,11 @@ def test_reference_reads_as_the_math(gen):
         a = torch.nn.functional.silu(h[:3]) * h[3:]
         want += w[0, j].double() * (weights.w2[e] @ a)
     # The reference computes in fp32: within fp32 rounding of the whole row (an element that
-    # cancels to near zero carries the rounding of the terms that cancelled, so no per-element bound).
-    assert rel_err(out[0], want) <= 1e-6
+    # cancels to near zero carries the rounding of the terms that cancelled, so no per-element
+    # bound). Cancellation in h before the activation reaches the row too: over 20000 seeds the
+    # row's error was at most 2.4e-6 (above 1e-6 in 0.015 % of them), so 1e-5; a wrong formula
+    # is off by far more.
+    assert rel_err(out[0], want) <= 1e-5
 
 
 @settings(max_examples=25, deadline=None)
