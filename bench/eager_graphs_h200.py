@@ -13,28 +13,16 @@ import copy
 import datetime
 import json
 import os
-import time
 
 import torch
 
 from moekit import FusedMoE, RoutingConfig
+from moekit.benchmarks.gpu import host_time_us
 from moekit.graphs import EagerGraphs
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "olmoe-1b-7b": (64, 8, 2048, 1024), "gpt-oss-20b": (32, 4, 2880, 2880)}
 
 
-def per_call_us(fn, inputs, reps=3):
-    for args in inputs[:3]:
-        fn(*args)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for args in inputs:
-            fn(*args)
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / len(inputs) * 1e6)
-    return best
 
 
 def main():
@@ -49,8 +37,8 @@ def main():
         for T in (1, 16, 128):
             inputs = [(torch.randn(T, H, device="cuda").bfloat16(), torch.randn(T, E, device="cuda")) for _ in range(50)]
             with torch.no_grad():
-                eager = per_call_us(layer, inputs)
-                replayed = per_call_us(graphed, inputs)
+                eager = host_time_us(layer, inputs)
+                replayed = host_time_us(graphed, inputs)
                 same = torch.equal(graphed(*inputs[0]), layer(*inputs[0]))
                 sx, sl = torch.empty_like(inputs[0][0]), torch.empty_like(inputs[0][1])
                 sx.copy_(inputs[0][0]), sl.copy_(inputs[0][1])
@@ -59,7 +47,7 @@ def main():
                 with torch.cuda.graph(g):
                     layer(sx, sl)
                 torch.cuda.synchronize()
-                graph = per_call_us(lambda x, lg: g.replay(), inputs)
+                graph = host_time_us(lambda x, lg: g.replay(), inputs)
             rows.append(dict(shape=name, T=T, eager_us=eager, eager_graphs_us=replayed, cuda_graph_replay_us=graph,
                              speedup=eager / replayed, bitwise_equal=same))
             print(f"{name:14s} T={T:4d} eager {eager:8.1f} us | eager_graphs=8 {replayed:8.1f} us "

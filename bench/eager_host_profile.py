@@ -17,11 +17,11 @@ import io
 import json
 import os
 import pstats
-import time
 
 import torch
 
 from moekit import FusedMoE, RoutingConfig
+from moekit.benchmarks.gpu import host_time_us
 from moekit.config import settings
 
 POINTS = [  # name, E, k, H, I, T, quant, routing kwargs
@@ -39,17 +39,7 @@ def sync(device):
 
 
 def per_call_us(fn, inputs, device, reps=7):
-    for args in inputs[:3]:
-        fn(*args)
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for args in inputs:
-            fn(*args)
-        sync(device)
-        best = min(best, (time.perf_counter() - t0) / len(inputs) * 1e6)
-    return best
+    return host_time_us(fn, inputs, reps=reps, device=device)
 
 
 def launch_floors(device):

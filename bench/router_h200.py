@@ -15,12 +15,11 @@ import argparse
 import datetime
 import json
 import os
-import time
 
 import torch
 
 from moekit import RoutingConfig
-from moekit.benchmarks.gpu import graph_time_us
+from moekit.benchmarks.gpu import graph_time_us, host_time_us
 from moekit.kernels.triton_router import triton_route
 from moekit.routing.router import check_router_logits, route_torch
 
@@ -35,17 +34,8 @@ ROUTING = {  # model: (E, config kwargs, correction bias)
 
 
 def eager_us(fn, calls=200):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    """Host microseconds per call of fn() over `calls` back-to-back calls, the best of three."""
+    return host_time_us(fn, [()] * calls, reps=3, warm=5)
 
 
 def main():

@@ -160,3 +160,11 @@ def test_balance_probe_routing_is_balanced_and_valid():
             torch.testing.assert_close(w.sum(1), torch.ones(M))
     with pytest.raises(ValueError, match="multiple of E"):
         probe.balanced_sets(5, 8, 2, 32, 1, torch.float32, "cpu")
+
+
+def test_host_time_us_warms_then_times_every_set_per_pass():
+    from moekit.benchmarks.gpu import host_time_us
+
+    seen = []
+    us = host_time_us(seen.append, [(i,) for i in range(4)], reps=2, warm=3, device="cpu")
+    assert seen == [0, 1, 2] + [0, 1, 2, 3] * 2 and 0 < us < 1e6

@@ -27,7 +27,7 @@ from .peers import plain_grouped_gemm, transformers_experts
 
 __all__ = [
     "GPU_SHAPES", "GPU_MS", "PERF_TABLE_CEILINGS", "shape_by_name", "routing_sets", "graph_time_us",
-    "eager_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
+    "eager_time_us", "host_time_us", "host_sync_reason", "precompile", "run_gpu_bench", "prefill_kernel_key", "prefill_label",
     "QUANT_CASES", "quantized_weights", "quant_entry", "parse_quant_entry", "quant_jobs", "precompile_quant",
     "quant_floor_terms", "capture_graph", "run_quant_bench", "quant_main", "ab_time_us", "ab_arg_parser", "ab_device", "write_ab_result",
     "AB_TIMING", "entry_ab_args", "point_call",
@@ -169,6 +169,26 @@ def graph_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, war
         times.append(start.elapsed_time(end) * 1e3 / len(arg_sets))
     del graph
     return statistics.median(times)
+
+
+def host_time_us(fn: Callable, arg_sets: Sequence[tuple], reps: int = 3, warm: int = 3, device="cuda") -> float:
+    """Microseconds per call of fn over arg_sets launched back to back from the host, the best
+    of `reps` passes (each ended by a device sync), after fn on the first `warm` sets: what a
+    caller waits per call, host overheads included (the bench scripts' eager timings)."""
+    cuda = torch.device(device).type == "cuda"
+    for args in arg_sets[:warm]:
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for args in arg_sets:
+            fn(*args)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / len(arg_sets) * 1e6)
+    return best
 
 
 def eager_time_us(fn: Callable, arg_sets: Sequence[tuple], replays: int = 5, warm_ms: float = 0.0) -> float:
