@@ -37,10 +37,11 @@ def _routing(T, E_global, k, gen, skewed=False):
     return torch.rand(T, k, device="cuda", generator=gen) + 0.05, scores.topk(k, dim=1).indices.to(torch.int32)
 
 
-def _run(wts, x, w, ids, emap=None, rows=0, cublas1="auto"):
+def _run(wts, x, w, ids, emap=None, rows=0, cublas1="auto", cuda="off"):
+    """The call on the Gluon kernels (cuda="off": moekit's CUDA kernels are tested in test_hopper_block_gpu.py)."""
     s = wts.scales
     return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w,
-                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows, cublas1=cublas1),
+                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows, cublas1=cublas1, cuda=cuda),
                            out_dtype=x.dtype)
 
 

@@ -33,7 +33,7 @@ import triton
 
 from ..activations import check_activation, is_gated
 from ..quant.schemes import QuantScheme
-from . import cublas_block, gluon_block, launch
+from . import cublas_block, gluon_block, hopper_block, launch
 from . import triton_moe as moe
 from . import triton_moe_quant as qk
 from . import triton_prefill as prefill
@@ -472,6 +472,13 @@ def fused_moe_quant(
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
     if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs, GEMM1 on cuBLAS at prefill sizes
         a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
+        if _cuda_block(knobs.cuda, dev, x.dtype, E, H, I, gluon_rows):
+            act = torch.empty(R, I, dtype=x.dtype, device=dev)
+            hopper_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end)
+            a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
+            y = torch.empty(1, TK, H, dtype=x.dtype, device=dev)
+            hopper_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end)
+            return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
         if _cublas_gemm1(knobs.cublas1, T, k, E, H, I, dev):
             a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w13, w13_scale, topk_ids, expert_map, al.sorted_ids,
                                           al.expert_end, x.dtype)
@@ -532,6 +539,16 @@ def fused_moe_quant(
         PREFETCH=knobs.prefetch2, SWAP=knobs.swap2, OUT_POLICY=moe.store_policy(y), SUM_G=sum_g, **chain, **flags,
         **_tile_kwargs(g2))
     return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
+
+
+def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H: int, I: int, rows: int) -> bool:
+    """Whether a Gluon call's GEMMs run moekit's CUDA kernels instead (QuantKnobs.cuda)."""
+    if mode == "off":
+        return False
+    why = hopper_block.refusal(device, x_dtype, E, H, I, rows)
+    if why and mode == "on":
+        raise ValueError(f"knobs.cuda='on' cannot run this call on moekit's CUDA kernels: {why}")
+    return why is None
 
 
 def _cublas_gemm1(mode: str, T: int, k: int, E: int, H: int, I: int, device: torch.device) -> bool:

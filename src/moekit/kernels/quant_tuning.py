@@ -79,6 +79,10 @@ class QuantKnobs:
         cublas_block.CUBLAS_MIN_FLOP, where torch's cuBLAS runs the recipe and the call is not
         being captured or compiled, else the Gluon GEMM1; "on" on cuBLAS (a call that cannot
         raises); "off" the Gluon GEMM1.
+    cuda: with 128-row gluon tiles, whether both GEMMs run moekit's CUDA kernels instead
+        (kernels/hopper_block.py: a producer warpgroup and two consumer warpgroups that take
+        turns on the tensor cores): "auto" where they are built and can run the call (GEMM1 then
+        not on cuBLAS), "on" (a call that cannot raises), "off" the Gluon / cuBLAS kernels.
     """
 
     gate_up: bool = False
@@ -94,6 +98,7 @@ class QuantKnobs:
     gluon: int = 0
     fold_w: bool = False
     cublas1: str = "auto"
+    cuda: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -101,9 +106,9 @@ class QuantKnobs:
             if f.name == "gluon":
                 if isinstance(value, bool) or value not in (0, 64, 128):
                     raise ValueError(f"gluon must be 0 (off) or a row tile of 64 or 128, got {value!r}")
-            elif f.name == "cublas1":
+            elif f.name in ("cublas1", "cuda"):
                 if value not in CUBLAS1:
-                    raise ValueError(f"cublas1 must be one of {list(CUBLAS1)}, got {value!r}")
+                    raise ValueError(f"{f.name} must be one of {list(CUBLAS1)}, got {value!r}")
             elif f.name == "split_k":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"split_k must be an int >= 1, got {value!r}")

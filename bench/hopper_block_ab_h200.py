@@ -1,0 +1,110 @@
+"""The block scheme's CUDA kernels (kernels/hopper_block.py) against its Gluon kernels, in one process.
+
+For each point "shape:M" (fp8_w8a8_block128, dynamic activation groups), the same call with
+128-row Gluon tiles and GEMM1 off cuBLAS (knobs gluon=128, cublas1="off", cuda="off") and on the
+CUDA kernels (cuda="on"); with --bf16 also the bf16 Triton kernel of the shipped tables on bf16
+weights of the same shape (for the ratio the block scheme's target is set against). Outputs of the
+CUDA kernels against the Gluon kernels' (relative error, and whether the bits agree), then
+CUDA-graph times interleaved over --rounds, then one profiled eager pass of each variant (kernel
+times per call).
+
+    PYTHONPATH=src python bench/hopper_block_ab_h200.py --point deepseek-v3:16384 [--point ...]
+        [--bf16] [--rounds 3] [--out FILE]
+"""
+
+import statistics
+import time
+
+import torch
+
+from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_arg_parser, ab_time_us, point_call, quantized_weights,
+                                   routing_sets, shape_by_name, write_ab_result)
+from moekit.benchmarks.floors import layer_flops
+from moekit.kernels import hopper_block
+from moekit.kernels.quant_tuning import QuantKnobs
+
+SCHEME = "fp8_w8a8_block128"
+VARIANTS = {"gluon": QuantKnobs(gluon=128, cublas1="off", cuda="off"),
+            "cuda": QuantKnobs(gluon=128, cublas1="off", cuda="on")}
+
+
+def _kernels(fn, sets) -> list:
+    """[(kernel name, us per call)] of one profiled eager pass, largest first."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in sets:
+            fn(*s)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+        if us > 0:
+            rows.append((ev.key[:100], us / len(sets)))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> None:
+    p = ab_arg_parser(__doc__, "hopper_block_ab.json")
+    p.add_argument("--point", action="append", required=True, help="shape:M (repeatable)")
+    p.add_argument("--bf16", action="store_true", help="also time the bf16 kernel of the shipped tables")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    print("hopper_block:", hopper_block.status(), f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    rows = []
+    for point in args.point:
+        name, M = point.split(":")[0], int(point.split(":")[1])
+        _, E, k, H, I = shape_by_name(name)
+        flop = layer_flops(M, k, H, I)
+        wts = quantized_weights(SCHEME, E, H, I, False, "cuda")
+        sets = routing_sets(M, E, k, H, 4 if M >= 4096 else 8, torch.bfloat16, "cuda")
+        calls = {label: (lambda *s, kn=kn: _quant_call(wts, *s, knobs=kn)) for label, kn in VARIANTS.items()}
+        row = {"point": point, "variants": {label: {"rounds_us": []} for label in calls}}
+        ref = [calls["gluon"](*s) for s in sets]
+        try:
+            outs = [calls["cuda"](*s) for s in sets]
+            torch.cuda.synchronize()
+            row["cuda_rel_err_vs_gluon"] = max(((o.float() - r.float()).norm() / r.norm()).item()
+                                               for o, r in zip(outs, ref))
+            row["cuda_bits_equal_gluon"] = all(torch.equal(o, r) for o, r in zip(outs, ref))
+            row["cuda_run_to_run_bits"] = all(torch.equal(o, calls["cuda"](*s)) for o, s in zip(outs, sets))
+            print(f"{point}: cuda vs gluon rel err {row['cuda_rel_err_vs_gluon']:.2e}, bits equal "
+                  f"{row['cuda_bits_equal_gluon']}, run to run {row['cuda_run_to_run_bits']}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (a variant that cannot run is a result)
+            row["variants"]["cuda"] = {"failed": f"{type(exc).__name__}: {exc}"[:800]}
+            print(f"{point}: cuda failed: {row['variants']['cuda']['failed']}", flush=True)
+        if args.bf16:
+            bf16_fn, bf16_sets, _, _ = point_call(f"{name}:bf16:{M}", len(sets))
+            calls["bf16"] = bf16_fn
+            row["variants"]["bf16"] = {"rounds_us": []}
+        set_of = {label: (bf16_sets if label == "bf16" else sets) for label in calls}
+        for _ in range(args.rounds):
+            for label, fn in calls.items():
+                v = row["variants"][label]
+                if "failed" not in v:
+                    v["rounds_us"].append(ab_time_us(fn, set_of[label], True, replays=5))
+        for label, v in row["variants"].items():
+            if "failed" in v:
+                continue
+            v["us"] = statistics.median(v["rounds_us"])
+            v["tflops"] = flop / v["us"] / 1e6
+            v["kernels_us"] = _kernels(calls[label], set_of[label][:2])
+        base = row["variants"]["gluon"]["us"]
+        for label, v in row["variants"].items():
+            if "us" in v:
+                extra = f"  x{row['variants']['bf16']['us'] / v['us']:.3f} vs bf16" if "bf16" in row["variants"] else ""
+                print(f"{point:22s} {label:6s} {v['us']:10.1f} us {v['tflops']:7.1f} TFLOP/s  "
+                      f"x{base / v['us']:.3f} vs gluon{extra}", flush=True)
+                for kname, us in v["kernels_us"][:6]:
+                    print(f"      {us:10.1f} us  {kname}", flush=True)
+        rows.append(row)
+        del wts, sets, calls
+        torch.cuda.empty_cache()
+    write_ab_result(args.out, "hopper-block-ab", True, AB_TIMING, rows=rows)
+
+
+if __name__ == "__main__":
+    main()

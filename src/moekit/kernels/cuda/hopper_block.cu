@@ -1,0 +1,460 @@
+// Block-scaled fp8 expert GEMMs for Hopper (sm_90a): DeepSeek-V3's recipe ("fp8_w8a8_block128":
+// weights in 128 x 128 blocks, activations in 1 x 128 groups, each with an fp32 scale) over the
+// rows of moekit's alignment, in CUDA with warp-specialized warpgroups.
+//
+// Why CUDA: every K block's product must be scaled before it joins the accumulator. Triton waits
+// for each warpgroup product before that multiply-add, and Triton 3.6's Gluon could not keep one
+// warpgroup's products in flight while another promotes (ptxas serialized them inside
+// warp-specialized partitions; bench/NOTES-triton.md). Here the roles are plain branches:
+//
+//   warpgroup 0, one thread:  TMA loads of each K step's A rows [128 x 128] and weight block
+//                             [128 x 128] into a ring of STAGES shared-memory stages;
+//   warpgroups 1 and 2:       64 rows of the 128-row tile each: per K step four m64n128k32
+//                             products into a fresh accumulator, wait, release the stage, then
+//                             acc += product * a_scale[row] * w_scale (the promotion). One
+//                             warpgroup promotes while the other's products run on the tensor
+//                             cores, so neither the wait nor the promotion leaves them idle.
+//
+// One program per SM walks (row tile, column tile) items in the Gluon kernels' order
+// (gluon_block._item: row tiles grouped by GROUP_M for L2 reuse of the weight blocks; an item's
+// expert from the alignment's padded expert ends). The ring runs across items, so the next
+// item's loads are in flight during this item's epilogue.
+//
+// GEMM1 (MODE 1): an item is 64 activation columns; its weight block is 64 gate rows and 64 up
+// rows of w13 (two TMA boxes), so a thread holds gate and up of the same (row, column) and the
+// epilogue stores silu(gate) * up in x's dtype.
+// GEMM2 (MODE 2): an item is 128 output columns; the epilogue multiplies each row by its routed
+// weight and stores it at the row's assignment (padding rows and non-local assignments skipped).
+//
+// Host entry points (extern "C", called through ctypes by kernels/hopper_block.py): make the TMA
+// descriptors (cuTensorMapEncodeTiled from the driver) and launch on the caller's stream.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int BM = 128;                    // rows of a tile (two consumer warpgroups of 64)
+constexpr int BK = 128;                    // K of a step: one scale block
+constexpr int TILE_BYTES = 128 * BK;       // an fp8 [128 x 128] operand tile: 16 KB
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int STAGES = 6;
+constexpr int THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int MAX_EXPERTS = 1024;
+constexpr int GROUP_M = 8;
+
+struct Args {
+  const float* a_scale;      // [R, K / 128]
+  int64_t stride_as;
+  const float* w_scale;      // [E, N_w / 128, K / 128]
+  int64_t stride_we, stride_wn;
+  const int32_t* expert_end; // [E] padded ends of the experts' sorted rows
+  int E;
+  int N;                     // GEMM1: I (activation columns); GEMM2: H (output columns)
+  int K;
+  void* out;                 // GEMM1: act [R, I]; GEMM2: y [T * k, H]
+  int64_t stride_out;
+  const float* topk_w;       // GEMM2: [T * k] routed weights
+  const int32_t* sorted_ids; // GEMM2: [R] assignment of each sorted row (>= TK on padding)
+  int TK;
+};
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  const uint32_t addr = smem_addr(bar);
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// A [rows x 128 bytes] box of a 2-D fp8 tensor (coordinates: byte column, row) into shared memory,
+// completing on bar.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(col), "r"(row)
+      : "memory");
+}
+
+// Shared-memory operand descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle
+// (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// D [64 x 128] (+)= A [64 x 32] . B [128 x 32]^T, fp8 e4m3 operands from shared memory (K-major,
+// 128-byte swizzle), fp32 accumulators; accumulate: D += the product, else D = the product.
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Keeps the compiler from moving reads or writes of v across this point (the asynchronous
+// products write their accumulators between the issue and the wait).
+__device__ __forceinline__ void fence_operands(float (&v)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(v[i])::"memory");
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + __expf(-g)) * u; }
+
+// ---- the expert schedule ------------------------------------------------------------------------
+
+struct Schedule {
+  int* tile_end;  // [E] row tiles up to and including expert e
+  int* row_base;  // [E] first sorted row of expert e minus (its first tile index) * BM
+  int* ends;      // [E] padded end row of expert e
+  int num_m;      // row tiles
+};
+
+// Warp 0 builds the tables in shared memory (each lane a run of experts, then a scan of the runs).
+__device__ void build_schedule(const Args& args, int* tile_end, int* row_base, int* ends) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int per = (args.E + 31) / 32;
+  const int e0 = lane * per, e1 = min(args.E, e0 + per);
+  int run = 0;
+  for (int e = e0; e < e1; ++e) {
+    const int end = args.expert_end[e];
+    const int start = e > 0 ? args.expert_end[e - 1] : 0;
+    ends[e] = end;
+    run += (end - start + BM - 1) / BM;
+    tile_end[e] = run;  // within the lane's run for now
+  }
+  int before = run;  // inclusive scan of the runs over the lanes
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, before, d);
+    if (lane >= d) before += v;
+  }
+  before -= run;
+  for (int e = e0; e < e1; ++e) {
+    const int start = e > 0 ? args.expert_end[e - 1] : 0;
+    const int tiles_e = (ends[e] - start + BM - 1) / BM;
+    tile_end[e] += before;
+    row_base[e] = start - (tile_end[e] - tiles_e) * BM;
+  }
+}
+
+struct Item {
+  int e, row0, rows, nt;
+};
+
+// The q-th item of this program (gluon_block._item's order).
+__device__ __forceinline__ Item item_at(int q, int num_m, int num_n, const Schedule& s, int E) {
+  const int t = blockIdx.x + q * gridDim.x;
+  const int per_group = GROUP_M * num_n;
+  const int first_m = (t / per_group) * GROUP_M;
+  const int group_rows = max(min(num_m - first_m, GROUP_M), 1);
+  const int m = first_m + (t % per_group) % group_rows;
+  Item it;
+  it.nt = (t % per_group) / group_rows;
+  int lo = 0, hi = E - 1;  // the first expert whose tiles end past m
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (s.tile_end[mid] > m) hi = mid; else lo = mid + 1;
+  }
+  it.e = lo;
+  it.row0 = s.row_base[lo] + m * BM;
+  it.rows = min(s.ends[lo] - it.row0, BM);
+  return it;
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------
+
+template <int MODE, typename OutT>
+__global__ void __launch_bounds__(THREADS, 1)
+    block_fp8_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
+                     const Args args) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // 1024-byte alignment for the swizzled tiles
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tiles = smem;  // STAGES x (A tile, weight tile)
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+  int* tile_end = reinterpret_cast<int*>(empty + STAGES);
+  int* row_base = tile_end + MAX_EXPERTS;
+  int* ends = row_base + MAX_EXPERTS;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  build_schedule(args, tile_end, row_base, ends);
+  __syncthreads();
+
+  Schedule sched{tile_end, row_base, ends, args.E > 0 ? tile_end[args.E - 1] : 0};
+  const int num_n = MODE == 1 ? args.N / 64 : args.N / 128;
+  const int KT = args.K / BK;
+  const int items = sched.num_m * num_n;
+  const int my_items = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int q = 0; q < my_items; ++q) {
+        const Item it = item_at(q, sched.num_m, num_n, sched, args.E);
+        const int w_row = MODE == 1 ? it.e * 2 * args.N + it.nt * 64 : it.e * args.N + it.nt * 128;
+        for (int kk = 0; kk < KT; ++kk) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          uint8_t* a_tile = tiles + stage * STAGE_BYTES;
+          uint8_t* w_tile = a_tile + TILE_BYTES;
+          mbar_expect_tx(&full[stage], STAGE_BYTES);
+          tma_load(a_tile, &a_map, &full[stage], kk * BK, it.row0);
+          tma_load(w_tile, &w_map, &full[stage], kk * BK, w_row);
+          if (MODE == 1)  // the up rows below the gate rows
+            tma_load(w_tile + TILE_BYTES / 2, &w_map, &full[stage], kk * BK, w_row + args.N);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int t = threadIdx.x - 128;  // 0..255
+  const int cw = t / 128;           // which 64 rows of the tile
+  const int warp = (t % 128) / 32, lane = t % 32;
+  const int r_lo = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: r_lo, r_lo + 8
+  const int c_in = 2 * (lane % 4);                    // and its first column in each 8-column chunk
+  const uint32_t a_off = cw * 64 * 128;               // this warpgroup's 64 A rows in the tile
+
+  float acc[64], part[64];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int q = 0; q < my_items; ++q) {
+    const Item it = item_at(q, sched.num_m, num_n, sched, args.E);
+    const float* as_lo = args.a_scale + (int64_t)(it.row0 + r_lo) * args.stride_as;
+    const float* as_hi = as_lo + 8 * args.stride_as;
+    const float* ws = args.w_scale + (int64_t)it.e * args.stride_we;
+    const float* ws_a = ws + (int64_t)(MODE == 1 ? (it.nt * 64) / 128 : it.nt) * args.stride_wn;  // gate / out
+    const float* ws_b = ws + (int64_t)((args.N + it.nt * 64) / 128) * args.stride_wn;            // up (GEMM1)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    float sa_lo = as_lo[0], sa_hi = as_hi[0], sw_a = ws_a[0], sw_b = MODE == 1 ? ws_b[0] : 0.0f;
+    for (int kk = 0; kk < KT; ++kk) {
+      mbar_wait(&full[stage], phase);
+      const uint32_t a_base = smem_addr(tiles + stage * STAGE_BYTES) + a_off;
+      const uint32_t w_base = smem_addr(tiles + stage * STAGE_BYTES + TILE_BYTES);
+      fence_operands(part);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)  // 32 bytes of K a product
+        wgmma_m64n128k32(part, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks);
+      wgmma_commit();
+      // the next step's scales load while the products run
+      const int kn = kk + 1 < KT ? kk + 1 : kk;
+      const float nsa_lo = as_lo[kn], nsa_hi = as_hi[kn], nsw_a = ws_a[kn], nsw_b = MODE == 1 ? ws_b[kn] : 0.0f;
+      wgmma_wait_all();
+      fence_operands(part);
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+      const float s_lo_a = sa_lo * sw_a, s_hi_a = sa_hi * sw_a;
+      const float s_lo_b = sa_lo * sw_b, s_hi_b = sa_hi * sw_b;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool second = MODE == 1 && j >= 8;  // GEMM1: the up half
+        const float s_lo = second ? s_lo_b : s_lo_a, s_hi = second ? s_hi_b : s_hi_a;
+        acc[4 * j + 0] += part[4 * j + 0] * s_lo;
+        acc[4 * j + 1] += part[4 * j + 1] * s_lo;
+        acc[4 * j + 2] += part[4 * j + 2] * s_hi;
+        acc[4 * j + 3] += part[4 * j + 3] * s_hi;
+      }
+      sa_lo = nsa_lo;
+      sa_hi = nsa_hi;
+      sw_a = nsw_a;
+      sw_b = nsw_b;
+    }
+    // epilogue
+    OutT* out = static_cast<OutT*>(args.out);
+    if (MODE == 1) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        if (r < it.rows) {
+          OutT* row = out + (int64_t)(it.row0 + r) * args.stride_out + it.nt * 64 + c_in;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+            const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
+            *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        const int a = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+        if (a < args.TK) {
+          const float w = args.topk_w[a];
+          OutT* row = out + (int64_t)a * args.stride_out + it.nt * 128 + c_in;
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<uint32_t*>(row + 8 * j) =
+                pack2<OutT>(acc[4 * j + 2 * h] * w, acc[4 * j + 2 * h + 1] * w);
+        }
+      }
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = nullptr;
+  if (!fn) {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib) fn = reinterpret_cast<EncodeTiled>(dlsym(lib, "cuTensorMapEncodeTiled"));
+  }
+  return fn;
+}
+
+// rows x cols bytes, row stride in bytes; boxes of box_rows x 128 bytes, 128-byte swizzle.
+int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int64_t stride, int box_rows) {
+  EncodeTiled fn = encode_tiled();
+  if (!fn) return -1;
+  cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  cuuint64_t strides[1] = {(cuuint64_t)stride};
+  cuuint32_t box[2] = {128, (cuuint32_t)box_rows};
+  cuuint32_t elem[2] = {1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : 1000 + (int)r;
+}
+
+constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * sizeof(uint64_t) + 3 * MAX_EXPERTS * sizeof(int);
+
+template <int MODE, typename OutT>
+int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+           const Args& args, int programs, int device, cudaStream_t stream) {
+  if (args.E > MAX_EXPERTS || args.E < 1) return -2;
+  if (cudaSetDevice(device) != cudaSuccess) return -3;
+  CUtensorMap a_map, w_map;
+  int err = make_map(&a_map, a, R, args.K, stride_a, BM);
+  if (err) return err;
+  err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? 64 : 128);
+  if (err) return err;
+  auto kernel = block_fp8_kernel<MODE, OutT>;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+    if (c != cudaSuccess) return 2000 + (int)c;
+    configured = true;
+  }
+  kernel<<<programs, THREADS, SMEM_BYTES, stream>>>(a_map, w_map, args);
+  cudaError_t c = cudaGetLastError();
+  return c == cudaSuccess ? 0 : 3000 + (int)c;
+}
+
+}  // namespace
+
+extern "C" {
+
+int moekit_hopper_abi() { return 1; }
+
+// act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
+// w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16.
+int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, const float* a1s_s, int64_t stride_as,
+                       const void* w13, const float* w13_s, int64_t stride_we, int64_t stride_wn,
+                       const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act, int out_dtype,
+                       int programs, int device, void* stream) {
+  Args args{a1s_s, stride_as, w13_s, stride_we, stride_wn, expert_end, E, (int)I, (int)H, act, stride_act,
+            nullptr, nullptr, 0};
+  auto s = static_cast<cudaStream_t>(stream);
+  return out_dtype == 0 ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, device, s)
+                        : launch<1, __half>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, device, s);
+}
+
+// (Strides in elements; the weights are contiguous.)
+// y [TK, H] at each sorted row's assignment = routed weight * (a2 [R, I] fp8 (scales [R, I / 128])
+// through w2 [E, H, I] fp8 (scales [E, H / 128, I / 128])).
+int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, const float* a2_s, int64_t stride_as,
+                       const void* w2, const float* w2_s, int64_t stride_we, int64_t stride_wn,
+                       const int32_t* expert_end, int E, int64_t H, void* y, int64_t stride_y, const float* topk_w,
+                       const int32_t* sorted_ids, int TK, int out_dtype, int programs, int device, void* stream) {
+  Args args{a2_s, stride_as, w2_s, stride_we, stride_wn, expert_end, E, (int)H, (int)I, y, stride_y, topk_w,
+            sorted_ids, TK};
+  auto s = static_cast<cudaStream_t>(stream);
+  return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, device, s)
+                        : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, device, s);
+}
+
+}  // extern "C"

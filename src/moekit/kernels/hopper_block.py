@@ -1,0 +1,193 @@
+"""Block-scaled fp8 experts on Hopper in CUDA: warp-specialized warpgroups (kernels/cuda/hopper_block.cu).
+
+The same two GEMMs as kernels/gluon_block.py ("fp8_w8a8_block128": 128 x 128 weight blocks,
+1 x 128 activation groups; the same sorted rows, scales, item order and outputs), written as a
+producer warpgroup that issues the TMA loads and two consumer warpgroups of 64 rows each that
+take turns on the tensor cores: one promotes its K block (acc += product * scales) while the
+other's products run. Triton 3.6's Gluon could not give that schedule (ptxas serialized the
+products of warp-specialized partitions; bench/NOTES-triton.md, "The block scheme on Gluon
+kernels in the layer").
+
+How it runs: hopper_block.cu ships with the package and is compiled on first use with nvcc
+(`$MOEKIT_NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH) for sm_90a into
+$MOEKIT_CACHE_DIR (default ~/.cache/moekit)/cuda, under a name keyed by the source and the
+compiler, then loaded with ctypes; its host functions make the TMA descriptors (the driver's
+cuTensorMapEncodeTiled) and launch on the caller's stream, so calls are capturable in CUDA
+graphs. Without nvcc, or off Hopper, `status()` says why and the layer keeps the Gluon kernels.
+MOEKIT_CUDA_KERNELS=0 turns them off.
+
+Shapes: 128-row tiles (the alignment padded to 128 rows), H and I multiples of 128 (GEMM1's items
+are 64 activation columns: I a multiple of 64 would do, the scale blocks ask 128), at most 1024
+local experts; outputs in bf16 or fp16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["ROWS", "MAX_EXPERTS", "SOURCE", "build", "load", "status", "reset", "refusal", "gemm1", "gemm2"]
+
+SOURCE = Path(__file__).with_name("cuda") / "hopper_block.cu"
+ROWS = 128  # the row tile (two consumer warpgroups of 64 rows)
+MAX_EXPERTS = 1024  # the expert tables kept in shared memory
+_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
+_OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+def _nvcc() -> Optional[str]:
+    for cand in (os.environ.get("MOEKIT_NVCC"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+                 shutil.which("nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MOEKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moekit")
+    return Path(root) / "cuda"
+
+
+def build(cache_dir: Optional[Path] = None) -> ctypes.CDLL:
+    """Compile (or reuse) and load the kernels; RuntimeError with the reason when it cannot."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (set MOEKIT_NVCC or CUDA_HOME, or put nvcc on PATH)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([os.path.realpath(nvcc), *_FLAGS]).encode()).hexdigest()[:16]
+    directory = Path(cache_dir) if cache_dir is not None else _cache_dir()
+    path = directory / f"moekit_hopper_block_{key}.so"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            run = subprocess.run([nvcc, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"nvcc failed to compile {SOURCE.name}: {run.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders each land a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.moekit_block_gemm1.restype = i32
+    lib.moekit_block_gemm1.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64, i32,
+                                       i32, i32, ptr]
+    lib.moekit_block_gemm2.restype = i32
+    lib.moekit_block_gemm2.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64, ptr,
+                                       ptr, i32, i32, i32, i32, ptr]
+    return lib
+
+
+_LIBRARY: Optional[ctypes.CDLL] = None
+_REASON: Optional[str] = None
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, built on first call; None when unavailable (`status()` says why)."""
+    global _LIBRARY, _REASON
+    if _LIBRARY is None and _REASON is None:
+        if os.environ.get("MOEKIT_CUDA_KERNELS", "1") == "0":
+            _REASON = "turned off by MOEKIT_CUDA_KERNELS=0"
+        else:
+            try:
+                _LIBRARY = build()
+            except (RuntimeError, OSError) as e:
+                _REASON = str(e)
+    return _LIBRARY
+
+
+def status() -> str:
+    """One line: whether the CUDA kernels are built here, or why not."""
+    return f"available: {_LIBRARY._name}" if load() is not None else f"unavailable: {_REASON}"
+
+
+def reset() -> None:
+    """Forget the loaded library and its reason (tests: after changing the environment)."""
+    global _LIBRARY, _REASON
+    _LIBRARY, _REASON = None, None
+
+
+def refusal(device: torch.device, x_dtype: torch.dtype, E: int, H: int, I: int, rows: int) -> Optional[str]:
+    """Why these kernels cannot run a call the Gluon kernels can (gluon_block.refusal first), or None."""
+    if rows != ROWS:
+        return f"they run {ROWS}-row tiles, got {rows}"
+    if x_dtype not in _OUT_DTYPES:
+        return f"x must be bfloat16 or float16, got {x_dtype}"
+    if H % 128 or I % 128:
+        return f"H and I must be multiples of 128, got H={H}, I={I}"
+    if not 1 <= E <= MAX_EXPERTS:
+        return f"they keep at most {MAX_EXPERTS} experts' tables in shared memory, got E={E}"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "they use Hopper's warpgroup products (sm_90a): they need compute capability 9.x"
+    if load() is None:
+        return f"the CUDA kernels are unavailable: {_REASON}"
+    return None
+
+
+def _programs(device: torch.device, programs: Optional[int]) -> int:
+    return programs or torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(f"{what} failed to launch (code {code}: 1000 + CUresult of the TMA descriptor, "
+                           f"2000 / 3000 + cudaError of the launch, -2 expert count, -3 device)")
+
+
+def _check_layout(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> None:
+    """What the kernels assume of their operands (TMA reads the rows; the scales are read by index)."""
+    if not w.is_contiguous() or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16:
+        raise ValueError("the fp8 rows need unit column strides and 16-byte row strides, and the weights must be "
+                         f"contiguous; got rows strides {a.stride()}, weights contiguous {w.is_contiguous()}")
+    if a_s.stride(1) != 1 or w_s.stride(2) != 1 or a_s.dtype != torch.float32 or w_s.dtype != torch.float32:
+        raise ValueError(f"the scales must be fp32 with unit strides along K, got {a_s.dtype} {tuple(a_s.stride())} "
+                         f"and {w_s.dtype} {tuple(w_s.stride())}")
+
+
+def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, act: torch.Tensor,
+          expert_end: torch.Tensor, programs: Optional[int] = None) -> None:
+    """gluon_block.gemm1 with 128-row tiles: act [R, I] (x's dtype) = silu(gate) * up of the sorted
+    rows a1s [R, H] fp8 (scales a1s_s [R, H / 128]) through w13 [E, 2I, H] fp8 (scales
+    [E, 2I / 128, H / 128]); rows past the last expert's padded end are left unwritten."""
+    R, H = a1s.shape
+    E, I2, _ = w13.shape
+    _check_layout(a1s, a1s_s, w13, w13_s)
+    if R == 0:
+        return
+    dev = a1s.device
+    code = load().moekit_block_gemm1(
+        a1s.data_ptr(), R, H, a1s.stride(0), a1s_s.data_ptr(), a1s_s.stride(0), w13.data_ptr(), w13_s.data_ptr(),
+        w13_s.stride(0), w13_s.stride(1), expert_end.data_ptr(), E, I2 // 2, act.data_ptr(), act.stride(0),
+        _OUT_DTYPES[act.dtype], _programs(dev, programs), dev.index, torch.cuda.current_stream(dev).cuda_stream)
+    _check(code, "the CUDA block GEMM1")
+
+
+def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
+          topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor,
+          programs: Optional[int] = None) -> None:
+    """gluon_block.gemm2 with 128-row tiles: y [T * k, H] (x's dtype) at each sorted row's
+    assignment = its routed weight * (the row a2 [R, I] fp8 (scales a2_s [R, I / 128]) through w2
+    [E, H, I] fp8 (scales [E, H / 128, I / 128])); rows of non-local assignments left unwritten."""
+    R, I = a2.shape
+    E, H, _ = w2.shape
+    _check_layout(a2, a2_s, w2, w2_s)
+    if R == 0:
+        return
+    dev = a2.device
+    code = load().moekit_block_gemm2(
+        a2.data_ptr(), R, I, a2.stride(0), a2_s.data_ptr(), a2_s.stride(0), w2.data_ptr(), w2_s.data_ptr(), w2_s.stride(0),
+        w2_s.stride(1), expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0), topk_weights.data_ptr(),
+        sorted_ids.data_ptr(), y.shape[0], _OUT_DTYPES[y.dtype], _programs(dev, programs), dev.index,
+        torch.cuda.current_stream(dev).cuda_stream)
+    _check(code, "the CUDA block GEMM2")
