@@ -2,7 +2,7 @@
 
 For each point "shape:M" (fp8_w8a8_block128, dynamic activation groups), the same call with
 128-row Gluon tiles and GEMM1 off cuBLAS (knobs gluon=128, cublas1="off", cuda="off") and on the
-CUDA kernels (cuda="on"); with --bf16 also the bf16 Triton kernel of the shipped tables on bf16
+CUDA kernels (cuda="on"; CTA pairs sharing the A tiles, and --- "cuda c1" --- single CTAs); with --bf16 also the bf16 Triton kernel of the shipped tables on bf16
 weights of the same shape (for the ratio the block scheme's target is set against). Outputs of the
 CUDA kernels against the Gluon kernels' (relative error, and whether the bits agree), then
 CUDA-graph times interleaved over --rounds, then one profiled eager pass of each variant (kernel
@@ -24,8 +24,16 @@ from moekit.kernels import hopper_block
 from moekit.kernels.quant_tuning import QuantKnobs
 
 SCHEME = "fp8_w8a8_block128"
-VARIANTS = {"gluon": QuantKnobs(gluon=128, cublas1="off", cuda="off"),
-            "cuda": QuantKnobs(gluon=128, cublas1="off", cuda="on")}
+VARIANTS = {"gluon": (QuantKnobs(gluon=128, cublas1="off", cuda="off"), 2),
+            "cuda": (QuantKnobs(gluon=128, cublas1="off", cuda="on"), 2),
+            "cuda c1": (QuantKnobs(gluon=128, cublas1="off", cuda="on"), 1)}
+
+
+def _variant(wts, kn, cluster):
+    def call(*s):
+        hopper_block.CLUSTER = cluster
+        return _quant_call(wts, *s, knobs=kn)
+    return call
 
 
 def _kernels(fn, sets) -> list:
@@ -61,11 +69,12 @@ def main() -> None:
         flop = layer_flops(M, k, H, I)
         wts = quantized_weights(SCHEME, E, H, I, False, "cuda")
         sets = routing_sets(M, E, k, H, 4 if M >= 4096 else 8, torch.bfloat16, "cuda")
-        calls = {label: (lambda *s, kn=kn: _quant_call(wts, *s, knobs=kn)) for label, kn in VARIANTS.items()}
+        calls = {label: _variant(wts, *v) for label, v in VARIANTS.items()}
         row = {"point": point, "variants": {label: {"rounds_us": []} for label in calls}}
         ref = [calls["gluon"](*s) for s in sets]
         try:
             outs = [calls["cuda"](*s) for s in sets]
+            row["cuda_c1_bits_equal_cuda"] = all(torch.equal(o, calls["cuda c1"](*s)) for o, s in zip(outs, sets))
             torch.cuda.synchronize()
             row["cuda_rel_err_vs_gluon"] = max(((o.float() - r.float()).norm() / r.norm()).item()
                                                for o, r in zip(outs, ref))

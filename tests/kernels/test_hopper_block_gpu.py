@@ -81,3 +81,14 @@ def test_explicit_cuda_knob_refused_with_the_reason(cuda_gen):
     x = torch.randn(64, 256, device="cuda", generator=cuda_gen).bfloat16()
     with pytest.raises(ValueError, match="knobs.cuda='on' .*128-row tiles, got 64"):
         _run(wts, x, w, ids, rows=64)
+
+
+@pytest.mark.parametrize("T,E,k,H,I", [(700, 32, 8, 1024, 768), (2000, 8, 2, 2048, 1536), (5, 4, 2, 512, 256)])
+def test_cta_pairs_sharing_a_tiles_give_single_ctas_bits(T, E, k, H, I, cuda_gen, monkeypatch):
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen, skewed=True)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    monkeypatch.setattr(hopper_block, "CLUSTER", 2)
+    pairs = _run(wts, x, w, ids)
+    monkeypatch.setattr(hopper_block, "CLUSTER", 1)
+    assert torch.equal(pairs, _run(wts, x, w, ids))

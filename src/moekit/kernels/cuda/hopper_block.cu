@@ -42,7 +42,7 @@ constexpr int BM = 128;                    // rows of a tile (two consumer warpg
 constexpr int BK = 128;                    // K of a step: one scale block
 constexpr int TILE_BYTES = 128 * BK;       // an fp8 [128 x 128] operand tile: 16 KB
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
-constexpr int STAGES = 6;
+constexpr int STAGES = 5;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int MAX_EXPERTS = 1024;
@@ -105,6 +105,42 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       : "memory");
 }
 
+// The same into the same shared-memory offsets of every CTA of the cluster in cta_mask (each
+// CTA's barrier at bar's offset counts the bytes it receives).
+__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row,
+                                                   uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(col), "r"(row), "h"(cta_mask)
+      : "memory");
+}
+
+// An arrival on the barrier at bar's offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(rank)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of the cluster (that has not exited) arrives, then waits for the others.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Threads 128 * id .. 128 * id + 127 (one warpgroup) wait for each other.
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
 // Shared-memory operand descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle
 // (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
@@ -159,10 +195,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f +
 // ---- the expert schedule ------------------------------------------------------------------------
 
 struct Schedule {
-  int* tile_end;  // [E] row tiles up to and including expert e
-  int* row_base;  // [E] first sorted row of expert e minus (its first tile index) * BM
-  int* ends;      // [E] padded end row of expert e
-  int num_m;      // row tiles
+  const int* tile_end;  // [E] row tiles up to and including expert e
+  const int* row_base;  // [E] first sorted row of expert e minus (its first tile index) * BM
+  const int* ends;      // [E] padded end row of expert e
+  int num_m;            // row tiles
 };
 
 // Warp 0 builds the tables in shared memory (each lane a run of experts, then a scan of the runs).
@@ -198,15 +234,20 @@ struct Item {
   int e, row0, rows, nt;
 };
 
-// The q-th item of this program (gluon_block._item's order).
-__device__ __forceinline__ Item item_at(int q, int num_m, int num_n, const Schedule& s, int E) {
-  const int t = blockIdx.x + q * gridDim.x;
-  const int per_group = GROUP_M * num_n;
+// The q-th item of this program: the CTAs of a cluster take the same row tile and CLUSTER
+// neighbouring column tiles (one each, by rank); clusters walk (row tile, column group) pairs in
+// gluon_block._item's order (GROUP_M row tiles take a column group in turn).
+template <int CLUSTER>
+__device__ __forceinline__ Item item_at(int q, int num_n, const Schedule& s, int E, int rank) {
+  const int units = gridDim.x / CLUSTER;
+  const int t = blockIdx.x / CLUSTER + q * units;
+  const int num_g = num_n / CLUSTER;
+  const int per_group = GROUP_M * num_g;
   const int first_m = (t / per_group) * GROUP_M;
-  const int group_rows = max(min(num_m - first_m, GROUP_M), 1);
+  const int group_rows = max(min(s.num_m - first_m, GROUP_M), 1);
   const int m = first_m + (t % per_group) % group_rows;
   Item it;
-  it.nt = (t % per_group) / group_rows;
+  it.nt = ((t % per_group) / group_rows) * CLUSTER + rank;
   int lo = 0, hi = E - 1;  // the first expert whose tiles end past m
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -220,7 +261,19 @@ __device__ __forceinline__ Item item_at(int q, int num_m, int num_n, const Sched
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-template <int MODE, typename OutT>
+// Output columns of an item and the staging row pitch (elements; 16 bytes of padding so that the
+// accumulator fragments' rows fall in different banks).
+template <int MODE>
+struct Out {
+  static constexpr int COLS = MODE == 1 ? 64 : 128;
+  static constexpr int PITCH = COLS + 8;
+};
+
+constexpr size_t STAGING_BYTES = 2 * 64 * Out<2>::PITCH * 2;  // two warpgroups' 64 rows, 16-bit values
+constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * sizeof(uint64_t) +
+                              3 * MAX_EXPERTS * sizeof(int);
+
+template <int MODE, typename OutT, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     block_fp8_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
                      const Args args) {
@@ -228,28 +281,31 @@ __global__ void __launch_bounds__(THREADS, 1)
   // 1024-byte alignment for the swizzled tiles
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles = smem;  // STAGES x (A tile, weight tile)
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  OutT* staging = reinterpret_cast<OutT*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + STAGING_BYTES);
   uint64_t* empty = full + STAGES;
   int* tile_end = reinterpret_cast<int*>(empty + STAGES);
   int* row_base = tile_end + MAX_EXPERTS;
   int* ends = row_base + MAX_EXPERTS;
 
   const int wg = threadIdx.x / 128;
+  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
-      mbar_init(&empty[i], CONSUMER_WARPS);
+      mbar_init(&empty[i], CONSUMER_WARPS * CLUSTER);  // a stage is refilled in every CTA of the cluster
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   build_schedule(args, tile_end, row_base, ends);
-  __syncthreads();
+  if (CLUSTER > 1) cluster_sync(); else __syncthreads();
 
-  Schedule sched{tile_end, row_base, ends, args.E > 0 ? tile_end[args.E - 1] : 0};
-  const int num_n = MODE == 1 ? args.N / 64 : args.N / 128;
+  const Schedule sched{tile_end, row_base, ends, args.E > 0 ? tile_end[args.E - 1] : 0};
+  const int num_n = args.N / Out<MODE>::COLS;
   const int KT = args.K / BK;
-  const int items = sched.num_m * num_n;
-  const int my_items = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int units = gridDim.x / CLUSTER, unit = blockIdx.x / CLUSTER;
+  const int items = sched.num_m * (num_n / CLUSTER);
+  const int my_items = items > unit ? (items - unit + units - 1) / units : 0;
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -257,14 +313,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       int stage = 0;
       uint32_t phase = 0;
       for (int q = 0; q < my_items; ++q) {
-        const Item it = item_at(q, sched.num_m, num_n, sched, args.E);
+        const Item it = item_at<CLUSTER>(q, num_n, sched, args.E, rank);
         const int w_row = MODE == 1 ? it.e * 2 * args.N + it.nt * 64 : it.e * args.N + it.nt * 128;
         for (int kk = 0; kk < KT; ++kk) {
           mbar_wait(&empty[stage], phase ^ 1);
           uint8_t* a_tile = tiles + stage * STAGE_BYTES;
           uint8_t* w_tile = a_tile + TILE_BYTES;
           mbar_expect_tx(&full[stage], STAGE_BYTES);
-          tma_load(a_tile, &a_map, &full[stage], kk * BK, it.row0);
+          if (CLUSTER > 1)  // this CTA's share of the A rows, to every CTA of the cluster
+            tma_load_multicast(a_tile + rank * (TILE_BYTES / CLUSTER), &a_map, &full[stage], kk * BK,
+                               it.row0 + rank * (BM / CLUSTER), (1u << CLUSTER) - 1);
+          else
+            tma_load(a_tile, &a_map, &full[stage], kk * BK, it.row0);
           tma_load(w_tile, &w_map, &full[stage], kk * BK, w_row);
           if (MODE == 1)  // the up rows below the gate rows
             tma_load(w_tile + TILE_BYTES / 2, &w_map, &full[stage], kk * BK, w_row + args.N);
@@ -275,6 +335,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    if (CLUSTER > 1) cluster_sync();  // the peers' arrivals on this CTA's barriers are done
     return;
   }
 
@@ -282,16 +343,19 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int t = threadIdx.x - 128;  // 0..255
   const int cw = t / 128;           // which 64 rows of the tile
-  const int warp = (t % 128) / 32, lane = t % 32;
-  const int r_lo = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: r_lo, r_lo + 8
-  const int c_in = 2 * (lane % 4);                    // and its first column in each 8-column chunk
-  const uint32_t a_off = cw * 64 * 128;               // this warpgroup's 64 A rows in the tile
+  const int tw = t % 128;           // thread in the warpgroup
+  const int warp = tw / 32, lane = t % 32;
+  const int r_wg = warp * 16 + lane / 4;  // this thread's rows in its warpgroup's 64: r_wg, r_wg + 8
+  const int r_lo = cw * 64 + r_wg;        // and in the tile
+  const int c_in = 2 * (lane % 4);        // its first column in each 8-column chunk
+  const uint32_t a_off = cw * 64 * 128;   // this warpgroup's 64 A rows in the tile
+  OutT* stage_out = staging + cw * 64 * Out<MODE>::PITCH;
 
   float acc[64], part[64];
   int stage = 0;
   uint32_t phase = 0;
   for (int q = 0; q < my_items; ++q) {
-    const Item it = item_at(q, sched.num_m, num_n, sched, args.E);
+    const Item it = item_at<CLUSTER>(q, num_n, sched, args.E, rank);
     const float* as_lo = args.a_scale + (int64_t)(it.row0 + r_lo) * args.stride_as;
     const float* as_hi = as_lo + 8 * args.stride_as;
     const float* ws = args.w_scale + (int64_t)it.e * args.stride_we;
@@ -315,7 +379,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       const float nsa_lo = as_lo[kn], nsa_hi = as_hi[kn], nsw_a = ws_a[kn], nsw_b = MODE == 1 ? ws_b[kn] : 0.0f;
       wgmma_wait_all();
       fence_operands(part);
-      if (lane == 0) mbar_arrive(&empty[stage]);
+      if (lane == 0) {
+        if (CLUSTER > 1) {
+          for (uint32_t c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(&empty[stage], c);
+        } else {
+          mbar_arrive(&empty[stage]);
+        }
+      }
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1;
@@ -336,38 +406,48 @@ __global__ void __launch_bounds__(THREADS, 1)
       sw_a = nsw_a;
       sw_b = nsw_b;
     }
-    // epilogue
-    OutT* out = static_cast<OutT*>(args.out);
-    if (MODE == 1) {
+    // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
+    constexpr int PITCH = Out<MODE>::PITCH, CHUNKS = Out<MODE>::COLS / 8;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        if (r < it.rows) {
-          OutT* row = out + (int64_t)(it.row0 + r) * args.stride_out + it.nt * 64 + c_in;
+    for (int h = 0; h < 2; ++h) {
+      OutT* row = stage_out + (r_wg + 8 * h) * PITCH + c_in;
+      if (MODE == 1) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-            const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
-            *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
-          }
+        for (int j = 0; j < 8; ++j) {
+          const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+          const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
+          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
         }
-      }
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      } else {
         const int r = r_lo + 8 * h;
         const int a = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
-        if (a < args.TK) {
-          const float w = args.topk_w[a];
-          OutT* row = out + (int64_t)a * args.stride_out + it.nt * 128 + c_in;
+        const float w = a < args.TK ? args.topk_w[a] : 0.0f;
 #pragma unroll
-          for (int j = 0; j < 16; ++j)
-            *reinterpret_cast<uint32_t*>(row + 8 * j) =
-                pack2<OutT>(acc[4 * j + 2 * h] * w, acc[4 * j + 2 * h + 1] * w);
-        }
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(acc[4 * j + 2 * h] * w, acc[4 * j + 2 * h + 1] * w);
       }
     }
+    warpgroup_sync(1 + cw);
+    OutT* out = static_cast<OutT*>(args.out);
+#pragma unroll 4
+    for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
+      const int r = idx / CHUNKS, c = idx % CHUNKS;
+      const int rt = cw * 64 + r;  // row in the tile
+      if (rt >= it.rows) continue;
+      int64_t dst_row;
+      if (MODE == 1) {
+        dst_row = it.row0 + rt;
+      } else {
+        const int a = args.sorted_ids[it.row0 + rt];
+        if (a >= args.TK) continue;  // padding, or an assignment of another rank's expert
+        dst_row = a;
+      }
+      const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * PITCH + 8 * c);
+      *reinterpret_cast<uint4*>(out + dst_row * args.stride_out + it.nt * Out<MODE>::COLS + 8 * c) = v;
+    }
+    warpgroup_sync(1 + cw);  // the staging rows are free again
   }
+  if (CLUSTER > 1) cluster_sync();  // no arrival on a peer's barriers after it exits
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -400,47 +480,91 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
   return r == CUDA_SUCCESS ? 0 : 1000 + (int)r;
 }
 
-constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * sizeof(uint64_t) + 3 * MAX_EXPERTS * sizeof(int);
+constexpr int MAX_DEVICES = 64;
 
-template <int MODE, typename OutT>
-int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
-           const Args& args, int programs, int device, cudaStream_t stream) {
-  if (args.E > MAX_EXPERTS || args.E < 1) return -2;
-  if (cudaSetDevice(device) != cudaSuccess) return -3;
+template <int MODE, typename OutT, int CLUSTER>
+int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+                   const Args& args, int programs, int device, cudaStream_t stream) {
   CUtensorMap a_map, w_map;
-  int err = make_map(&a_map, a, R, args.K, stride_a, BM);
+  int err = make_map(&a_map, a, R, args.K, stride_a, BM / CLUSTER);
   if (err) return err;
   err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? 64 : 128);
   if (err) return err;
-  auto kernel = block_fp8_kernel<MODE, OutT>;
-  static bool configured = false;
-  if (!configured) {
+  auto kernel = block_fp8_kernel<MODE, OutT, CLUSTER>;
+  static int resident[MAX_DEVICES];  // CTAs that fit at once (whole clusters), by device
+  if (!resident[device]) {
     cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
     if (c != cudaSuccess) return 2000 + (int)c;
-    configured = true;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    int fit = sms;
+    if (CLUSTER > 1) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = CLUSTER;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.gridDim = dim3(sms / CLUSTER * CLUSTER);
+      cfg.blockDim = dim3(THREADS);
+      cfg.dynamicSmemBytes = SMEM_BYTES;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      c = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+      if (c != cudaSuccess || clusters < 1) return 2000 + (int)c;
+      fit = clusters * CLUSTER;
+    }
+    resident[device] = fit;
   }
-  kernel<<<programs, THREADS, SMEM_BYTES, stream>>>(a_map, w_map, args);
-  cudaError_t c = cudaGetLastError();
+  int grid = programs > 0 && programs < resident[device] ? programs : resident[device];
+  grid = grid / CLUSTER * CLUSTER;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t c = cudaLaunchKernelEx(&cfg, kernel, a_map, w_map, args);
   return c == cudaSuccess ? 0 : 3000 + (int)c;
+}
+
+template <int MODE, typename OutT>
+int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+           const Args& args, int programs, int cluster, int device, cudaStream_t stream) {
+  if (args.E > MAX_EXPERTS || args.E < 1) return -2;
+  if (device < 0 || device >= MAX_DEVICES || cudaSetDevice(device) != cudaSuccess) return -3;
+  const int num_n = args.N / Out<MODE>::COLS;
+  if (cluster == 2 && num_n % 2 == 0)
+    return launch_cluster<MODE, OutT, 2>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+  return launch_cluster<MODE, OutT, 1>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
 }
 
 }  // namespace
 
 extern "C" {
 
-int moekit_hopper_abi() { return 1; }
+int moekit_hopper_abi() { return 2; }
 
 // act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
-// w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16.
+// w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16. cluster: 2 pairs
+// CTAs that share each A tile's loads (multicast), where the column tiles pair up; else 1.
 int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, const float* a1s_s, int64_t stride_as,
                        const void* w13, const float* w13_s, int64_t stride_we, int64_t stride_wn,
                        const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act, int out_dtype,
-                       int programs, int device, void* stream) {
+                       int programs, int cluster, int device, void* stream) {
   Args args{a1s_s, stride_as, w13_s, stride_we, stride_wn, expert_end, E, (int)I, (int)H, act, stride_act,
             nullptr, nullptr, 0};
   auto s = static_cast<cudaStream_t>(stream);
-  return out_dtype == 0 ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, device, s)
-                        : launch<1, __half>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, device, s);
+  return out_dtype == 0
+             ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, device, s)
+             : launch<1, __half>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, device, s);
 }
 
 // (Strides in elements; the weights are contiguous.)
@@ -449,12 +573,13 @@ int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, 
 int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, const float* a2_s, int64_t stride_as,
                        const void* w2, const float* w2_s, int64_t stride_we, int64_t stride_wn,
                        const int32_t* expert_end, int E, int64_t H, void* y, int64_t stride_y, const float* topk_w,
-                       const int32_t* sorted_ids, int TK, int out_dtype, int programs, int device, void* stream) {
+                       const int32_t* sorted_ids, int TK, int out_dtype, int programs, int cluster, int device,
+                       void* stream) {
   Args args{a2_s, stride_as, w2_s, stride_we, stride_wn, expert_end, E, (int)H, (int)I, y, stride_y, topk_w,
             sorted_ids, TK};
   auto s = static_cast<cudaStream_t>(stream);
-  return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, device, s)
-                        : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, device, s);
+  return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, device, s)
+                        : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, device, s);
 }
 
 }  // extern "C"
