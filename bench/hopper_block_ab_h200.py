@@ -74,13 +74,14 @@ def main() -> None:
         ref = [calls["gluon"](*s) for s in sets]
         try:
             outs = [calls["cuda"](*s) for s in sets]
+            row["cuda_grids"] = [hopper_block.load().moekit_block_last_grid(m) for m in (1, 2)]
             row["cuda_c1_bits_equal_cuda"] = all(torch.equal(o, calls["cuda c1"](*s)) for o, s in zip(outs, sets))
             torch.cuda.synchronize()
             row["cuda_rel_err_vs_gluon"] = max(((o.float() - r.float()).norm() / r.norm()).item()
                                                for o, r in zip(outs, ref))
             row["cuda_bits_equal_gluon"] = all(torch.equal(o, r) for o, r in zip(outs, ref))
             row["cuda_run_to_run_bits"] = all(torch.equal(o, calls["cuda"](*s)) for o, s in zip(outs, sets))
-            print(f"{point}: cuda vs gluon rel err {row['cuda_rel_err_vs_gluon']:.2e}, bits equal "
+            print(f"{point}: grids {row['cuda_grids']}, cuda vs gluon rel err {row['cuda_rel_err_vs_gluon']:.2e}, bits equal "
                   f"{row['cuda_bits_equal_gluon']}, run to run {row['cuda_run_to_run_bits']}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a variant that cannot run is a result)
             row["variants"]["cuda"] = {"failed": f"{type(exc).__name__}: {exc}"[:800]}

@@ -120,7 +120,7 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap*
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
       "r"(rank)
       : "memory");
 }
@@ -269,9 +269,26 @@ struct Out {
   static constexpr int PITCH = COLS + 8;
 };
 
+// A thread's scale rows of an item: its two rows' activation scales and the weight scales of its
+// columns (GEMM1: the gate and the up block), each indexed by the K step.
+struct Scales {
+  const float *a_lo, *a_hi, *w_a, *w_b;
+};
+
+template <int MODE>
+__device__ __forceinline__ Scales first_scales(const Args& args, const Item& it, int r_lo) {
+  Scales s;
+  s.a_lo = args.a_scale + (int64_t)(it.row0 + r_lo) * args.stride_as;
+  s.a_hi = s.a_lo + 8 * args.stride_as;
+  const float* ws = args.w_scale + (int64_t)it.e * args.stride_we;
+  s.w_a = ws + (int64_t)(MODE == 1 ? (it.nt * 64) / 128 : it.nt) * args.stride_wn;
+  s.w_b = ws + (int64_t)((args.N + it.nt * 64) / 128) * args.stride_wn;
+  return s;
+}
+
 constexpr size_t STAGING_BYTES = 2 * 64 * Out<2>::PITCH * 2;  // two warpgroups' 64 rows, 16-bit values
 constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * sizeof(uint64_t) +
-                              3 * MAX_EXPERTS * sizeof(int);
+                              (3 * MAX_EXPERTS + 128) * sizeof(int);
 
 template <int MODE, typename OutT, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -287,6 +304,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   int* tile_end = reinterpret_cast<int*>(empty + STAGES);
   int* row_base = tile_end + MAX_EXPERTS;
   int* ends = row_base + MAX_EXPERTS;
+  int* dst_rows_all = ends + MAX_EXPERTS;  // [128] the epilogue's destination rows
 
   const int wg = threadIdx.x / 128;
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
@@ -352,18 +370,26 @@ __global__ void __launch_bounds__(THREADS, 1)
   OutT* stage_out = staging + cw * 64 * Out<MODE>::PITCH;
 
   float acc[64], part[64];
+  int* dst_rows = dst_rows_all + cw * 64;  // this warpgroup's rows' destinations (-1: not stored)
   int stage = 0;
   uint32_t phase = 0;
+  Item it = item_at<CLUSTER>(0, num_n, sched, args.E, rank);
+  Scales sc = first_scales<MODE>(args, it, r_lo);
   for (int q = 0; q < my_items; ++q) {
-    const Item it = item_at<CLUSTER>(q, num_n, sched, args.E, rank);
-    const float* as_lo = args.a_scale + (int64_t)(it.row0 + r_lo) * args.stride_as;
-    const float* as_hi = as_lo + 8 * args.stride_as;
-    const float* ws = args.w_scale + (int64_t)it.e * args.stride_we;
-    const float* ws_a = ws + (int64_t)(MODE == 1 ? (it.nt * 64) / 128 : it.nt) * args.stride_wn;  // gate / out
-    const float* ws_b = ws + (int64_t)((args.N + it.nt * 64) / 128) * args.stride_wn;            // up (GEMM1)
+    // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
+    int a_row[2] = {args.TK, args.TK};
+    float w_row[2] = {0.0f, 0.0f};
+    if (MODE == 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+        if (a_row[h] < args.TK) w_row[h] = args.topk_w[a_row[h]];
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float sa_lo = as_lo[0], sa_hi = as_hi[0], sw_a = ws_a[0], sw_b = MODE == 1 ? ws_b[0] : 0.0f;
+    float sa_lo = sc.a_lo[0], sa_hi = sc.a_hi[0], sw_a = sc.w_a[0], sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
     for (int kk = 0; kk < KT; ++kk) {
       mbar_wait(&full[stage], phase);
       const uint32_t a_base = smem_addr(tiles + stage * STAGE_BYTES) + a_off;
@@ -376,15 +402,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_commit();
       // the next step's scales load while the products run
       const int kn = kk + 1 < KT ? kk + 1 : kk;
-      const float nsa_lo = as_lo[kn], nsa_hi = as_hi[kn], nsw_a = ws_a[kn], nsw_b = MODE == 1 ? ws_b[kn] : 0.0f;
+      const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
+      const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
       wgmma_wait_all();
       fence_operands(part);
-      if (lane == 0) {
-        if (CLUSTER > 1) {
-          for (uint32_t c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(&empty[stage], c);
-        } else {
-          mbar_arrive(&empty[stage]);
-        }
+      if (CLUSTER > 1) {
+        if (lane < CLUSTER) mbar_arrive_cluster(&empty[stage], lane);  // one lane a CTA
+      } else if (lane == 0) {
+        mbar_arrive(&empty[stage]);
       }
       if (++stage == STAGES) {
         stage = 0;
@@ -406,11 +431,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       sw_a = nsw_a;
       sw_b = nsw_b;
     }
+    // the next item's first scales load during this item's epilogue
+    const Item done = it;
+    if (q + 1 < my_items) {
+      it = item_at<CLUSTER>(q + 1, num_n, sched, args.E, rank);
+      sc = first_scales<MODE>(args, it, r_lo);
+    }
     // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
     constexpr int PITCH = Out<MODE>::PITCH, CHUNKS = Out<MODE>::COLS / 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      OutT* row = stage_out + (r_wg + 8 * h) * PITCH + c_in;
+      const int r = r_wg + 8 * h;
+      OutT* row = stage_out + r * PITCH + c_in;
       if (MODE == 1) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -419,31 +451,25 @@ __global__ void __launch_bounds__(THREADS, 1)
           *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
         }
       } else {
-        const int r = r_lo + 8 * h;
-        const int a = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
-        const float w = a < args.TK ? args.topk_w[a] : 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(acc[4 * j + 2 * h] * w, acc[4 * j + 2 * h + 1] * w);
+          *reinterpret_cast<uint32_t*>(row + 8 * j) =
+              pack2<OutT>(acc[4 * j + 2 * h] * w_row[h], acc[4 * j + 2 * h + 1] * w_row[h]);
+      }
+      if (lane % 4 == 0) {
+        const int rt = cw * 64 + r;
+        dst_rows[r] = MODE == 1 ? (rt < done.rows ? done.row0 + rt : -1) : (a_row[h] < args.TK ? a_row[h] : -1);
       }
     }
     warpgroup_sync(1 + cw);
-    OutT* out = static_cast<OutT*>(args.out);
+    OutT* out = static_cast<OutT*>(args.out) + done.nt * Out<MODE>::COLS;
 #pragma unroll 4
     for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
       const int r = idx / CHUNKS, c = idx % CHUNKS;
-      const int rt = cw * 64 + r;  // row in the tile
-      if (rt >= it.rows) continue;
-      int64_t dst_row;
-      if (MODE == 1) {
-        dst_row = it.row0 + rt;
-      } else {
-        const int a = args.sorted_ids[it.row0 + rt];
-        if (a >= args.TK) continue;  // padding, or an assignment of another rank's expert
-        dst_row = a;
-      }
+      const int dst = dst_rows[r];
+      if (dst < 0) continue;  // padding, or an assignment of another rank's expert
       const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * PITCH + 8 * c);
-      *reinterpret_cast<uint4*>(out + dst_row * args.stride_out + it.nt * Out<MODE>::COLS + 8 * c) = v;
+      *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * c) = v;
     }
     warpgroup_sync(1 + cw);  // the staging rows are free again
   }
@@ -481,6 +507,7 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
 }
 
 constexpr int MAX_DEVICES = 64;
+int last_grid[3];  // by MODE: the grid of the last launch (benchmarks record it)
 
 template <int MODE, typename OutT, int CLUSTER>
 int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
@@ -519,6 +546,7 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
   }
   int grid = programs > 0 && programs < resident[device] ? programs : resident[device];
   grid = grid / CLUSTER * CLUSTER;
+  last_grid[MODE] = grid;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -551,6 +579,9 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
 extern "C" {
 
 int moekit_hopper_abi() { return 2; }
+
+// The grid (CTAs) of the last launch of GEMM1 (mode 1) or GEMM2 (mode 2).
+int moekit_block_last_grid(int mode) { return mode == 1 || mode == 2 ? last_grid[mode] : 0; }
 
 // act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
 // w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16. cluster: 2 pairs
