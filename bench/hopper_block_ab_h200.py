@@ -2,7 +2,8 @@
 
 For each point "shape:M" (fp8_w8a8_block128, dynamic activation groups), the same call with
 128-row Gluon tiles and GEMM1 off cuBLAS (knobs gluon=128, cublas1="off", cuda="off") and on the
-CUDA kernels (cuda="on"; CTA pairs sharing the A tiles, and --- "cuda c1" --- single CTAs); with --bf16 also the bf16 Triton kernel of the shipped tables on bf16
+CUDA kernels (cuda="on": CTA pairs sharing the A tiles and K steps in pairs; "cuda c1" single CTAs,
+"cuda serial" each K step promoted before the next is issued); with --bf16 also the bf16 Triton kernel of the shipped tables on bf16
 weights of the same shape (for the ratio the block scheme's target is set against). Outputs of the
 CUDA kernels against the Gluon kernels' (relative error, and whether the bits agree), then
 CUDA-graph times interleaved over --rounds, then one profiled eager pass of each variant (kernel
@@ -24,14 +25,16 @@ from moekit.kernels import hopper_block
 from moekit.kernels.quant_tuning import QuantKnobs
 
 SCHEME = "fp8_w8a8_block128"
-VARIANTS = {"gluon": (QuantKnobs(gluon=128, cublas1="off", cuda="off"), 2),
-            "cuda": (QuantKnobs(gluon=128, cublas1="off", cuda="on"), 2),
-            "cuda c1": (QuantKnobs(gluon=128, cublas1="off", cuda="on"), 1)}
+_GLUON = QuantKnobs(gluon=128, cublas1="off", cuda="off")
+_CUDA = QuantKnobs(gluon=128, cublas1="off", cuda="on")
+# label: (knobs, hopper_block.CLUSTER, hopper_block.PIPELINED); "cuda" is the shipped setting
+VARIANTS = {"gluon": (_GLUON, 2, True), "cuda": (_CUDA, 2, True), "cuda c1": (_CUDA, 1, True),
+            "cuda serial": (_CUDA, 2, False)}
 
 
-def _variant(wts, kn, cluster):
+def _variant(wts, kn, cluster, pipelined):
     def call(*s):
-        hopper_block.CLUSTER = cluster
+        hopper_block.CLUSTER, hopper_block.PIPELINED = cluster, pipelined
         return _quant_call(wts, *s, knobs=kn)
     return call
 
@@ -75,7 +78,8 @@ def main() -> None:
         try:
             outs = [calls["cuda"](*s) for s in sets]
             row["cuda_grids"] = [hopper_block.load().moekit_block_last_grid(m) for m in (1, 2)]
-            row["cuda_c1_bits_equal_cuda"] = all(torch.equal(o, calls["cuda c1"](*s)) for o, s in zip(outs, sets))
+            row["cuda_variants_bits_equal_cuda"] = all(torch.equal(o, calls[v](*s)) for o, s in zip(outs, sets)
+                                                       for v in ("cuda c1", "cuda serial"))
             torch.cuda.synchronize()
             row["cuda_rel_err_vs_gluon"] = max(((o.float() - r.float()).norm() / r.norm()).item()
                                                for o, r in zip(outs, ref))
@@ -113,6 +117,7 @@ def main() -> None:
         rows.append(row)
         del wts, sets, calls
         torch.cuda.empty_cache()
+    hopper_block.CLUSTER, hopper_block.PIPELINED = 2, True
     write_ab_result(args.out, "hopper-block-ab", True, AB_TIMING, rows=rows)
 
 

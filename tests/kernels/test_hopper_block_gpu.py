@@ -92,3 +92,14 @@ def test_cta_pairs_sharing_a_tiles_give_single_ctas_bits(T, E, k, H, I, cuda_gen
     pairs = _run(wts, x, w, ids)
     monkeypatch.setattr(hopper_block, "CLUSTER", 1)
     assert torch.equal(pairs, _run(wts, x, w, ids))
+
+
+@pytest.mark.parametrize("T,E,k,H,I", [(700, 32, 8, 1024, 768), (300, 16, 1, 768, 512)])
+def test_k_steps_in_pairs_give_one_step_at_a_times_bits(T, E, k, H, I, cuda_gen, monkeypatch):
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen, skewed=True)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    monkeypatch.setattr(hopper_block, "PIPELINED", True)
+    pairs = _run(wts, x, w, ids)
+    monkeypatch.setattr(hopper_block, "PIPELINED", False)
+    assert torch.equal(pairs, _run(wts, x, w, ids))

@@ -42,6 +42,9 @@ MAX_EXPERTS = 1024  # the expert tables kept in shared memory
 # CTAs of a cluster that take the same row tile and neighbouring column tiles, each loading a share
 # of the A tile for all of them (TMA multicast: the L2 reads of A halved); 1 turns it off.
 CLUSTER = 2
+# Each warpgroup keeps the next K step's products in flight while it promotes a step (two
+# accumulators of products; K steps in pairs, which the Gluon kernels' shapes guarantee).
+PIPELINED = True
 _FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -85,10 +88,10 @@ def build(cache_dir: Optional[Path] = None) -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.moekit_block_gemm1.restype = i32
     lib.moekit_block_gemm1.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64,
-                                       i32, i32, i32, i32, ptr]
+                                       i32, i32, i32, i32, i32, ptr]
     lib.moekit_block_gemm2.restype = i32
     lib.moekit_block_gemm2.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64,
-                                       ptr, ptr, i32, i32, i32, i32, i32, ptr]
+                                       ptr, ptr, i32, i32, i32, i32, i32, i32, ptr]
     return lib
 
 
@@ -168,7 +171,7 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     code = load().moekit_block_gemm1(
         a1s.data_ptr(), R, H, a1s.stride(0), a1s_s.data_ptr(), a1s_s.stride(0), w13.data_ptr(), w13_s.data_ptr(),
         w13_s.stride(0), w13_s.stride(1), expert_end.data_ptr(), E, I2 // 2, act.data_ptr(), act.stride(0),
-        _OUT_DTYPES[act.dtype], programs or 0, CLUSTER, dev.index, torch.cuda.current_stream(dev).cuda_stream)
+        _OUT_DTYPES[act.dtype], programs or 0, CLUSTER, int(PIPELINED), dev.index, torch.cuda.current_stream(dev).cuda_stream)
     _check(code, "the CUDA block GEMM1")
 
 
@@ -187,6 +190,6 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
     code = load().moekit_block_gemm2(
         a2.data_ptr(), R, I, a2.stride(0), a2_s.data_ptr(), a2_s.stride(0), w2.data_ptr(), w2_s.data_ptr(), w2_s.stride(0),
         w2_s.stride(1), expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0), topk_weights.data_ptr(),
-        sorted_ids.data_ptr(), y.shape[0], _OUT_DTYPES[y.dtype], programs or 0, CLUSTER, dev.index,
+        sorted_ids.data_ptr(), y.shape[0], _OUT_DTYPES[y.dtype], programs or 0, CLUSTER, int(PIPELINED), dev.index,
         torch.cuda.current_stream(dev).cuda_stream)
     _check(code, "the CUDA block GEMM2")

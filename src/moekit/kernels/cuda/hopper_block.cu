@@ -151,6 +151,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // D [64 x 128] (+)= A [64 x 32] . B [128 x 32]^T, fp8 e4m3 operands from shared memory (K-major,
 // 128-byte swizzle), fp32 accumulators; accumulate: D += the product, else D = the product.
@@ -286,11 +287,57 @@ __device__ __forceinline__ Scales first_scales(const Args& args, const Item& it,
   return s;
 }
 
+__device__ __forceinline__ void advance(int& stage, uint32_t& phase) {
+  if (++stage == STAGES) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+
+// One K step's products of this warpgroup's 64 rows into p (asynchronous, one commit group).
+__device__ __forceinline__ void issue_step(float (&p)[64], const uint8_t* tiles, int stage, uint32_t a_off) {
+  const uint32_t a_base = smem_addr(tiles + stage * STAGE_BYTES) + a_off;
+  const uint32_t w_base = smem_addr(tiles + stage * STAGE_BYTES + TILE_BYTES);
+  fence_operands(p);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)  // 32 bytes of K a product
+    wgmma_m64n128k32(p, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks);
+  wgmma_commit();
+}
+
+// A stage's products are done: one arrival a warp on its empty barrier, in every CTA of the cluster.
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
+  if (CLUSTER > 1) {
+    if (lane < CLUSTER) mbar_arrive_cluster(empty, lane);  // one lane a CTA
+  } else if (lane == 0) {
+    mbar_arrive(empty);
+  }
+}
+
+// acc += p * (row scale x weight scale); GEMM1's up half (chunks 8..15) takes the up block's scale.
+template <int MODE>
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&p)[64], float sa_lo, float sa_hi, float sw_a,
+                                        float sw_b) {
+  const float s_lo_a = sa_lo * sw_a, s_hi_a = sa_hi * sw_a;
+  const float s_lo_b = sa_lo * sw_b, s_hi_b = sa_hi * sw_b;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const bool second = MODE == 1 && j >= 8;
+    const float s_lo = second ? s_lo_b : s_lo_a, s_hi = second ? s_hi_b : s_hi_a;
+    acc[4 * j + 0] += p[4 * j + 0] * s_lo;
+    acc[4 * j + 1] += p[4 * j + 1] * s_lo;
+    acc[4 * j + 2] += p[4 * j + 2] * s_hi;
+    acc[4 * j + 3] += p[4 * j + 3] * s_hi;
+  }
+}
+
 constexpr size_t STAGING_BYTES = 2 * 64 * Out<2>::PITCH * 2;  // two warpgroups' 64 rows, 16-bit values
 constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * sizeof(uint64_t) +
                               (3 * MAX_EXPERTS + 128) * sizeof(int);
 
-template <int MODE, typename OutT, int CLUSTER>
+template <int MODE, typename OutT, int CLUSTER, bool PIPE>
 __global__ void __launch_bounds__(THREADS, 1)
     block_fp8_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
                      const Args args) {
@@ -326,7 +373,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int my_items = items > unit ? (items - unit + units - 1) / units : 0;
 
   if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
@@ -358,7 +405,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 
   // consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
   const int t = threadIdx.x - 128;  // 0..255
   const int cw = t / 128;           // which 64 rows of the tile
   const int tw = t % 128;           // thread in the warpgroup
@@ -369,7 +416,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t a_off = cw * 64 * 128;   // this warpgroup's 64 A rows in the tile
   OutT* stage_out = staging + cw * 64 * Out<MODE>::PITCH;
 
-  float acc[64], part[64];
+  float acc[64], part[64], part2[64];  // part2: PIPE only
   int* dst_rows = dst_rows_all + cw * 64;  // this warpgroup's rows' destinations (-1: not stored)
   int stage = 0;
   uint32_t phase = 0;
@@ -390,46 +437,53 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     float sa_lo = sc.a_lo[0], sa_hi = sc.a_hi[0], sw_a = sc.w_a[0], sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
-    for (int kk = 0; kk < KT; ++kk) {
-      mbar_wait(&full[stage], phase);
-      const uint32_t a_base = smem_addr(tiles + stage * STAGE_BYTES) + a_off;
-      const uint32_t w_base = smem_addr(tiles + stage * STAGE_BYTES + TILE_BYTES);
-      fence_operands(part);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)  // 32 bytes of K a product
-        wgmma_m64n128k32(part, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks);
-      wgmma_commit();
-      // the next step's scales load while the products run
-      const int kn = kk + 1 < KT ? kk + 1 : kk;
-      const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
-      const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
-      wgmma_wait_all();
-      fence_operands(part);
-      if (CLUSTER > 1) {
-        if (lane < CLUSTER) mbar_arrive_cluster(&empty[stage], lane);  // one lane a CTA
-      } else if (lane == 0) {
-        mbar_arrive(&empty[stage]);
+    if (PIPE) {
+      // K steps in pairs, both products issued before the first is promoted, so one promotion a
+      // pair runs under the tensor cores' work. (A product left in flight across the loop's back
+      // edge makes ptxas serialize every product: C7514.)
+      for (int kk = 0; kk < KT; kk += 2) {
+        const int st0 = stage;
+        mbar_wait(&full[stage], phase);
+        issue_step(part, tiles, stage, a_off);
+        advance(stage, phase);
+        const int st1 = stage;
+        mbar_wait(&full[stage], phase);
+        issue_step(part2, tiles, stage, a_off);
+        advance(stage, phase);
+        const float sa1_lo = sc.a_lo[kk + 1], sa1_hi = sc.a_hi[kk + 1], sw1_a = sc.w_a[kk + 1];
+        const float sw1_b = MODE == 1 ? sc.w_b[kk + 1] : 0.0f;
+        wgmma_wait_one();  // step kk done
+        fence_operands(part);
+        release_stage<CLUSTER>(&empty[st0], lane);
+        promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
+        const int kn = kk + 2 < KT ? kk + 2 : kk;  // the next pair's first scales
+        sa_lo = sc.a_lo[kn];
+        sa_hi = sc.a_hi[kn];
+        sw_a = sc.w_a[kn];
+        sw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
+        wgmma_wait_all();  // step kk + 1 done
+        fence_operands(part2);
+        release_stage<CLUSTER>(&empty[st1], lane);
+        promote<MODE>(acc, part2, sa1_lo, sa1_hi, sw1_a, sw1_b);
       }
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
+    } else {
+      for (int kk = 0; kk < KT; ++kk) {
+        mbar_wait(&full[stage], phase);
+        issue_step(part, tiles, stage, a_off);
+        // the next step's scales load while the products run
+        const int kn = kk + 1 < KT ? kk + 1 : kk;
+        const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
+        const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
+        wgmma_wait_all();
+        fence_operands(part);
+        release_stage<CLUSTER>(&empty[stage], lane);
+        advance(stage, phase);
+        promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
+        sa_lo = nsa_lo;
+        sa_hi = nsa_hi;
+        sw_a = nsw_a;
+        sw_b = nsw_b;
       }
-      const float s_lo_a = sa_lo * sw_a, s_hi_a = sa_hi * sw_a;
-      const float s_lo_b = sa_lo * sw_b, s_hi_b = sa_hi * sw_b;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const bool second = MODE == 1 && j >= 8;  // GEMM1: the up half
-        const float s_lo = second ? s_lo_b : s_lo_a, s_hi = second ? s_hi_b : s_hi_a;
-        acc[4 * j + 0] += part[4 * j + 0] * s_lo;
-        acc[4 * j + 1] += part[4 * j + 1] * s_lo;
-        acc[4 * j + 2] += part[4 * j + 2] * s_hi;
-        acc[4 * j + 3] += part[4 * j + 3] * s_hi;
-      }
-      sa_lo = nsa_lo;
-      sa_hi = nsa_hi;
-      sw_a = nsw_a;
-      sw_b = nsw_b;
     }
     // the next item's first scales load during this item's epilogue
     const Item done = it;
@@ -509,7 +563,7 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
 constexpr int MAX_DEVICES = 64;
 int last_grid[3];  // by MODE: the grid of the last launch (benchmarks record it)
 
-template <int MODE, typename OutT, int CLUSTER>
+template <int MODE, typename OutT, int CLUSTER, bool PIPE>
 int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
                    const Args& args, int programs, int device, cudaStream_t stream) {
   CUtensorMap a_map, w_map;
@@ -517,7 +571,7 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
   if (err) return err;
   err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? 64 : 128);
   if (err) return err;
-  auto kernel = block_fp8_kernel<MODE, OutT, CLUSTER>;
+  auto kernel = block_fp8_kernel<MODE, OutT, CLUSTER, PIPE>;
   static int resident[MAX_DEVICES];  // CTAs that fit at once (whole clusters), by device
   if (!resident[device]) {
     cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
@@ -565,13 +619,17 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
 
 template <int MODE, typename OutT>
 int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
-           const Args& args, int programs, int cluster, int device, cudaStream_t stream) {
+           const Args& args, int programs, int cluster, int pipelined, int device, cudaStream_t stream) {
   if (args.E > MAX_EXPERTS || args.E < 1) return -2;
   if (device < 0 || device >= MAX_DEVICES || cudaSetDevice(device) != cudaSuccess) return -3;
   const int num_n = args.N / Out<MODE>::COLS;
-  if (cluster == 2 && num_n % 2 == 0)
-    return launch_cluster<MODE, OutT, 2>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
-  return launch_cluster<MODE, OutT, 1>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+  const bool pairs = cluster == 2 && num_n % 2 == 0;
+  if (pipelined) {
+    return pairs ? launch_cluster<MODE, OutT, 2, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
+                 : launch_cluster<MODE, OutT, 1, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+  }
+  return pairs ? launch_cluster<MODE, OutT, 2, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
+               : launch_cluster<MODE, OutT, 1, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
 }
 
 }  // namespace
@@ -586,16 +644,18 @@ int moekit_block_last_grid(int mode) { return mode == 1 || mode == 2 ? last_grid
 // act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
 // w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16. cluster: 2 pairs
 // CTAs that share each A tile's loads (multicast), where the column tiles pair up; else 1.
+// pipelined: 1 keeps the next K step's products in flight while a step is promoted (K steps in
+// pairs: K a multiple of 256).
 int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, const float* a1s_s, int64_t stride_as,
                        const void* w13, const float* w13_s, int64_t stride_we, int64_t stride_wn,
                        const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act, int out_dtype,
-                       int programs, int cluster, int device, void* stream) {
+                       int programs, int cluster, int pipelined, int device, void* stream) {
   Args args{a1s_s, stride_as, w13_s, stride_we, stride_wn, expert_end, E, (int)I, (int)H, act, stride_act,
             nullptr, nullptr, 0};
   auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0
-             ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, device, s)
-             : launch<1, __half>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, device, s);
+             ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, pipelined, device, s)
+             : launch<1, __half>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, pipelined, device, s);
 }
 
 // (Strides in elements; the weights are contiguous.)
@@ -604,13 +664,13 @@ int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, 
 int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, const float* a2_s, int64_t stride_as,
                        const void* w2, const float* w2_s, int64_t stride_we, int64_t stride_wn,
                        const int32_t* expert_end, int E, int64_t H, void* y, int64_t stride_y, const float* topk_w,
-                       const int32_t* sorted_ids, int TK, int out_dtype, int programs, int cluster, int device,
-                       void* stream) {
+                       const int32_t* sorted_ids, int TK, int out_dtype, int programs, int cluster, int pipelined,
+                       int device, void* stream) {
   Args args{a2_s, stride_as, w2_s, stride_we, stride_wn, expert_end, E, (int)H, (int)I, y, stride_y, topk_w,
             sorted_ids, TK};
   auto s = static_cast<cudaStream_t>(stream);
-  return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, device, s)
-                        : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, device, s);
+  return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s)
+                        : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s);
 }
 
 }  // extern "C"
