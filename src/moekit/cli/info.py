@@ -111,6 +111,12 @@ def run(args) -> int:
     else:
         print("cuda: not available")
     print(f"router: {_router_line()}")
+    try:
+        from moekit.kernels import hopper_block  # noqa: PLC0415
+
+        print(f"CUDA kernels (fp8_w8a8_block128 on Hopper, 128-row tiles): {hopper_block.describe()}")
+    except ImportError:  # triton missing: the GPU kernels are not installed
+        pass
     print("\nbackends (can it run on this machine?)")
     for name, reason in available_backends().items():
         desc = moekit.BACKENDS[name].description

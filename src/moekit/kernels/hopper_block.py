@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ROWS", "MAX_EXPERTS", "SOURCE", "build", "load", "status", "reset", "refusal", "gemm1", "gemm2"]
+__all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "SOURCE", "build", "load", "status", "describe", "reset",
+           "refusal", "gemm1", "gemm2"]
 
 SOURCE = Path(__file__).with_name("cuda") / "hopper_block.cu"
 ROWS = 128  # the row tile (two consumer warpgroups of 64 rows)
@@ -116,6 +117,13 @@ def load() -> Optional[ctypes.CDLL]:
 def status() -> str:
     """One line: whether the CUDA kernels are built here, or why not."""
     return f"available: {_LIBRARY._name}" if load() is not None else f"unavailable: {_REASON}"
+
+
+def describe() -> str:
+    """One line for `moekit info`: whether the kernels run here (built only where they can)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "not used here (they need a Hopper GPU, compute capability 9.x)"
+    return status()
 
 
 def reset() -> None:
