@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_arg_parser, ab_time_us, point_call, quantized_weights,
-                                   routing_sets, shape_by_name, write_ab_result)
+from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_arg_parser, ab_time_us, eager_time_us, point_call,
+                                   quantized_weights, routing_sets, shape_by_name, write_ab_result)
 from moekit.benchmarks.floors import layer_flops
 from moekit.kernels import hopper_block
 from moekit.kernels.quant_tuning import QuantKnobs
@@ -62,6 +62,8 @@ def main() -> None:
     p = ab_arg_parser(__doc__, "hopper_block_ab.json")
     p.add_argument("--point", action="append", required=True, help="shape:M (repeatable)")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 kernel of the shipped tables")
+    p.add_argument("--eager", action="store_true",
+                   help="also time every variant eagerly, and the shipped rule's GEMM1 on cuBLAS (cublas1 auto)")
     args = p.parse_args()
     t0 = time.perf_counter()
     print("hopper_block:", hopper_block.status(), f"({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -90,6 +92,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 (a variant that cannot run is a result)
             row["variants"]["cuda"] = {"failed": f"{type(exc).__name__}: {exc}"[:800]}
             print(f"{point}: cuda failed: {row['variants']['cuda']['failed']}", flush=True)
+        if args.eager:
+            calls["gluon cublas1"] = _variant(wts, QuantKnobs(gluon=128, cublas1="auto", cuda="off"), 2, True)
+            row["variants"]["gluon cublas1"] = {"rounds_us": []}
         if args.bf16:
             bf16_fn, bf16_sets, _, _ = point_call(f"{name}:bf16:{M}", len(sets))
             calls["bf16"] = bf16_fn
@@ -100,18 +105,23 @@ def main() -> None:
                 v = row["variants"][label]
                 if "failed" not in v:
                     v["rounds_us"].append(ab_time_us(fn, set_of[label], True, replays=5))
+                    if args.eager:
+                        v.setdefault("eager_rounds_us", []).append(eager_time_us(fn, set_of[label], replays=3))
         for label, v in row["variants"].items():
             if "failed" in v:
                 continue
             v["us"] = statistics.median(v["rounds_us"])
+            if args.eager:
+                v["eager_us"] = statistics.median(v["eager_rounds_us"])
             v["tflops"] = flop / v["us"] / 1e6
             v["kernels_us"] = _kernels(calls[label], set_of[label][:2])
         base = row["variants"]["gluon"]["us"]
         for label, v in row["variants"].items():
             if "us" in v:
                 extra = f"  x{row['variants']['bf16']['us'] / v['us']:.3f} vs bf16" if "bf16" in row["variants"] else ""
-                print(f"{point:22s} {label:6s} {v['us']:10.1f} us {v['tflops']:7.1f} TFLOP/s  "
-                      f"x{base / v['us']:.3f} vs gluon{extra}", flush=True)
+                eager = f"  eager {v['eager_us']:10.1f} us" if "eager_us" in v else ""
+                print(f"{point:22s} {label:13s} {v['us']:10.1f} us {v['tflops']:7.1f} TFLOP/s  "
+                      f"x{base / v['us']:.3f} vs gluon{extra}{eager}", flush=True)
                 for kname, us in v["kernels_us"][:6]:
                     print(f"      {us:10.1f} us  {kname}", flush=True)
         rows.append(row)

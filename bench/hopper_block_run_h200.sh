@@ -20,4 +20,4 @@ PY
 [ $? -eq 0 ] || { echo "smoke failed"; exit 1; }
 (cd tests && timeout 240 python3 -m pytest -m gpu kernels/test_hopper_block_gpu.py -q -x -n 4 > $OUT/tests.txt 2>&1; tail -5 $OUT/tests.txt)
 timeout ${AB_TIMEOUT:-300} python3 bench/hopper_block_ab_h200.py --point deepseek-v3:16384 --point deepseek-v3:4096 \
-    --point qwen3-30b-a3b:16384 --point mixtral-8x7b:4096 --bf16 --rounds 3 --out $OUT/h200-hopper-block-ab.json
+    --point qwen3-30b-a3b:16384 --point mixtral-8x7b:4096 --bf16 --rounds 3 ${AB_ARGS:-} --out $OUT/h200-hopper-block-ab.json
