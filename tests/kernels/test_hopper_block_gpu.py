@@ -103,3 +103,35 @@ def test_k_steps_in_pairs_give_one_step_at_a_times_bits(T, E, k, H, I, cuda_gen,
     pairs = _run(wts, x, w, ids)
     monkeypatch.setattr(hopper_block, "PIPELINED", False)
     assert torch.equal(pairs, _run(wts, x, w, ids))
+
+
+def test_cuda_and_cublas_both_on_is_refused(cuda_gen):
+    wts = _weights(8, 256, 256, cuda_gen)
+    w, ids = _routing(64, 8, 2, cuda_gen)
+    x = torch.randn(64, 256, device="cuda", generator=cuda_gen).bfloat16()
+    s = wts.scales
+    with pytest.raises(ValueError, match="cuda='on' and knobs.cublas1='on' both ask for GEMM1"):
+        fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w, ids,
+                        None, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=128, cublas1="on", cuda="on"),
+                        out_dtype=x.dtype)
+
+
+def test_auto_leaves_gemm1_to_cublas_where_its_rule_wants_it(cuda_gen, monkeypatch):
+    from moekit.kernels import cublas_block  # noqa: PLC0415
+
+    if cublas_block.refusal(torch.device("cuda"), 512, 256) is not None:
+        pytest.skip(cublas_block.refusal(torch.device("cuda"), 512, 256))
+    monkeypatch.setattr(cublas_block, "CUBLAS_MIN_FLOP", 0)  # small products, to keep the test quick
+    E, k, H, I, T = 8, 2, 512, 512, 2048
+    wts = _weights(E, H, I, cuda_gen)
+    w, ids = _routing(T, E, k, cuda_gen)
+    x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
+    s = wts.scales
+
+    def run(cublas1, cuda):
+        return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None,
+                               w, ids, None, scheme_of(wts), "silu",
+                               knobs=QuantKnobs(gluon=128, cublas1=cublas1, cuda=cuda), out_dtype=x.dtype)
+
+    assert torch.equal(run("auto", "auto"), run("on", "off"))
+    assert torch.equal(run("auto", "on"), run("off", "on"))

@@ -40,11 +40,12 @@ __all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "SOURCE", "build", "lo
 SOURCE = Path(__file__).with_name("cuda") / "hopper_block.cu"
 ROWS = 128  # the row tile (two consumer warpgroups of 64 rows)
 MAX_EXPERTS = 1024  # the expert tables kept in shared memory
-# CTAs of a cluster that take the same row tile and neighbouring column tiles, each loading a share
-# of the A tile for all of them (TMA multicast: the L2 reads of A halved); 1 turns it off.
-CLUSTER = 2
-# Each warpgroup keeps the next K step's products in flight while it promotes a step (two
-# accumulators of products; K steps in pairs, which the Gluon kernels' shapes guarantee).
+# 2: CTA pairs that take the same row tile and neighbouring column tiles, each loading half of the
+# A tile for both (TMA multicast: the L2 reads of A halved). Measured no faster than single CTAs
+# (bench/results/h200-hopper-block-ab-4.json: 0.96-1.00x), so 1.
+CLUSTER = 1
+# K steps in pairs: both products of a pair issued before the first is promoted (the Gluon
+# kernels' shapes give an even number of K steps). Within the spread of one step at a time.
 PIPELINED = True
 _FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1}

@@ -472,7 +472,10 @@ def fused_moe_quant(
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
     if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs, GEMM1 on cuBLAS at prefill sizes
         a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
-        if _cuda_block(knobs.cuda, dev, x.dtype, E, H, I, gluon_rows):
+        # GEMM1 on cuBLAS where its rule wants it (eager prefill), else both GEMMs on moekit's CUDA
+        # kernels where they run, else the Gluon kernels (QuantKnobs.cuda, .cublas1)
+        cuda = _cuda_block(knobs.cuda, dev, x.dtype, E, H, I, gluon_rows, knobs.cublas1)
+        if cuda and (knobs.cuda == "on" or not _cublas_gemm1(knobs.cublas1, T, k, E, H, I, dev)):
             act = torch.empty(R, I, dtype=x.dtype, device=dev)
             hopper_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end)
             a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
@@ -541,10 +544,14 @@ def fused_moe_quant(
     return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
 
 
-def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H: int, I: int, rows: int) -> bool:
-    """Whether a Gluon call's GEMMs run moekit's CUDA kernels instead (QuantKnobs.cuda)."""
+def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H: int, I: int, rows: int,
+                cublas1: str = "auto") -> bool:
+    """Whether a Gluon call's GEMMs may run moekit's CUDA kernels instead (QuantKnobs.cuda; with
+    "auto", GEMM1 on cuBLAS takes precedence where its own rule wants it)."""
     if mode == "off":
         return False
+    if mode == "on" and cublas1 == "on":
+        raise ValueError("knobs.cuda='on' and knobs.cublas1='on' both ask for GEMM1: set one of them to 'auto' or 'off'")
     why = hopper_block.refusal(device, x_dtype, E, H, I, rows)
     if why and mode == "on":
         raise ValueError(f"knobs.cuda='on' cannot run this call on moekit's CUDA kernels: {why}")

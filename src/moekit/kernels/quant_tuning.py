@@ -81,8 +81,9 @@ class QuantKnobs:
         raises); "off" the Gluon GEMM1.
     cuda: with 128-row gluon tiles, whether both GEMMs run moekit's CUDA kernels instead
         (kernels/hopper_block.py: a producer warpgroup and two consumer warpgroups that take
-        turns on the tensor cores): "auto" where they are built and can run the call (GEMM1 then
-        not on cuBLAS), "on" (a call that cannot raises), "off" the Gluon / cuBLAS kernels.
+        turns on the tensor cores): "auto" where they are built and can run the call and GEMM1
+        does not go to cuBLAS (cublas1's rule: eager prefill, where cuBLAS measured faster), "on"
+        (a call that cannot raises; not with cublas1 "on"), "off" the Gluon / cuBLAS kernels.
     """
 
     gate_up: bool = False
