@@ -22,6 +22,7 @@ from moekit.benchmarks.gpu import (AB_TIMING, _quant_call, ab_arg_parser, ab_tim
                                    quantized_weights, routing_sets, shape_by_name, write_ab_result)
 from moekit.benchmarks.floors import layer_flops
 from moekit.kernels import hopper_block
+from profile_h200 import _kernel_rows, profile_calls
 from moekit.kernels.quant_tuning import QuantKnobs
 
 SCHEME = "fp8_w8a8_block128"
@@ -41,21 +42,7 @@ def _variant(wts, kn, cluster, pipelined):
 
 def _kernels(fn, sets) -> list:
     """[(kernel name, us per call)] of one profiled eager pass, largest first."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for s in sets:
-            fn(*s)
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
-        if us > 0:
-            rows.append((ev.key[:100], us / len(sets)))
-    return sorted(rows, key=lambda r: -r[1])
+    return [(r["kernel"][:100], r["us_per_call"]) for r in _kernel_rows(profile_calls(fn, sets), len(sets))]
 
 
 def main() -> None:

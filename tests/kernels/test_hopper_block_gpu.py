@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(settings.triton_interpret, rea
               pytest.mark.skipif(hopper_block.load() is None, reason=hopper_block.status())]
 
 
-def _run(wts, x, w, ids, emap=None, cuda="on", rows=128):
+def _run(wts, x, w, ids, emap=None, cuda="on", rows=128, cublas1="off"):
     s = wts.scales
     return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w,
-                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows, cublas1="off", cuda=cuda),
+                           ids, emap, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=rows, cublas1=cublas1, cuda=cuda),
                            out_dtype=x.dtype)
 
 
@@ -109,11 +109,8 @@ def test_cuda_and_cublas_both_on_is_refused(cuda_gen):
     wts = _weights(8, 256, 256, cuda_gen)
     w, ids = _routing(64, 8, 2, cuda_gen)
     x = torch.randn(64, 256, device="cuda", generator=cuda_gen).bfloat16()
-    s = wts.scales
     with pytest.raises(ValueError, match="cuda='on' and knobs.cublas1='on' both ask for GEMM1"):
-        fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None, w, ids,
-                        None, scheme_of(wts), "silu", knobs=QuantKnobs(gluon=128, cublas1="on", cuda="on"),
-                        out_dtype=x.dtype)
+        _run(wts, x, w, ids, cublas1="on")
 
 
 def test_auto_leaves_gemm1_to_cublas_where_its_rule_wants_it(cuda_gen, monkeypatch):
@@ -126,12 +123,5 @@ def test_auto_leaves_gemm1_to_cublas_where_its_rule_wants_it(cuda_gen, monkeypat
     wts = _weights(E, H, I, cuda_gen)
     w, ids = _routing(T, E, k, cuda_gen)
     x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
-    s = wts.scales
-
-    def run(cublas1, cuda):
-        return fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None,
-                               w, ids, None, scheme_of(wts), "silu",
-                               knobs=QuantKnobs(gluon=128, cublas1=cublas1, cuda=cuda), out_dtype=x.dtype)
-
-    assert torch.equal(run("auto", "auto"), run("on", "off"))
-    assert torch.equal(run("auto", "on"), run("off", "on"))
+    assert torch.equal(_run(wts, x, w, ids, cuda="auto", cublas1="auto"), _run(wts, x, w, ids, cuda="off", cublas1="on"))
+    assert torch.equal(_run(wts, x, w, ids, cuda="on", cublas1="auto"), _run(wts, x, w, ids))

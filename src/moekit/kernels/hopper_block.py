@@ -24,15 +24,14 @@ local experts; outputs in bf16 or fp16.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from ..native import compile_cached
 
 __all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "SOURCE", "build", "load", "status", "describe", "reset",
            "refusal", "gemm1", "gemm2"]
@@ -70,22 +69,8 @@ def build(cache_dir: Optional[Path] = None) -> ctypes.CDLL:
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("no nvcc found (set MOEKIT_NVCC or CUDA_HOME, or put nvcc on PATH)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([os.path.realpath(nvcc), *_FLAGS]).encode()).hexdigest()[:16]
     directory = Path(cache_dir) if cache_dir is not None else _cache_dir()
-    path = directory / f"moekit_hopper_block_{key}.so"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            run = subprocess.run([nvcc, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"nvcc failed to compile {SOURCE.name}: {run.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)  # atomic: concurrent builders each land a whole file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    path = compile_cached(nvcc, _FLAGS, SOURCE, [], directory, "moekit_hopper_block")
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.moekit_block_gemm1.restype = i32

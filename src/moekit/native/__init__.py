@@ -37,8 +37,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ACTIVATION_CODES", "FAST_ISAS", "NativeLibrary", "Projection", "build", "load", "projection", "reset",
-           "status"]
+__all__ = ["ACTIVATION_CODES", "FAST_ISAS", "NativeLibrary", "Projection", "build", "compile_cached", "load",
+           "projection", "reset", "status"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
@@ -466,6 +466,30 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def compile_cached(compiler: str, flags: list, source: Path, after: list, directory: Path, stem: str) -> Path:
+    """The shared library `compiler flags source -o LIB after` in directory, named stem_KEY.so by
+    the source, the compiler's path and the flags; compiled only when it is not there yet.
+
+    Raises RuntimeError with the compiler's message when it fails."""
+    key = hashlib.sha256(source.read_bytes() + " ".join([os.path.realpath(shutil.which(compiler) or compiler),
+                                                         *flags]).encode()).hexdigest()[:16]
+    path = directory / f"{stem}_{key}.so"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            run = subprocess.run([compiler, *flags, str(source), "-o", tmp, *after], capture_output=True, text=True)
+            if run.returncode != 0:
+                name = os.path.basename(compiler)
+                raise RuntimeError(f"{name} failed to compile {source.name}: {run.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders (ranks) each land a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
 def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrary:
     """Compile (or reuse) and load the kernels for `isa` ("native", "avx2" or "scalar").
 
@@ -480,22 +504,8 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc / gcc / clang)")
     flags = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", *_flags(isa)]
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([shutil.which(cc) or cc, *flags]).encode()).hexdigest()[:16]
     directory = Path(cache_dir) if cache_dir is not None else _cache_dir()
-    path = directory / f"moekit_cpu_{isa}_{key}.so"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            run = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"{cc} failed to compile {SOURCE.name}: {run.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)  # atomic: concurrent builders (ranks) each land a whole file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    path = compile_cached(cc, flags, SOURCE, ["-lm"], directory, f"moekit_cpu_{isa}")
     lib = ctypes.CDLL(str(path))
     lib.moekit_isa.restype = ctypes.c_char_p
     lib.moekit_openmp.restype = ctypes.c_int
