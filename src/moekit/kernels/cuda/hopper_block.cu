@@ -11,9 +11,16 @@
 //                             [128 x 128] into a ring of STAGES shared-memory stages;
 //   warpgroups 1 and 2:       64 rows of the 128-row tile each: per K step four m64n128k32
 //                             products into a fresh accumulator, wait, release the stage, then
-//                             acc += product * a_scale[row] * w_scale (the promotion). One
-//                             warpgroup promotes while the other's products run on the tensor
-//                             cores, so neither the wait nor the promotion leaves them idle.
+//                             acc += product * a_scale[row] * w_scale (the promotion), so
+//                             one warpgroup can promote while the other's products run.
+//
+// Template variants (the host picks them; bits identical): CLUSTER 2 pairs CTAs on the same row
+// tile and neighbouring column tiles, each loading half of the A tile for both by TMA multicast;
+// PIPE issues both products of a pair of K steps before promoting the first. Measured on an H200
+// (bench/NOTES-triton.md, "The block scheme in CUDA"): the shipped single CTAs with K-step pairs
+// run 1.00-1.02x the Gluon kernels' calls in CUDA graphs (1.10x at Mixtral's shape); the graph
+// times of every variant sit 13-16 % above their eager kernel sums, the clocks under sustained
+// work setting the pace.
 //
 // One program per SM walks (row tile, column tile) items in the Gluon kernels' order
 // (gluon_block._item: row tiles grouped by GROUP_M for L2 reuse of the weight blocks; an item's
