@@ -643,8 +643,6 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
 
 extern "C" {
 
-int moekit_hopper_abi() { return 2; }
-
 // The grid (CTAs) of the last launch of GEMM1 (mode 1) or GEMM2 (mode 2).
 int moekit_block_last_grid(int mode) { return mode == 1 || mode == 2 ? last_grid[mode] : 0; }
 
