@@ -141,14 +141,24 @@ def _check(code: int, what: str) -> None:
                            f"2000 / 3000 + cudaError of the launch, -2 expert count, -3 device)")
 
 
-def _check_layout(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> None:
-    """What the kernels assume of their operands (TMA reads the rows; the scales are read by index)."""
+def _operands(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> tuple:
+    """The entry points' leading arguments (rows, their scales, the weights and theirs), after
+    checking what the kernels assume of them (TMA reads the rows; the scales are read by index)."""
     if not w.is_contiguous() or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16:
         raise ValueError("the fp8 rows need unit column strides and 16-byte row strides, and the weights must be "
                          f"contiguous; got rows strides {a.stride()}, weights contiguous {w.is_contiguous()}")
     if a_s.stride(1) != 1 or w_s.stride(2) != 1 or a_s.dtype != torch.float32 or w_s.dtype != torch.float32:
         raise ValueError(f"the scales must be fp32 with unit strides along K, got {a_s.dtype} {tuple(a_s.stride())} "
                          f"and {w_s.dtype} {tuple(w_s.stride())}")
+    return (a.data_ptr(), a.shape[0], a.shape[1], a.stride(0), a_s.data_ptr(), a_s.stride(0), w.data_ptr(),
+            w_s.data_ptr(), w_s.stride(0), w_s.stride(1))
+
+
+def _launch_args(out: torch.Tensor, programs: Optional[int]) -> tuple:
+    """The entry points' trailing arguments: output dtype, grid cap, variants, device and stream."""
+    dev = out.device
+    return (_OUT_DTYPES[out.dtype], programs or 0, CLUSTER, int(PIPELINED), dev.index,
+            torch.cuda.current_stream(dev).cuda_stream)
 
 
 def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor, act: torch.Tensor,
@@ -156,17 +166,11 @@ def gemm1(a1s: torch.Tensor, a1s_s: torch.Tensor, w13: torch.Tensor, w13_s: torc
     """gluon_block.gemm1 with 128-row tiles: act [R, I] (x's dtype) = silu(gate) * up of the sorted
     rows a1s [R, H] fp8 (scales a1s_s [R, H / 128]) through w13 [E, 2I, H] fp8 (scales
     [E, 2I / 128, H / 128]); rows past the last expert's padded end are left unwritten."""
-    R, H = a1s.shape
     E, I2, _ = w13.shape
-    _check_layout(a1s, a1s_s, w13, w13_s)
-    if R == 0:
-        return
-    dev = a1s.device
-    code = load().moekit_block_gemm1(
-        a1s.data_ptr(), R, H, a1s.stride(0), a1s_s.data_ptr(), a1s_s.stride(0), w13.data_ptr(), w13_s.data_ptr(),
-        w13_s.stride(0), w13_s.stride(1), expert_end.data_ptr(), E, I2 // 2, act.data_ptr(), act.stride(0),
-        _OUT_DTYPES[act.dtype], programs or 0, CLUSTER, int(PIPELINED), dev.index, torch.cuda.current_stream(dev).cuda_stream)
-    _check(code, "the CUDA block GEMM1")
+    operands = _operands(a1s, a1s_s, w13, w13_s)
+    if a1s.shape[0]:
+        _check(load().moekit_block_gemm1(*operands, expert_end.data_ptr(), E, I2 // 2, act.data_ptr(), act.stride(0),
+                                         *_launch_args(act, programs)), "the CUDA block GEMM1")
 
 
 def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor, y: torch.Tensor,
@@ -175,15 +179,9 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
     """gluon_block.gemm2 with 128-row tiles: y [T * k, H] (x's dtype) at each sorted row's
     assignment = its routed weight * (the row a2 [R, I] fp8 (scales a2_s [R, I / 128]) through w2
     [E, H, I] fp8 (scales [E, H / 128, I / 128])); rows of non-local assignments left unwritten."""
-    R, I = a2.shape
     E, H, _ = w2.shape
-    _check_layout(a2, a2_s, w2, w2_s)
-    if R == 0:
-        return
-    dev = a2.device
-    code = load().moekit_block_gemm2(
-        a2.data_ptr(), R, I, a2.stride(0), a2_s.data_ptr(), a2_s.stride(0), w2.data_ptr(), w2_s.data_ptr(), w2_s.stride(0),
-        w2_s.stride(1), expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0), topk_weights.data_ptr(),
-        sorted_ids.data_ptr(), y.shape[0], _OUT_DTYPES[y.dtype], programs or 0, CLUSTER, int(PIPELINED), dev.index,
-        torch.cuda.current_stream(dev).cuda_stream)
-    _check(code, "the CUDA block GEMM2")
+    operands = _operands(a2, a2_s, w2, w2_s)
+    if a2.shape[0]:
+        _check(load().moekit_block_gemm2(*operands, expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0),
+                                         topk_weights.data_ptr(), sorted_ids.data_ptr(), y.shape[0],
+                                         *_launch_args(y, programs)), "the CUDA block GEMM2")

@@ -570,6 +570,22 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
 constexpr int MAX_DEVICES = 64;
 int last_grid[3];  // by MODE: the grid of the last launch (benchmarks record it)
 
+// A launch of `grid` CTAs of the kernel's shape in clusters of `cluster` (attr: its storage).
+cudaLaunchConfig_t launch_config(int grid, int cluster, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 template <int MODE, typename OutT, int CLUSTER, bool PIPE>
 int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
                    const Args& args, int programs, int device, cudaStream_t stream) {
@@ -587,17 +603,8 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     int fit = sms;
     if (CLUSTER > 1) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = CLUSTER;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3(sms / CLUSTER * CLUSTER);
-      cfg.blockDim = dim3(THREADS);
-      cfg.dynamicSmemBytes = SMEM_BYTES;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      cudaLaunchAttribute attr;
+      const cudaLaunchConfig_t cfg = launch_config(sms / CLUSTER * CLUSTER, CLUSTER, nullptr, &attr);
       int clusters = 0;
       c = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
       if (c != cudaSuccess || clusters < 1) return 2000 + (int)c;
@@ -608,18 +615,8 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
   int grid = programs > 0 && programs < resident[device] ? programs : resident[device];
   grid = grid / CLUSTER * CLUSTER;
   last_grid[MODE] = grid;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(grid, CLUSTER, stream, &attr);
   cudaError_t c = cudaLaunchKernelEx(&cfg, kernel, a_map, w_map, args);
   return c == cudaSuccess ? 0 : 3000 + (int)c;
 }
