@@ -294,8 +294,9 @@ __device__ __forceinline__ Scales first_scales(const Args& args, const Item& it,
   return s;
 }
 
+template <int RING = STAGES>
 __device__ __forceinline__ void advance(int& stage, uint32_t& phase) {
-  if (++stage == STAGES) {
+  if (++stage == RING) {
     stage = 0;
     phase ^= 1;
   }
@@ -537,6 +538,245 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (CLUSTER > 1) cluster_sync();  // no arrival on a peer's barriers after it exits
 }
 
+// ---- 16-bit experts -----------------------------------------------------------------------------
+//
+// bf16 / fp16 GEMM1 and GEMM2 on the same schedule and roles: 128-row tiles of x's rows gathered
+// in sorted order (GEMM1) or of the activation rows (GEMM2), items of WN weight rows. Each consumer
+// warpgroup multiplies its 64 rows by the whole weight tile (m64nWNk16 products accumulating in
+// registers, the next K step's products issued before the last ones are waited for). A warpgroup
+// whose 64 rows all lie past its expert's rows (an expert's last tile of at most 64 rows) skips its
+// products, and the producer loads only the live half of A: such a tile costs about half a tile
+// where the tensor cores set the pace, so an expert's rows are padded to 64-row halves, not to
+// whole 128-row tiles.
+
+#define MOEKIT_ACC8(i)                                                                                    \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define MOEKIT_ACC64(i)                                                                                        \
+  MOEKIT_ACC8(i), MOEKIT_ACC8(i + 8), MOEKIT_ACC8(i + 16), MOEKIT_ACC8(i + 24), MOEKIT_ACC8(i + 32), \
+      MOEKIT_ACC8(i + 40), MOEKIT_ACC8(i + 48), MOEKIT_ACC8(i + 56)
+#define MOEKIT_REGS64                                                                                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define MOEKIT_REGS64_128                                                                                      \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, "  \
+  "%85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, " \
+  "%105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, "     \
+  "%122, %123, %124, %125, %126, %127"
+
+// D [64 x WN] (+)= A [64 x 16] . B [WN x 16]^T, 16-bit operands T from shared memory (K-major,
+// 128-byte swizzle, not transposed), fp32 accumulators; accumulate: D += the product, else D = it.
+template <typename T, int WN>
+__device__ __forceinline__ void wgmma16(float (&d)[WN / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+
+#define MOEKIT_WGMMA16(TYPE, PTX_TYPE)                                                                            \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma16<TYPE, 128>(float(&d)[64], uint64_t desc_a, uint64_t desc_b,             \
+                                                     int accumulate) {                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" MOEKIT_REGS64          \
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                               \
+                 : MOEKIT_ACC64(0)                                                                                \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                    \
+  }                                                                                                               \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma16<TYPE, 256>(float(&d)[128], uint64_t desc_a, uint64_t desc_b,            \
+                                                     int accumulate) {                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                    \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {" MOEKIT_REGS64          \
+                 ", " MOEKIT_REGS64_128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                      \
+                 : MOEKIT_ACC64(0), MOEKIT_ACC64(64)                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                    \
+  }
+MOEKIT_WGMMA16(__nv_bfloat16, "bf16")
+MOEKIT_WGMMA16(__half, "f16")
+
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(v[i])::"memory");
+}
+
+// Shapes of the 16-bit kernel by WN, the weight rows of an item (GEMM1: WN / 2 gate and WN / 2 up
+// rows, so WN / 2 activation columns; GEMM2: WN output columns).
+template <int WN>
+struct Dense {
+  static constexpr int A_BYTES = BM * 128;  // A [128 rows x 128 bytes]
+  static constexpr int HALF_A = 64 * 128;   // one warpgroup's rows of it
+  static constexpr int W_BYTES = WN * 128;  // weights [WN rows x 128 bytes]
+  static constexpr int STAGE = A_BYTES + W_BYTES;
+  static constexpr int STAGES = WN == 256 ? 3 : 5;
+  static constexpr int PASS = 128;          // output columns staged at a time
+  static constexpr int PITCH = PASS + 8;
+  static constexpr size_t SMEM = 1024 + STAGES * STAGE + 2 * 64 * PITCH * 2 + 2 * STAGES * sizeof(uint64_t) +
+                                 (3 * MAX_EXPERTS + 128) * sizeof(int);
+};
+
+// One K step's products of this warpgroup's 64 rows into acc (asynchronous, one commit group).
+template <typename T, int WN>
+__device__ __forceinline__ void issue_step16(float (&acc)[WN / 2], const uint8_t* tiles, int stage, uint32_t a_off,
+                                             int accumulate) {
+  using D = Dense<WN>;
+  const uint32_t a_base = smem_addr(tiles + stage * D::STAGE) + a_off;
+  const uint32_t w_base = smem_addr(tiles + stage * D::STAGE + D::A_BYTES);
+  fence_acc(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)  // 32 bytes of K a product
+    wgmma16<T, WN>(acc, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks > 0 || accumulate);
+  wgmma_commit();
+}
+
+template <int MODE, typename T, int WN>
+__global__ void __launch_bounds__(THREADS, 1)
+    dense_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
+                 const Args args) {
+  using D = Dense<WN>;
+  constexpr int COLS = MODE == 1 ? WN / 2 : WN;  // output columns of an item
+  constexpr int GATE_CHUNKS = WN / 16;           // GEMM1: 8-column chunks of gate columns (then up)
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tiles = smem;
+  T* staging = reinterpret_cast<T*>(smem + D::STAGES * D::STAGE);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + D::STAGES * D::STAGE + 2 * 64 * D::PITCH * 2);
+  uint64_t* empty = full + D::STAGES;
+  int* tile_end = reinterpret_cast<int*>(empty + D::STAGES);
+  int* row_base = tile_end + MAX_EXPERTS;
+  int* ends = row_base + MAX_EXPERTS;
+  int* dst_rows_all = ends + MAX_EXPERTS;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < D::STAGES; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  build_schedule(args, tile_end, row_base, ends);
+  __syncthreads();
+
+  const Schedule sched{tile_end, row_base, ends, args.E > 0 ? tile_end[args.E - 1] : 0};
+  const int num_n = args.N / COLS;
+  const int KT = args.K / BK;  // K steps of 128 bytes
+  const int items = sched.num_m * num_n;
+  const int my_items = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int q = 0; q < my_items; ++q) {
+        const Item it = item_at<1>(q, num_n, sched, args.E, 0);
+        const int w_row = MODE == 1 ? it.e * 2 * args.N + it.nt * (WN / 2) : it.e * args.N + it.nt * WN;
+        const bool both = it.rows > 64;  // the second warpgroup's rows hold some of the expert's
+        for (int kk = 0; kk < KT; ++kk) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          uint8_t* a_tile = tiles + stage * D::STAGE;
+          uint8_t* w_tile = a_tile + D::A_BYTES;
+          mbar_expect_tx(&full[stage], D::W_BYTES + (both ? 2 : 1) * D::HALF_A);
+          tma_load(a_tile, &a_map, &full[stage], kk * BK, it.row0);
+          if (both) tma_load(a_tile + D::HALF_A, &a_map, &full[stage], kk * BK, it.row0 + 64);
+          tma_load(w_tile, &w_map, &full[stage], kk * BK, w_row);
+          if (MODE == 1)  // the up rows below the gate rows
+            tma_load(w_tile + D::W_BYTES / 2, &w_map, &full[stage], kk * BK, w_row + args.N);
+          advance<D::STAGES>(stage, phase);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+  const int t = threadIdx.x - 128;
+  const int cw = t / 128;
+  const int tw = t % 128;
+  const int warp = tw / 32, lane = t % 32;
+  const int r_wg = warp * 16 + lane / 4;
+  const int r_lo = cw * 64 + r_wg;
+  const int c_in = 2 * (lane % 4);
+  const uint32_t a_off = cw * D::HALF_A;
+  T* stage_out = staging + cw * 64 * D::PITCH;
+
+  float acc[WN / 2];
+  int* dst_rows = dst_rows_all + cw * 64;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int q = 0; q < my_items; ++q) {
+    const Item it = item_at<1>(q, num_n, sched, args.E, 0);
+    int a_row[2] = {args.TK, args.TK};
+    float w_row[2] = {0.0f, 0.0f};
+    if (MODE == 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+        if (a_row[h] < args.TK) w_row[h] = args.topk_w[a_row[h]];
+      }
+    }
+    if (it.rows > cw * 64) {
+      int last = stage;
+      for (int kk = 0; kk < KT; ++kk) {
+        mbar_wait(&full[stage], phase);
+        issue_step16<T, WN>(acc, tiles, stage, a_off, kk > 0);
+        wgmma_wait_one();  // the previous step's products are done: its stage is free
+        if (kk > 0) release_stage<1>(&empty[last], lane);
+        last = stage;
+        advance<D::STAGES>(stage, phase);
+      }
+      wgmma_wait_all();
+      fence_acc(acc);
+      release_stage<1>(&empty[last], lane);
+    } else {  // no rows of the expert here: keep step with the ring, multiply nothing
+      for (int kk = 0; kk < KT; ++kk) {
+        mbar_wait(&full[stage], phase);
+        release_stage<1>(&empty[stage], lane);
+        advance<D::STAGES>(stage, phase);
+      }
+    }
+    // Epilogue: the warpgroup's 64 rows into shared memory 128 columns at a time, then 16-byte
+    // stores of whole row pieces.
+    constexpr int PASS_COLS = COLS < D::PASS ? COLS : D::PASS, CHUNKS = PASS_COLS / 8;
+#pragma unroll
+    for (int pass = 0; pass < COLS / PASS_COLS; ++pass) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_wg + 8 * h;
+        T* row = stage_out + r * D::PITCH + c_in;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+          const int jj = pass * CHUNKS + j;
+          uint32_t v;
+          if (MODE == 1)
+            v = pack2<T>(silu_mul(acc[4 * jj + 2 * h], acc[4 * (jj + GATE_CHUNKS) + 2 * h]),
+                         silu_mul(acc[4 * jj + 2 * h + 1], acc[4 * (jj + GATE_CHUNKS) + 2 * h + 1]));
+          else
+            v = pack2<T>(acc[4 * jj + 2 * h] * w_row[h], acc[4 * jj + 2 * h + 1] * w_row[h]);
+          *reinterpret_cast<uint32_t*>(row + 8 * j) = v;
+        }
+        if (pass == 0 && lane % 4 == 0) {
+          const int rt = cw * 64 + r;
+          dst_rows[r] = MODE == 1 ? (rt < it.rows ? it.row0 + rt : -1) : (a_row[h] < args.TK ? a_row[h] : -1);
+        }
+      }
+      warpgroup_sync(1 + cw);
+      T* out = static_cast<T*>(args.out) + it.nt * COLS + pass * PASS_COLS;
+#pragma unroll 4
+      for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
+        const int r = idx / CHUNKS, c = idx % CHUNKS;
+        const int dst = dst_rows[r];
+        if (dst < 0) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * D::PITCH + 8 * c);
+        *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * c) = v;
+      }
+      warpgroup_sync(1 + cw);
+    }
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -636,6 +876,46 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
                : launch_cluster<MODE, OutT, 1, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
 }
 
+
+template <int MODE, typename T, int WN>
+int launch_dense(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+                 const Args& args, int programs, int device, cudaStream_t stream) {
+  using D = Dense<WN>;
+  CUtensorMap a_map, w_map;
+  int err = make_map(&a_map, a, R, args.K, stride_a, 64);
+  if (err) return err;
+  err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? WN / 2 : WN);
+  if (err) return err;
+  auto kernel = dense_kernel<MODE, T, WN>;
+  static bool ready[MAX_DEVICES];
+  static int sms[MAX_DEVICES];
+  if (!ready[device]) {
+    cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)D::SMEM);
+    if (c != cudaSuccess) return 2000 + (int)c;
+    cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+    ready[device] = true;
+  }
+  const int grid = programs > 0 && programs < sms[device] ? programs : sms[device];
+  last_grid[MODE] = grid;
+  kernel<<<grid, THREADS, D::SMEM, stream>>>(a_map, w_map, args);
+  const cudaError_t c = cudaGetLastError();
+  return c == cudaSuccess ? 0 : 3000 + (int)c;
+}
+
+// 16-bit calls: by dtype (0 bf16, 1 fp16) and the weight rows of an item (128 or 256).
+template <int MODE>
+int launch_dense_any(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+                     const Args& args, int dtype, int wn, int programs, int device, cudaStream_t stream) {
+  if (args.E > MAX_EXPERTS || args.E < 1) return -2;
+  if (device < 0 || device >= MAX_DEVICES || cudaSetDevice(device) != cudaSuccess) return -3;
+  if (wn != 128 && wn != 256) return -4;
+  if (dtype == 0)
+    return wn == 256 ? launch_dense<MODE, __nv_bfloat16, 256>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
+                     : launch_dense<MODE, __nv_bfloat16, 128>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+  return wn == 256 ? launch_dense<MODE, __half, 256>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
+                   : launch_dense<MODE, __half, 128>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+}
+
 }  // namespace
 
 extern "C" {
@@ -673,6 +953,25 @@ int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, c
   auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s)
                         : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s);
+}
+
+// 16-bit experts (strides in elements; the weights contiguous; wn: weight rows of an item, 128 or
+// 256). act [R, I] = silu(gate) * up of x's rows in sorted order xs [R, H] through w13 [E, 2I, H].
+int moekit_dense_gemm1(const void* xs, int64_t R, int64_t H, int64_t stride_x, const void* w13,
+                       const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act, int dtype, int wn,
+                       int programs, int device, void* stream) {
+  Args args{nullptr, 0, nullptr, 0, 0, expert_end, E, (int)I, (int)(2 * H), act, stride_act, nullptr, nullptr, 0};
+  return launch_dense_any<1>(xs, R, 2 * stride_x, w13, E * 2 * I, 2 * H, args, dtype, wn, programs, device,
+                             static_cast<cudaStream_t>(stream));
+}
+
+// y [TK, H] at each sorted row's assignment = routed weight * (the row a2 [R, I] through w2 [E, H, I]).
+int moekit_dense_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, const void* w2,
+                       const int32_t* expert_end, int E, int64_t H, void* y, int64_t stride_y, const float* topk_w,
+                       const int32_t* sorted_ids, int TK, int dtype, int wn, int programs, int device, void* stream) {
+  Args args{nullptr, 0, nullptr, 0, 0, expert_end, E, (int)H, (int)(2 * I), y, stride_y, topk_w, sorted_ids, TK};
+  return launch_dense_any<2>(a2, R, 2 * stride_a, w2, E * H, 2 * I, args, dtype, wn, programs, device,
+                             static_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"
