@@ -101,10 +101,9 @@ def refusal(scheme, x_dtype: torch.dtype, device: torch.device, activation: str,
 
 @triton.jit
 def gather_rows_kernel(a_ptr, as_ptr, out_ptr, outs_ptr, sorted_ptr, expert_end_ptr, E, TK, k, H, G,
-                       stride_a, stride_as, stride_o, stride_os, BH: tl.constexpr, BG: tl.constexpr,
-                       HAS_S: tl.constexpr):
-    """Row r of the sorted rows: x's (quantized) row of its assignment's token and, with HAS_S, its
-    scales (zeros on padding rows); rows past the last expert's padded end are left unwritten."""
+                       stride_a, stride_as, stride_o, stride_os, BH: tl.constexpr, BG: tl.constexpr):
+    """Row r of the sorted rows: x's quantized row of its assignment's token and its scales (zeros
+    on padding rows); rows past the last expert's padded end are left unwritten."""
     r = tl.program_id(0)
     if r < tl.load(expert_end_ptr + E - 1):
         a = tl.load(sorted_ptr + r)
@@ -115,10 +114,9 @@ def gather_rows_kernel(a_ptr, as_ptr, out_ptr, outs_ptr, sorted_ptr, expert_end_
             c = h0 + cols
             v = tl.load(a_ptr + t * stride_a + c, mask=live & (c < H), other=0)
             tl.store(out_ptr + r.to(tl.int64) * stride_o + c, v, mask=c < H)
-        if HAS_S:
-            g = tl.arange(0, BG)
-            s = tl.load(as_ptr + t * stride_as + g, mask=live & (g < G), other=0.0)
-            tl.store(outs_ptr + r.to(tl.int64) * stride_os + g, s, mask=g < G)
+        g = tl.arange(0, BG)
+        s = tl.load(as_ptr + t * stride_as + g, mask=live & (g < G), other=0.0)
+        tl.store(outs_ptr + r.to(tl.int64) * stride_os + g, s, mask=g < G)
 
 
 def gather_rows(a1: torch.Tensor, a1_s: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, k: int,
@@ -133,8 +131,7 @@ def gather_rows(a1: torch.Tensor, a1_s: torch.Tensor, sorted_ids: torch.Tensor, 
         G = a1_s.shape[1]
         gather_rows_kernel[(R,)](a1.view(torch.uint8), a1_s, out.view(torch.uint8), outs, sorted_ids, expert_end,
                                  E, T * k, k, H, G, a1.stride(0), a1_s.stride(0), out.stride(0), outs.stride(0),
-                                 BH=min(2048, triton.next_power_of_2(H)), BG=triton.next_power_of_2(G), HAS_S=True,
-                                 num_warps=4)
+                                 BH=min(2048, triton.next_power_of_2(H)), BG=triton.next_power_of_2(G), num_warps=4)
     return out, outs
 
 

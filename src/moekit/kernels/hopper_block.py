@@ -33,9 +33,8 @@ import torch
 
 from ..native import compile_cached
 
-__all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "DENSE_WN", "SOURCE", "build", "load", "status", "describe",
-           "reset", "refusal", "gemm1", "gemm2", "dense_refusal", "gather_x", "dense_gemm1", "dense_gemm2",
-           "dense_experts"]
+__all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "SOURCE", "build", "load", "status", "describe", "reset",
+           "refusal", "gemm1", "gemm2"]
 
 SOURCE = Path(__file__).with_name("cuda") / "hopper_block.cu"
 ROWS = 128  # the row tile (two consumer warpgroups of 64 rows)
@@ -80,11 +79,6 @@ def build(cache_dir: Optional[Path] = None) -> ctypes.CDLL:
     lib.moekit_block_gemm2.restype = i32
     lib.moekit_block_gemm2.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64,
                                        ptr, ptr, i32, i32, i32, i32, i32, i32, ptr]
-    lib.moekit_dense_gemm1.restype = i32
-    lib.moekit_dense_gemm1.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i64, i32, i32, i32, i32, ptr]
-    lib.moekit_dense_gemm2.restype = i32
-    lib.moekit_dense_gemm2.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, i32, i32,
-                                       i32, i32, ptr]
     return lib
 
 
@@ -191,106 +185,3 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
         _check(load().moekit_block_gemm2(*operands, expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0),
                                          topk_weights.data_ptr(), sorted_ids.data_ptr(), y.shape[0],
                                          *_launch_args(y, programs)), "the CUDA block GEMM2")
-
-
-# ---- 16-bit experts -------------------------------------------------------------------------------
-
-# Weight rows of a 16-bit item (GEMM1: half gate, half up; GEMM2: output columns): 256 or 128.
-DENSE_WN = (256, 256)
-_DENSE_ROW_GRANULE = 16  # the alignment's padding; the kernels tile each expert's rows in 128 / 64
-
-
-def dense_refusal(device: torch.device, dtype: torch.dtype, E: int, H: int, I: int,
-                  wn: tuple = DENSE_WN) -> Optional[str]:
-    """Why the 16-bit CUDA kernels cannot run a call (gated SiLU, no biases), or None."""
-    if dtype not in _OUT_DTYPES:
-        return f"x and the weights must be bfloat16 or float16, got {dtype}"
-    if any(w not in (128, 256) for w in wn):
-        return f"items of 128 or 256 weight rows, got {wn}"
-    if H % 64 or I % (wn[0] // 2) or H % wn[1]:
-        return (f"H must be a multiple of 64 and of {wn[1]}, I of {wn[0] // 2} (items of {wn} weight rows), "
-                f"got H={H}, I={I}")
-    if not 1 <= E <= MAX_EXPERTS:
-        return f"they keep at most {MAX_EXPERTS} experts' tables in shared memory, got E={E}"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return "they use Hopper's warpgroup products (sm_90a): they need compute capability 9.x"
-    if load() is None:
-        return f"the CUDA kernels are unavailable: {_REASON}"
-    return None
-
-
-def gather_x(x: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, k: int, R: int) -> torch.Tensor:
-    """x's rows [T, H] in the alignment's sorted order [R, H] (zeros on padding rows): GEMM1's A
-    operand by TMA, which cannot gather rows on Hopper."""
-    from .gluon_block import gather_rows_kernel  # noqa: PLC0415
-
-    T, H = x.shape
-    out = torch.empty(R, H, dtype=x.dtype, device=x.device)
-    if R:
-        xb, ob = x.view(torch.uint8), out.view(torch.uint8)
-        gather_rows_kernel[(R,)](xb, x, ob, out, sorted_ids, expert_end, expert_end.shape[0], T * k, k, xb.shape[1],
-                                 1, x.stride(0) * x.element_size(), 0, ob.stride(0), 0,
-                                 BH=min(4096, 1 << (xb.shape[1] - 1).bit_length()), BG=1, HAS_S=False, num_warps=4)
-    return out
-
-
-def _dense_operands(a: torch.Tensor, w: torch.Tensor) -> tuple:
-    if not w.is_contiguous() or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.dtype != w.dtype:
-        raise ValueError("the rows need unit column strides and 16-byte row strides, the weights must be contiguous "
-                         f"and of the rows' dtype; got rows {a.dtype} strides {a.stride()}, weights {w.dtype} "
-                         f"contiguous {w.is_contiguous()}")
-    return a.data_ptr(), a.shape[0], a.shape[1], a.stride(0), w.data_ptr()
-
-
-def _dense_tail(out: torch.Tensor, wn: int, programs: Optional[int]) -> tuple:
-    dev = out.device
-    return (_OUT_DTYPES[out.dtype], wn, programs or 0, dev.index, torch.cuda.current_stream(dev).cuda_stream)
-
-
-def dense_gemm1(xs: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, expert_end: torch.Tensor,
-                wn: int = DENSE_WN[0], programs: Optional[int] = None) -> None:
-    """act [R, I] = silu(gate) * up of x's sorted rows xs [R, H] through w13 [E, 2I, H] (16-bit);
-    rows of no expert (padding, past the last expert's end) left unwritten."""
-    E, I2, _ = w13.shape
-    if xs.shape[0]:
-        _check(load().moekit_dense_gemm1(*_dense_operands(xs, w13), expert_end.data_ptr(), E, I2 // 2,
-                                         act.data_ptr(), act.stride(0), *_dense_tail(act, wn, programs)),
-               "the CUDA 16-bit GEMM1")
-
-
-def dense_gemm2(a2: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor,
-                sorted_ids: torch.Tensor, expert_end: torch.Tensor, wn: int = DENSE_WN[1],
-                programs: Optional[int] = None) -> None:
-    """y [T * k, H] at each sorted row's assignment = its routed weight (fp32, [T * k]) * (the row
-    a2 [R, I] through w2 [E, H, I]); rows of non-local assignments left unwritten."""
-    E, H, _ = w2.shape
-    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be contiguous fp32, got {topk_weights.dtype}")
-    if a2.shape[0]:
-        _check(load().moekit_dense_gemm2(*_dense_operands(a2, w2), expert_end.data_ptr(), E, H, y.data_ptr(),
-                                         y.stride(0), topk_weights.data_ptr(), sorted_ids.data_ptr(), y.shape[0],
-                                         *_dense_tail(y, wn, programs)), "the CUDA 16-bit GEMM2")
-
-
-def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None, wn: tuple = DENSE_WN,
-                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The experts of a call on the 16-bit CUDA kernels: alignment, x's rows gathered in sorted
-    order, GEMM1 (SiLU-gated), GEMM2 (routed weight), the fixed-order sum over k. [T, H]."""
-    from .launch import moe_align  # noqa: PLC0415
-    from .launch_quant import _sum_over_k  # noqa: PLC0415
-
-    T, H = x.shape
-    E, I2, _ = w13.shape
-    k = topk_ids.shape[1]
-    if T == 0:
-        return torch.zeros(0, H, dtype=out_dtype or x.dtype, device=x.device)
-    al = moe_align(topk_ids.int().contiguous(), expert_map, E, _DENSE_ROW_GRANULE)
-    R = al.max_blocks * al.block_m
-    xs = gather_x(x, al.sorted_ids, al.expert_end, k, R)
-    act = torch.empty(R, I2 // 2, dtype=x.dtype, device=x.device)
-    dense_gemm1(xs, w13, act, al.expert_end, wn[0])
-    y = torch.empty(1, T * k, H, dtype=x.dtype, device=x.device)
-    dense_gemm2(act, w2, y[0], topk_weights.float().reshape(-1).contiguous(), al.sorted_ids, al.expert_end, wn[1])
-    return _sum_over_k(y, topk_ids.int().contiguous(), expert_map, T, H, k, out_dtype or x.dtype,
-                       dict(PDL=False, launch_pdl=False))
