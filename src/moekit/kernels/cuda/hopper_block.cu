@@ -67,8 +67,11 @@ struct Args {
   void* out;                 // GEMM1: act [R, I]; GEMM2: y [T * k, H]
   int64_t stride_out;
   const float* topk_w;       // GEMM2: [T * k] routed weights
-  const int32_t* sorted_ids; // GEMM2: [R] assignment of each sorted row (>= TK on padding)
+  const int32_t* sorted_ids; // GEMM2 (16-bit GEMM1 too): [R] assignment of each sorted row (>= TK on padding)
   int TK;
+  const void* x;             // 16-bit GEMM1: x [T, K] (rows gathered by assignment / top_k)
+  int64_t stride_x;          // bytes
+  int top_k;
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
@@ -537,6 +540,264 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (CLUSTER > 1) cluster_sync();  // no arrival on a peer's barriers after it exits
 }
 
+#define MOEKIT_ACC8(i)                                                                                    \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define MOEKIT_ACC64(i)                                                                                        \
+  MOEKIT_ACC8(i), MOEKIT_ACC8(i + 8), MOEKIT_ACC8(i + 16), MOEKIT_ACC8(i + 24), MOEKIT_ACC8(i + 32), \
+      MOEKIT_ACC8(i + 40), MOEKIT_ACC8(i + 48), MOEKIT_ACC8(i + 56)
+#define MOEKIT_REGS64                                                                                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+// D [64 x 128] (+)= A [64 x 16] . B [128 x 16]^T, 16-bit operands T from shared memory (K-major,
+// 128-byte swizzle, not transposed), fp32 accumulators; accumulate: D += the product, else D = it.
+template <typename T>
+__device__ __forceinline__ void wgmma16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate);
+
+#define MOEKIT_WGMMA16(TYPE, PTX_TYPE)                                                                            \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma16<TYPE>(float(&d)[64], uint64_t desc_a, uint64_t desc_b,             \
+                                                     int accumulate) {                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" MOEKIT_REGS64          \
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                               \
+                 : MOEKIT_ACC64(0)                                                                                \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                    \
+  }
+MOEKIT_WGMMA16(__nv_bfloat16, "bf16")
+MOEKIT_WGMMA16(__half, "f16")
+
+
+// ---- 16-bit experts -----------------------------------------------------------------------------
+//
+// bf16 / fp16 GEMM1 and GEMM2 on the same schedule (128-row tiles of an expert's sorted rows,
+// items of 128 weight rows: GEMM1 64 gate and 64 up rows, GEMM2 128 output columns), with the two
+// consumer warpgroups on alternate items ("ping-pong"): each multiplies all 128 rows of its item
+// (two m64n128k16 products a K slice into two accumulators) while the other stores its previous
+// item, and the two take turns on the tensor cores (an order barrier each). A tile whose rows past
+// 64 are not its expert's (an expert's last tile of at most 64 rows) runs one product a K slice,
+// so it costs about half a tile: an expert's rows are padded to 64-row halves, not whole tiles.
+// GEMM1 reads x's rows where they lie: the producer warpgroup's 128 threads gather one row each
+// into the swizzled stage with cp.async (TMA cannot gather rows on Hopper), zeros past the tile's
+// rows and on padding rows; GEMM2 loads the activation rows by TMA.
+
+constexpr int D_STAGE_A = BM * 128;     // A [128 rows x 128 bytes]
+constexpr int D_STAGE_W = 128 * 128;    // W [128 rows x 128 bytes]
+constexpr int D_STAGE = D_STAGE_A + D_STAGE_W;
+constexpr int D_STAGES = 5;
+constexpr int D_PITCH = 128 + 8;        // staged output row (elements)
+constexpr size_t D_STAGING = 2 * 64 * D_PITCH * 2;  // a warpgroup's 64 rows at a time, each warpgroup its own
+constexpr size_t D_SMEM = 1024 + D_STAGES * D_STAGE + D_STAGING + (2 * D_STAGES + 2) * sizeof(uint64_t) +
+                          (3 * MAX_EXPERTS + 256) * sizeof(int);
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// An arrival on bar once this thread's cp.async copies so far have landed (counted in its init).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// One K slice's products of this warpgroup's item (128 bytes of K: four k16 steps) into acc0 (rows
+// 0..63) and, with TWO, acc1 (rows 64..127); asynchronous, one commit group.
+template <typename T, bool TWO>
+__device__ __forceinline__ void issue_slice(float (&acc0)[64], float (&acc1)[64], const uint8_t* tiles, int stage,
+                                            int accumulate) {
+  const uint32_t a_base = smem_addr(tiles + stage * D_STAGE);
+  const uint32_t w_base = a_base + D_STAGE_A;
+  fence_operands(acc0);
+  if (TWO) fence_operands(acc1);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    wgmma16<T>(acc0, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks > 0 || accumulate);
+    if (TWO) wgmma16<T>(acc1, smem_desc(a_base + 64 * 128 + 32 * ks), smem_desc(w_base + 32 * ks), ks > 0 || accumulate);
+  }
+  wgmma_commit();
+}
+
+// The mainloop of one item: K slices `first` .. first + KT - 1 of the ring; releases each stage
+// once its products are done; hands the tensor cores to the other warpgroup (order) after the
+// last products are issued, then waits for them.
+template <int MODE, typename T, bool TWO>
+__device__ __forceinline__ void item_mainloop(float (&acc0)[64], float (&acc1)[64], const uint8_t* tiles,
+                                              uint64_t* full, uint64_t* empty, uint64_t* other_turn, int64_t first,
+                                              int KT, int lane, bool leader) {
+  int last = 0;
+  for (int kk = 0; kk < KT; ++kk) {
+    const int64_t s = first + kk;
+    const int stage = (int)(s % D_STAGES);
+    mbar_wait(&full[stage], (uint32_t)((s / D_STAGES) & 1));
+    if (MODE == 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async rows -> wgmma
+    issue_slice<T, TWO>(acc0, acc1, tiles, stage, kk > 0);
+    wgmma_wait_one();  // the previous slice's products are done: its stage is free
+    if (kk > 0 && lane == 0) mbar_arrive(&empty[last]);
+    last = stage;
+  }
+  if (leader) mbar_arrive(other_turn);
+  wgmma_wait_all();
+  fence_operands(acc0);
+  if (TWO) fence_operands(acc1);
+  if (lane == 0) mbar_arrive(&empty[last]);
+}
+
+template <int MODE, typename T>
+__global__ void __launch_bounds__(THREADS, 1)
+    dense_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
+                 const Args args) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tiles = smem;
+  T* staging = reinterpret_cast<T*>(smem + D_STAGES * D_STAGE);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + D_STAGES * D_STAGE + D_STAGING);
+  uint64_t* empty = full + D_STAGES;
+  uint64_t* turn = empty + D_STAGES;  // [2]: warpgroup w's turn on the tensor cores
+  int* tile_end = reinterpret_cast<int*>(turn + 2);
+  int* row_base = tile_end + MAX_EXPERTS;
+  int* ends = row_base + MAX_EXPERTS;
+  int* dst_rows_all = ends + MAX_EXPERTS;  // [2][128]
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < D_STAGES; ++i) {
+      mbar_init(&full[i], MODE == 1 ? 1 + 128 : 1);  // GEMM1: the weights' TMA and 128 gathering threads
+      mbar_init(&empty[i], 4);                       // the four warps of the warpgroup that used it
+    }
+    mbar_init(&turn[0], 1);
+    mbar_init(&turn[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  build_schedule(args, tile_end, row_base, ends);
+  __syncthreads();
+
+  const Schedule sched{tile_end, row_base, ends, args.E > 0 ? tile_end[args.E - 1] : 0};
+  constexpr int COLS = MODE == 1 ? 64 : 128;
+  const int num_n = args.N / COLS;
+  const int KT = args.K / BK;
+  const int items = sched.num_m * num_n;
+  const int my_items = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    const int tid = threadIdx.x;
+    if (MODE == 2 && tid != 0) return;  // GEMM2's loads are TMA boxes: one thread
+    for (int q = 0; q < my_items; ++q) {
+      const Item it = item_at<1>(q, num_n, sched, args.E, 0);
+      const int w_row = MODE == 1 ? it.e * 2 * args.N + it.nt * 64 : it.e * args.N + it.nt * 128;
+      const bool two = it.rows > 64;
+      // GEMM1: this thread's row of the tile (zeros past the tile's rows and on padding rows)
+      const uint8_t* src = static_cast<const uint8_t*>(args.x);
+      uint32_t bytes = 0;
+      if (MODE == 1 && tid < it.rows) {
+        const int a = args.sorted_ids[it.row0 + tid];
+        if (a < args.TK) {
+          src += (int64_t)(a / args.top_k) * args.stride_x;
+          bytes = 16;
+        }
+      }
+      for (int kk = 0; kk < KT; ++kk) {
+        const int64_t s = (int64_t)q * KT + kk;
+        const int stage = (int)(s % D_STAGES);
+        const uint32_t phase = (uint32_t)((s / D_STAGES) & 1);
+        uint8_t* a_tile = tiles + stage * D_STAGE;
+        uint8_t* w_tile = a_tile + D_STAGE_A;
+        if (tid == 0) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          mbar_expect_tx(&full[stage], D_STAGE_W + (MODE == 2 ? (two ? 2 : 1) * 64 * 128 : 0));
+          tma_load(w_tile, &w_map, &full[stage], kk * BK, w_row);
+          if (MODE == 1) tma_load(w_tile + D_STAGE_W / 2, &w_map, &full[stage], kk * BK, w_row + args.N);
+          if (MODE == 2) {
+            tma_load(a_tile, &a_map, &full[stage], kk * BK, it.row0);
+            if (two) tma_load(a_tile + 64 * 128, &a_map, &full[stage], kk * BK, it.row0 + 64);
+          }
+        }
+        if (MODE == 1) {
+          if (tid != 0) mbar_wait(&empty[stage], phase ^ 1);
+          if (tid < 64 || two) {
+            const uint32_t row = smem_addr(a_tile) + tid * 128;
+#pragma unroll
+            for (int c = 0; c < 8; ++c)  // 16-byte chunk c of the row, at its 128-byte swizzle place
+              cp_async16(row + ((c ^ (tid & 7)) << 4), src + kk * BK + 16 * c, bytes);
+          }
+          cp_async_arrive(&full[stage]);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup cw takes this program's items cw, cw + 2, ...
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int cw = wg - 1;
+  const int tw = threadIdx.x % 128;
+  const int warp = tw / 32, lane = tw % 32;
+  const int r_wg = warp * 16 + lane / 4;  // this thread's rows in a 64-row half: r_wg, r_wg + 8
+  const int c_in = 2 * (lane % 4);
+  T* stage_out = staging + cw * 64 * D_PITCH;
+  int* dst_rows = dst_rows_all + cw * 128;
+  float acc0[64], acc1[64];
+  for (int q = cw, j = 0; q < my_items; q += 2, ++j) {
+    const Item it = item_at<1>(q, num_n, sched, args.E, 0);
+    // GEMM2: the four rows' assignments and routed weights, before the mainloop
+    int a_row[4] = {args.TK, args.TK, args.TK, args.TK};
+    float w_r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (MODE == 2) {
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const int r = (h / 2) * 64 + r_wg + 8 * (h % 2);
+        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+        if (a_row[h] < args.TK) w_r[h] = args.topk_w[a_row[h]];
+      }
+    }
+    const bool two = it.rows > 64;
+    mbar_wait(&turn[cw], (uint32_t)((j & 1) ^ (cw == 0 ? 1 : 0)));
+    if (two)
+      item_mainloop<MODE, T, true>(acc0, acc1, tiles, full, empty, &turn[1 - cw], (int64_t)q * KT, KT, lane, tw == 0);
+    else
+      item_mainloop<MODE, T, false>(acc0, acc1, tiles, full, empty, &turn[1 - cw], (int64_t)q * KT, KT, lane, tw == 0);
+    // Epilogue: each 64-row half into shared memory, then 16-byte stores of whole row pieces.
+    constexpr int CHUNKS = COLS / 8;
+    T* out = static_cast<T*>(args.out) + it.nt * COLS;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 1 && !two) break;
+      const float(&acc)[64] = half == 0 ? acc0 : acc1;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_wg + 8 * h;
+        T* row = stage_out + r * D_PITCH + c_in;
+#pragma unroll
+        for (int jj = 0; jj < CHUNKS; ++jj) {
+          uint32_t v;
+          if (MODE == 1)
+            v = pack2<T>(silu_mul(acc[4 * jj + 2 * h], acc[4 * (jj + 8) + 2 * h]),
+                         silu_mul(acc[4 * jj + 2 * h + 1], acc[4 * (jj + 8) + 2 * h + 1]));
+          else
+            v = pack2<T>(acc[4 * jj + 2 * h] * w_r[2 * half + h], acc[4 * jj + 2 * h + 1] * w_r[2 * half + h]);
+          *reinterpret_cast<uint32_t*>(row + 8 * jj) = v;
+        }
+        if (lane % 4 == 0) {
+          const int rt = half * 64 + r;
+          dst_rows[r] = MODE == 1 ? (rt < it.rows ? it.row0 + rt : -1)
+                                  : (a_row[2 * half + h] < args.TK ? a_row[2 * half + h] : -1);
+        }
+      }
+      warpgroup_sync(1 + cw);
+#pragma unroll 4
+      for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
+        const int r = idx / CHUNKS, c = idx % CHUNKS;
+        const int dst = dst_rows[r];
+        if (dst < 0) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * D_PITCH + 8 * c);
+        *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * c) = v;
+      }
+      warpgroup_sync(1 + cw);
+    }
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -636,6 +897,39 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
                : launch_cluster<MODE, OutT, 1, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
 }
 
+
+// 16-bit calls: by dtype (0 bf16, 1 fp16).
+template <int MODE, typename T>
+int launch_dense(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+                 const Args& args, int programs, int device, cudaStream_t stream) {
+  CUtensorMap a_map = {}, w_map;
+  int err = MODE == 2 ? make_map(&a_map, a, R, args.K, stride_a, 64) : 0;
+  if (err) return err;
+  err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? 64 : 128);
+  if (err) return err;
+  auto kernel = dense_kernel<MODE, T>;
+  static int sms[MAX_DEVICES];
+  if (!sms[device]) {
+    const cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)D_SMEM);
+    if (c != cudaSuccess) return 2000 + (int)c;
+    cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+  }
+  const int grid = programs > 0 && programs < sms[device] ? programs : sms[device];
+  last_grid[MODE] = grid;
+  kernel<<<grid, THREADS, D_SMEM, stream>>>(a_map, w_map, args);
+  const cudaError_t c = cudaGetLastError();
+  return c == cudaSuccess ? 0 : 3000 + (int)c;
+}
+
+template <int MODE>
+int launch_dense_any(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
+                     const Args& args, int dtype, int programs, int device, cudaStream_t stream) {
+  if (args.E > MAX_EXPERTS || args.E < 1) return -2;
+  if (device < 0 || device >= MAX_DEVICES || cudaSetDevice(device) != cudaSuccess) return -3;
+  return dtype == 0 ? launch_dense<MODE, __nv_bfloat16>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
+                    : launch_dense<MODE, __half>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+}
+
 }  // namespace
 
 extern "C" {
@@ -673,6 +967,27 @@ int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, c
   auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s)
                         : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s);
+}
+
+// 16-bit experts (strides in elements; the weights contiguous; dtype 0 bf16, 1 fp16).
+// act [R, I] = silu(gate) * up of x [T, H]'s row of each sorted row's assignment (sorted_ids,
+// >= TK on padding) through w13 [E, 2I, H].
+int moekit_dense_gemm1(const void* x, int64_t H, int64_t stride_x, const void* w13, const int32_t* sorted_ids,
+                       int TK, int top_k, const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act,
+                       int dtype, int programs, int device, void* stream) {
+  Args args{nullptr, 0, nullptr, 0, 0, expert_end, E, (int)I, (int)(2 * H), act, stride_act, nullptr, sorted_ids, TK,
+            x, 2 * stride_x, top_k};
+  return launch_dense_any<1>(nullptr, 0, 0, w13, E * 2 * I, 2 * H, args, dtype, programs, device,
+                             static_cast<cudaStream_t>(stream));
+}
+
+// y [TK, H] at each sorted row's assignment = routed weight * (the row a2 [R, I] through w2 [E, H, I]).
+int moekit_dense_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, const void* w2,
+                       const int32_t* expert_end, int E, int64_t H, void* y, int64_t stride_y, const float* topk_w,
+                       const int32_t* sorted_ids, int TK, int dtype, int programs, int device, void* stream) {
+  Args args{nullptr, 0, nullptr, 0, 0, expert_end, E, (int)H, (int)(2 * I), y, stride_y, topk_w, sorted_ids, TK};
+  return launch_dense_any<2>(a2, R, 2 * stride_a, w2, E * H, 2 * I, args, dtype, programs, device,
+                             static_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"
