@@ -34,7 +34,7 @@ import torch
 from ..native import compile_cached
 
 __all__ = ["ROWS", "MAX_EXPERTS", "CLUSTER", "PIPELINED", "SOURCE", "build", "load", "status", "describe", "reset",
-           "refusal", "gemm1", "gemm2", "dense_refusal", "dense_gemm1", "dense_gemm2", "dense_experts"]
+           "refusal", "gemm1", "gemm2"]
 
 SOURCE = Path(__file__).with_name("cuda") / "hopper_block.cu"
 ROWS = 128  # the row tile (two consumer warpgroups of 64 rows)
@@ -79,11 +79,6 @@ def build(cache_dir: Optional[Path] = None) -> ctypes.CDLL:
     lib.moekit_block_gemm2.restype = i32
     lib.moekit_block_gemm2.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, i64,
                                        ptr, ptr, i32, i32, i32, i32, i32, i32, ptr]
-    lib.moekit_dense_gemm1.restype = i32
-    lib.moekit_dense_gemm1.argtypes = [ptr, i64, i64, ptr, ptr, i32, i32, ptr, i32, i64, ptr, i64, i32, i32, i32, ptr]
-    lib.moekit_dense_gemm2.restype = i32
-    lib.moekit_dense_gemm2.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32,
-                                       ptr]
     return lib
 
 
@@ -190,87 +185,3 @@ def gemm2(a2: torch.Tensor, a2_s: torch.Tensor, w2: torch.Tensor, w2_s: torch.Te
         _check(load().moekit_block_gemm2(*operands, expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0),
                                          topk_weights.data_ptr(), sorted_ids.data_ptr(), y.shape[0],
                                          *_launch_args(y, programs)), "the CUDA block GEMM2")
-
-
-# ---- 16-bit experts -------------------------------------------------------------------------------
-
-_DENSE_ROW_GRANULE = 16  # the alignment's padding; the kernels tile each expert's rows in 128 / 64
-
-
-def dense_refusal(device: torch.device, dtype: torch.dtype, E: int, H: int, I: int) -> Optional[str]:
-    """Why the 16-bit CUDA kernels cannot run a call (gated SiLU, no biases), or None."""
-    if dtype not in _OUT_DTYPES:
-        return f"x and the weights must be bfloat16 or float16, got {dtype}"
-    if H % 128 or I % 64:
-        return f"H must be a multiple of 128 and I of 64, got H={H}, I={I}"
-    if not 1 <= E <= MAX_EXPERTS:
-        return f"they keep at most {MAX_EXPERTS} experts' tables in shared memory, got E={E}"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return "they use Hopper's warpgroup products (sm_90a): they need compute capability 9.x"
-    if load() is None:
-        return f"the CUDA kernels are unavailable: {_REASON}"
-    return None
-
-
-def _dense_check(a: torch.Tensor, w: torch.Tensor) -> None:
-    if (not w.is_contiguous() or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16
-            or a.dtype != w.dtype):
-        raise ValueError("the rows need 16-byte alignment, unit column strides and 16-byte row strides, the weights "
-                         "must be contiguous "
-                         f"and of the rows' dtype; got rows {a.dtype} strides {a.stride()}, weights {w.dtype} "
-                         f"contiguous {w.is_contiguous()}")
-
-
-def _dense_tail(out: torch.Tensor, programs: Optional[int]) -> tuple:
-    dev = out.device
-    return _OUT_DTYPES[out.dtype], programs or 0, dev.index, torch.cuda.current_stream(dev).cuda_stream
-
-
-def dense_gemm1(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor, top_k: int,
-                expert_end: torch.Tensor, programs: Optional[int] = None) -> None:
-    """act [R, I] = silu(gate) * up of x [T, H]'s row of each sorted row's assignment through
-    w13 [E, 2I, H] (16-bit); rows past the last expert's end left unwritten."""
-    E, I2, _ = w13.shape
-    _dense_check(x, w13)
-    if act.shape[0]:
-        _check(load().moekit_dense_gemm1(x.data_ptr(), x.shape[1], x.stride(0), w13.data_ptr(), sorted_ids.data_ptr(),
-                                         x.shape[0] * top_k, top_k, expert_end.data_ptr(), E, I2 // 2,
-                                         act.data_ptr(), act.stride(0), *_dense_tail(act, programs)),
-               "the CUDA 16-bit GEMM1")
-
-
-def dense_gemm2(a2: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor,
-                sorted_ids: torch.Tensor, expert_end: torch.Tensor, programs: Optional[int] = None) -> None:
-    """y [T * k, H] at each sorted row's assignment = its routed weight (fp32, [T * k]) * (the row
-    a2 [R, I] through w2 [E, H, I]); rows of non-local assignments left unwritten."""
-    E, H, _ = w2.shape
-    _dense_check(a2, w2)
-    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be contiguous fp32, got {topk_weights.dtype}")
-    if a2.shape[0]:
-        _check(load().moekit_dense_gemm2(a2.data_ptr(), a2.shape[0], a2.shape[1], a2.stride(0), w2.data_ptr(),
-                                         expert_end.data_ptr(), E, H, y.data_ptr(), y.stride(0),
-                                         topk_weights.data_ptr(), sorted_ids.data_ptr(), y.shape[0],
-                                         *_dense_tail(y, programs)), "the CUDA 16-bit GEMM2")
-
-
-def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
-                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The experts of a call on the 16-bit CUDA kernels: alignment, GEMM1 (x's rows gathered in
-    its loads, SiLU-gated), GEMM2 (routed weight), the fixed-order sum over k. [T, H]."""
-    from .launch import moe_align  # noqa: PLC0415
-    from .launch_quant import _sum_over_k  # noqa: PLC0415
-
-    T, H = x.shape
-    E, I2, _ = w13.shape
-    k = topk_ids.shape[1]
-    if T == 0:
-        return torch.zeros(0, H, dtype=out_dtype or x.dtype, device=x.device)
-    ids = topk_ids.int().contiguous()
-    al = moe_align(ids, expert_map, E, _DENSE_ROW_GRANULE)
-    act = torch.empty(al.max_blocks * al.block_m, I2 // 2, dtype=x.dtype, device=x.device)
-    dense_gemm1(x, w13, act, al.sorted_ids, k, al.expert_end)
-    y = torch.empty(1, T * k, H, dtype=x.dtype, device=x.device)
-    dense_gemm2(act, w2, y[0], topk_weights.float().reshape(-1).contiguous(), al.sorted_ids, al.expert_end)
-    return _sum_over_k(y, ids, expert_map, T, H, k, out_dtype or x.dtype, dict(PDL=False, launch_pdl=False))
