@@ -241,6 +241,35 @@ def test_float_gemm_matches_fp64(libs, isa, dtype, E, N, K, sizes, n, shared, se
         assert ((out[j].double() - we @ xj).abs() <= K * 2.0 ** -23 * (we.abs() @ xj.abs()) + 1e-30).all()
 
 
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2", "avx2_rows4", "avx2_vnni")])
+@settings(max_examples=25, deadline=None)
+@given(E=st.integers(1, 3), N=st.integers(1, 40), K=st.sampled_from([16, 48, 1040, 2080]),
+       sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5), seed=st.integers(0, 2 ** 31 - 1))
+def test_float_gemm_pair_blocks_match_fp64(libs, isa, E, N, K, sizes, seed):
+    """bf16 weights past several x rows in pair blocks (AVX2 builds): every tail of weight rows
+    (odd N) and of x rows (1-3 past each four), K over more than one PAIR_KC pass; within K *
+    2^-23 of sum |w| |x| of the exact products."""
+    lib = libs[isa]
+    if not lib.pair_blocks:
+        pytest.skip(f"{isa} build ({lib.isa}) has no pair blocks")
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g).bfloat16()
+    experts, starts, row_expert = _segments(sizes, 0, E, g)
+    x = torch.randn(len(row_expert), K, generator=g)
+    out = torch.full((len(row_expert), N), float("nan"))
+    lib.float_gemm(w, experts, x, out, starts)
+    for j, e in enumerate(row_expert.tolist()):
+        xj, we = x[j].double(), w[e].double()
+        assert ((out[j].double() - we @ xj).abs() <= K * 2.0 ** -23 * (we.abs() @ xj.abs()) + 1e-30).all()
+
+
+def test_pair_blocks_are_in_the_avx2_builds_only(libs):
+    """Pair blocks are built where bf16 has no native products and AVX2 has FMA: the AVX2 builds,
+    not the scalar or AVX-512 ones."""
+    for isa, lib in libs.items():
+        assert lib.pair_blocks == (lib.isa in ("avx2", "avx2_vnni")), isa
+
+
 def test_wo_gemm_bad_arguments_are_named(libs):
     lib = libs["native"]
     q = quantize_weight(torch.randn(2, 8, 64), get_scheme("int4_w4a16", group_size=32))
@@ -500,6 +529,36 @@ def test_cpu_backend_bf16_without_amx_rows_rules(monkeypatch, amx, rows, activat
     expected = "_native_sorted" if rows <= limit else (
         "_expert" if amx else ("bf16_sorted" if native.load().bf16_dot else "grouped"))
     assert set(calls) == {expected}
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_cpu_backend_emulated_bf16_takes_pair_blocks_at_any_rows(monkeypatch, pairs, gen):
+    """Where bf16 is emulated, a build with pair blocks takes sorted bf16 calls of any rows an
+    expert (40 here) on the native kernel; without them the blocked fp32 path runs past
+    NATIVE_ROWS_EMULATED."""
+    from moekit.experts import cpu
+    from moekit.experts.base import ExpertWeights
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    monkeypatch.setattr(cpu, "native_dtypes", lambda: frozenset({torch.float32}))
+    monkeypatch.setattr(type(lib), "pair_blocks", property(lambda self: pairs))
+    calls = []
+    for name in ("_native_sorted", "_expert"):
+        real = getattr(cpu.CPUBackend, name)
+        monkeypatch.setattr(cpu.CPUBackend, name,
+                            staticmethod(lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a)))
+    E, H, I, T, k = 4, 64, 48, 80, 2  # 40 rows an expert
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    assert set(calls) == ({"_native_sorted"} if pairs else {"_expert"})
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 

@@ -64,7 +64,11 @@ DIRECT_ASSIGNMENTS = 16
 # 2-core AVX-512 BF16 host at E=64, k=8, H=1024, I=512 (bench/NOTES-cpu.md): bf16 1.1x torch's
 # swapped bf16 products at 4 rows, 0.78x at 8; fp32 1.2x at 8 and 16; fp16 1.1-1.8x up to 16.
 # Where bf16 is emulated (the same host under AVX2 caps) the native kernel won 1.4-2.2x up to
-# 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED).
+# 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED). Builds with pair blocks (AVX2
+# without AVX-512: bf16 weights widened once for 4 x rows) take every sorted bf16 call where
+# bf16 is emulated: on a 2-core AMD EPYC (Zen 3) 0.65x the row-at-a-time kernel's time at 4 rows
+# an expert, 0.36-0.46x at 8-128, 94-105 GFLOP/s from 64 rows, where the blocked fp32 path's
+# GEMMs ran at 75-96 GFLOP/s before its conversions (bench/NOTES-cpu.md).
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
 NATIVE_ROWS_EMULATED = 16
 
@@ -227,6 +231,8 @@ class CPUBackend(ExpertsBackend):
         bf16_no_amx = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
         rows_limit = (NATIVE_ROWS_BF16_NO_AMX if bf16_no_amx else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
             else NATIVE_ROWS_EMULATED
+        if not native and lib is not None and lib.pair_blocks and weights.w13.dtype == torch.bfloat16:
+            rows_limit = T * k  # every sorted call: no expert has more rows than the call
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):
             sr = sort_rows(x, topk_weights, topk_ids, expert_map, E, apply_router_weight_on_input, torch.float32)

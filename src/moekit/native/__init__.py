@@ -254,6 +254,12 @@ class NativeLibrary:
         return out
 
     @property
+    def pair_blocks(self) -> bool:
+        """Whether `float_gemm` multiplies bf16 weights past several x rows in blocks of 2
+        weight rows x 4 x rows (builds for AVX2 without AVX-512, where bf16 is not native)."""
+        return hasattr(self._lib, "moekit_pair_blocks") and bool(self._lib.moekit_pair_blocks())
+
+    @property
     def bf16_dot(self) -> bool:
         """Whether `bf16_gemm` multiplies in this build (AVX-512 BF16)."""
         return hasattr(self._lib, "moekit_bf16_dot") and bool(self._lib.moekit_bf16_dot())
@@ -519,6 +525,8 @@ def build(isa: str = "native", cache_dir: Optional[Path] = None) -> NativeLibrar
     f = lib.moekit_float_gemm_segments
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    if hasattr(lib, "moekit_pair_blocks"):
+        lib.moekit_pair_blocks.restype = ctypes.c_int
     if hasattr(lib, "moekit_bf16_dot"):  # (kernel sources from before them, as bench/native_ab.py builds, lack them)
         f = lib.moekit_bf16_gemm_segments
         f.restype = ctypes.c_int
@@ -565,7 +573,7 @@ def status() -> str:
     lib = load()
     if lib is None:
         return f"unavailable: {_REASON}"
-    bf16 = ", AVX-512 BF16 products" if lib.bf16_dot else ""
+    bf16 = ", AVX-512 BF16 products" if lib.bf16_dot else (", bf16 pair blocks" if lib.pair_blocks else "")
     return f"available ({lib.isa}{bf16}, OpenMP): {lib.path}"
 
 

@@ -1530,7 +1530,8 @@ static inline float frow1(int wtype, const char *w, int64_t K, const float *x) {
 #endif
 }
 
-/* One float product call. */
+/* One float product call. xp: where set (PAIR_BLOCKS), the x rows split into even and odd
+ * columns, [rows][K / 2 even | K / 2 odd]. */
 typedef struct {
     int wtype;
     const void *w;
@@ -1538,7 +1539,90 @@ typedef struct {
     const float *x;
     int64_t x_stride, N, K, row_bytes, blocks;
     float *out;
+    const float *xp;
 } float_call;
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* bf16 weights against several x rows on AVX2 (no native bf16 there). A 32-bit lane of 16
+ * loaded bf16 weights holds two of them: the even one is the lane shifted left by 16, the odd
+ * one the lane with its low half cleared, so 16 weights widen in two operations (zero
+ * extension and a shift take two for 8) against x rows split into even and odd columns once a
+ * call. Blocks of 2 weight rows x 4 x rows over KC columns: per 16 columns 2 weight loads, 4
+ * widenings, 8 x loads and 16 FMAs into 8 accumulators (the row-at-a-time dot, frow1, widens
+ * every weight again for each x row: 3 operations for 8 products). x rows go 4 at a time past
+ * the item's weight rows, KC columns a pass, so the x block (16 KB) stays in L1 and the item's
+ * rows (64 KB at K = 1024) in L2. */
+#define PAIR_BLOCKS 1
+#define PAIR_KC 1024
+#ifndef PAIR_AHEAD
+#define PAIR_AHEAD 2   /* weight rows ahead a pair prefetches (the next pair) */
+#endif
+
+static inline __attribute__((always_inline)) void pair_block(const int nr, const int nx, const uint16_t *w,
+                                                             int64_t K, const float *xp, int64_t k0, int64_t kn,
+                                                             int add, int prefetch, float *out, int64_t N) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k0 + kn; k += 16) {
+        if (prefetch && (k & 31) == 0)  /* the line PAIR_AHEAD rows ahead */
+            for (int r = 0; r < nr; r++) _mm_prefetch((const char *)(w + (r + PAIR_AHEAD) * K + k), _MM_HINT_T0);
+        __m256 we[2], wo[2];
+        for (int r = 0; r < nr; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * K + k));
+            we[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            wo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        }
+        for (int j = 0; j < nx; j++) {
+            const float *xj = xp + j * K + k / 2;
+            const __m256 xe = _mm256_loadu_ps(xj), xo = _mm256_loadu_ps(xj + K / 2);
+            for (int r = 0; r < nr; r++) acc[r][j] = _mm256_fmadd_ps(wo[r], xo, _mm256_fmadd_ps(we[r], xe, acc[r][j]));
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < nx; j++) {
+            const float v = vf_sum(acc[r][j]);
+            out[j * N + r] = add ? out[j * N + r] + v : v;
+        }
+}
+
+/* x rows xp (nx of them, 1-4) past weight rows [r0, r1) of ws, columns [k0, k0 + kn). */
+static inline __attribute__((always_inline)) void pair_pass(const int nx, const uint16_t *ws, int64_t r0, int64_t r1,
+                                                            int64_t K, const float *xp, int64_t k0, int64_t kn,
+                                                            int add, int prefetch, float *out, int64_t N) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) pair_block(2, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
+    if (r < r1) pair_block(1, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
+}
+
+/* A work item of a bf16 call with prepared x rows: KC columns at a time; in each pass the
+ * segment's x rows go 4 at a time (in L1) past the item's weight rows (in L2 after the first
+ * four, which stream them from memory), two at a time. */
+static void pair_item(const float_call *c, const work_item *it) {
+    const int64_t N = c->N, K = c->K;
+    const uint16_t *ws = (const uint16_t *)c->w + c->experts[it->s] * N * K;
+    for (int64_t k0 = 0; k0 < K; k0 += PAIR_KC) {
+        const int64_t kn = K - k0 < PAIR_KC ? K - k0 : PAIR_KC;
+        for (int64_t j = it->j0; j < it->j1; j += 4) {
+            const float *xp = c->xp + j * K;
+            float *out = c->out + j * N;
+            const int add = k0 > 0, first = j == it->j0;
+            switch (it->j1 - j >= 4 ? 4 : it->j1 - j) {
+                case 4: pair_pass(4, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
+                case 3: pair_pass(3, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
+                case 2: pair_pass(2, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
+                default: pair_pass(1, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
+            }
+        }
+    }
+}
+
+/* Row j of x split into its even and odd columns (K even). */
+static void pair_prepare(const float *x, int64_t K, float *xp) {
+    for (int64_t k = 0; k < K / 2; k++) xp[k] = x[2 * k], xp[K / 2 + k] = x[2 * k + 1];
+}
+#endif
 
 /* Work item `item` (a segment's block of ROWS weight rows) of a float call. */
 static void float_item(const float_call *c, int64_t item) {
@@ -1546,6 +1630,12 @@ static void float_item(const float_call *c, int64_t item) {
     const work_item it = item_of(item, c->blocks, c->starts, N);
     const char *ws = (const char *)c->w + c->experts[it.s] * N * row_bytes;
     int64_t r = it.r0;
+#ifdef PAIR_BLOCKS
+    if (c->xp && it.j1 - it.j0 >= 2) {
+        pair_item(c, &it);
+        return;
+    }
+#endif
 #if FOUR_ROWS
     if (FOUR_A_PASS(it.j1 - it.j0))
     for (; r + 4 <= it.r1; r += 4)
@@ -1559,17 +1649,47 @@ static void float_item(const float_call *c, int64_t item) {
     }
 }
 
+/* Whether moekit_float_gemm_segments takes bf16 weights past several x rows in pair blocks
+ * in this build (AVX2 without AVX-512). */
+int moekit_pair_blocks(void) {
+#ifdef PAIR_BLOCKS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or 2 for a bad wtype. */
 int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts, const int64_t *starts,
                                int64_t segments, const float *x, int64_t x_stride, int64_t N, int64_t K,
                                float *out, int threads) {
     if (wtype < 0 || wtype > 2) return 2;
     const int64_t row_bytes = K * (wtype == 0 ? 4 : 2);
-    const float_call c = {wtype, w, experts, starts, x, x_stride, N, K, row_bytes, (N + ROWS - 1) / ROWS, out};
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static)
+    float_call c = {wtype, w, experts, starts, x, x_stride, N, K, row_bytes, (N + ROWS - 1) / ROWS, out, NULL};
+#ifdef PAIR_BLOCKS
+    /* bf16 weights and x rows of their own: pair blocks, on x split once (without the memory:
+     * the row-at-a-time path) */
+    const int64_t x_rows = x_stride && starts ? starts[segments] : 0;
+    float *xp = wtype == 1 && K % 16 == 0 && x_rows > segments
+                    ? (float *)aligned_alloc(64, (size_t)(x_rows * K * 4 + 63) / 64 * 64) : NULL;
+    c.xp = xp;
 #endif
-    for (int64_t item = 0; item < segments * c.blocks; item++) float_item(&c, item);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef PAIR_BLOCKS
+        if (xp) {
+            OMP_FOR
+            for (int64_t j = 0; j < x_rows; j++) pair_prepare(x + j * x_stride, K, xp + j * K);
+        }
+#endif
+        OMP_FOR
+        for (int64_t item = 0; item < segments * c.blocks; item++) float_item(&c, item);
+    }
+#ifdef PAIR_BLOCKS
+    free(xp);
+#endif
     (void)threads;
     return 0;
 }
@@ -1828,7 +1948,7 @@ static int product_init(product *p, const moekit_projection *d, const int64_t *e
     p->items = segments * blocks;
     if (d->kind == 0) {
         const float_call c = {d->wtype, d->w, experts, NULL, x, x_stride, d->N, d->K, d->K * (d->wtype == 0 ? 4 : 2),
-                              blocks, out};
+                              blocks, out, NULL};
         p->fl = c;
         return 1;
     }
