@@ -15,7 +15,10 @@ Two compute modes, chosen per call from the weights' dtype and the CPU's feature
   an fp32 copy of all experts would double memory and the bytes streamed per token. Each
   expert's weights are converted to fp32 one block of the intermediate dimension at a time
   (about BLOCK_BYTES, sized to stay in L2/L3) into reused buffers (a fresh allocation per
-  block costs page faults), used at once by fp32 GEMMs.
+  block costs page faults), used at once by fp32 GEMMs. Where moekit's native kernel has pair
+  blocks (AVX2 builds: bf16 weights widened in registers once for four x rows) every sorted
+  bf16 call takes them instead: no conversion pass, 2.2-2.8x the row-at-a-time kernel from 8
+  rows an expert, faster than the converted blocks' fp32 GEMMs alone.
 Both cores work through torch's intra-op threads.
 
 Decode (at most DIRECT_ASSIGNMENTS assignments) and sorted calls of up to NATIVE_ROWS rows an
