@@ -465,12 +465,26 @@ def test_every_fp16_value_widens_exactly(libs, isa):
     assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan], expected[~nan])
 
 
+def _check_round_robin_bf16(backend, E, H, I, T, k, gen):
+    """bf16 experts and x, assignments dealt round-robin (T k / E rows an expert), SiLU: the
+    backend's output within 1e-2 of `reference`'s."""
+    from moekit.experts.base import ExpertWeights
+
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
+    tw = torch.rand(T, k, generator=gen)
+    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    out = backend.apply(x, w, tw, ids, **kw)
+    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
+
+
 @pytest.mark.parametrize("emulated, expected", [(False, False), (True, True)])
 def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, expected, gen):
     """8 rows an expert of bf16: torch's products where bf16 is native, the native kernel where
     it is emulated (NATIVE_ROWS / NATIVE_ROWS_EMULATED)."""
     from moekit.experts import cpu
-    from moekit.experts.base import ExpertWeights
 
     if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
@@ -479,16 +493,8 @@ def test_cpu_backend_rows_limit_depends_on_native_bf16(monkeypatch, emulated, ex
     calls = []
     real = cpu.CPUBackend._native_sorted
     monkeypatch.setattr(cpu.CPUBackend, "_native_sorted", staticmethod(lambda *a: calls.append(1) or real(*a)))
-    E, H, I, T, k = 4, 64, 32, 16, 2  # 8 rows an expert
-    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
-    x = torch.randn(T, H, generator=gen).bfloat16()
-    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
-    tw = torch.rand(T, k, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
-              expert_map=None)
-    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    _check_round_robin_bf16(cpu.CPUBackend(), 4, 64, 32, 16, 2, gen)  # 8 rows an expert
     assert bool(calls) is expected
-    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -538,7 +544,6 @@ def test_cpu_backend_emulated_bf16_takes_pair_blocks_at_any_rows(monkeypatch, pa
     expert (40 here) on the native kernel; without them the blocked fp32 path runs past
     NATIVE_ROWS_EMULATED."""
     from moekit.experts import cpu
-    from moekit.experts.base import ExpertWeights
 
     lib = native.load()
     if lib is None:
@@ -550,16 +555,8 @@ def test_cpu_backend_emulated_bf16_takes_pair_blocks_at_any_rows(monkeypatch, pa
         real = getattr(cpu.CPUBackend, name)
         monkeypatch.setattr(cpu.CPUBackend, name,
                             staticmethod(lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a)))
-    E, H, I, T, k = 4, 64, 48, 80, 2  # 40 rows an expert
-    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
-    x = torch.randn(T, H, generator=gen).bfloat16()
-    ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
-    tw = torch.rand(T, k, generator=gen)
-    kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
-              expert_map=None)
-    out = cpu.CPUBackend().apply(x, w, tw, ids, **kw)
+    _check_round_robin_bf16(cpu.CPUBackend(), 4, 64, 48, 80, 2, gen)  # 40 rows an expert
     assert set(calls) == ({"_native_sorted"} if pairs else {"_expert"})
-    assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 
 def test_cpu_backend_skewed_routing_falls_back_on_the_sorted_rows(monkeypatch, gen):
