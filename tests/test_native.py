@@ -243,17 +243,18 @@ def test_float_gemm_matches_fp64(libs, isa, dtype, E, N, K, sizes, n, shared, se
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i in ("native", "avx2", "avx2_rows4", "avx2_vnni")])
 @settings(max_examples=25, deadline=None)
-@given(E=st.integers(1, 3), N=st.integers(1, 40), K=st.sampled_from([16, 48, 1040, 2080]),
-       sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5), seed=st.integers(0, 2 ** 31 - 1))
-def test_float_gemm_pair_blocks_match_fp64(libs, isa, E, N, K, sizes, seed):
-    """bf16 weights past several x rows in pair blocks (AVX2 builds): every tail of weight rows
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), E=st.integers(1, 3), N=st.integers(1, 40),
+       K=st.sampled_from([16, 48, 1040, 2080]), sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_float_gemm_pair_blocks_match_fp64(libs, isa, dtype, E, N, K, sizes, seed):
+    """16-bit weights past several x rows in pair blocks (AVX2 builds): every tail of weight rows
     (odd N) and of x rows (1-3 past each four), K over more than one PAIR_KC pass; within K *
     2^-23 of sum |w| |x| of the exact products."""
     lib = libs[isa]
     if not lib.pair_blocks:
         pytest.skip(f"{isa} build ({lib.isa}) has no pair blocks")
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(E, N, K, generator=g).bfloat16()
+    w = torch.randn(E, N, K, generator=g).to(dtype)
     experts, starts, row_expert = _segments(sizes, 0, E, g)
     x = torch.randn(len(row_expert), K, generator=g)
     out = torch.full((len(row_expert), N), float("nan"))
@@ -264,8 +265,8 @@ def test_float_gemm_pair_blocks_match_fp64(libs, isa, E, N, K, sizes, seed):
 
 
 def test_pair_blocks_are_in_the_avx2_builds_only(libs):
-    """Pair blocks are built where bf16 has no native products and AVX2 has FMA: the AVX2 builds,
-    not the scalar or AVX-512 ones."""
+    """Pair blocks are built where 16-bit weights have no native products and AVX2 has FMA and
+    F16C: the AVX2 builds, not the scalar or AVX-512 ones."""
     for isa, lib in libs.items():
         assert lib.pair_blocks == (lib.isa in ("avx2", "avx2_vnni")), isa
 
@@ -465,13 +466,13 @@ def test_every_fp16_value_widens_exactly(libs, isa):
     assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan], expected[~nan])
 
 
-def _check_round_robin_bf16(backend, E, H, I, T, k, gen):
-    """bf16 experts and x, assignments dealt round-robin (T k / E rows an expert), SiLU: the
-    backend's output within 1e-2 of `reference`'s."""
+def _check_round_robin_bf16(backend, E, H, I, T, k, gen, dtype=torch.bfloat16):
+    """16-bit experts and x (bf16 unless dtype says), assignments dealt round-robin (T k / E rows
+    an expert), SiLU: the backend's output within 1e-2 of `reference`'s."""
     from moekit.experts.base import ExpertWeights
 
-    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).bfloat16(), torch.randn(E, H, I, generator=gen).bfloat16())
-    x = torch.randn(T, H, generator=gen).bfloat16()
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen).to(dtype), torch.randn(E, H, I, generator=gen).to(dtype))
+    x = torch.randn(T, H, generator=gen).to(dtype)
     ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
     tw = torch.rand(T, k, generator=gen)
     kw = dict(activation="silu", activation_params=ActivationParams(), apply_router_weight_on_input=False,
@@ -538,11 +539,12 @@ def test_cpu_backend_bf16_without_amx_rows_rules(monkeypatch, amx, rows, activat
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pairs", [False, True])
-def test_cpu_backend_emulated_bf16_takes_pair_blocks_at_any_rows(monkeypatch, pairs, gen):
-    """Where bf16 is emulated, a build with pair blocks takes sorted bf16 calls of any rows an
-    expert (40 here) on the native kernel; without them the blocked fp32 path runs past
-    NATIVE_ROWS_EMULATED."""
+def test_cpu_backend_emulated_16bit_takes_pair_blocks_at_any_rows(monkeypatch, pairs, dtype, gen):
+    """Where bf16 and fp16 are emulated, a build with pair blocks takes sorted 16-bit calls of
+    any rows an expert (40 here) on the native kernel; without them the blocked fp32 path runs
+    past NATIVE_ROWS_EMULATED."""
     from moekit.experts import cpu
 
     lib = native.load()
@@ -555,7 +557,7 @@ def test_cpu_backend_emulated_bf16_takes_pair_blocks_at_any_rows(monkeypatch, pa
         real = getattr(cpu.CPUBackend, name)
         monkeypatch.setattr(cpu.CPUBackend, name,
                             staticmethod(lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a)))
-    _check_round_robin_bf16(cpu.CPUBackend(), 4, 64, 48, 80, 2, gen)  # 40 rows an expert
+    _check_round_robin_bf16(cpu.CPUBackend(), 4, 64, 48, 80, 2, gen, dtype)  # 40 rows an expert
     assert set(calls) == ({"_native_sorted"} if pairs else {"_expert"})
 
 

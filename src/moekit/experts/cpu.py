@@ -16,9 +16,9 @@ Two compute modes, chosen per call from the weights' dtype and the CPU's feature
   expert's weights are converted to fp32 one block of the intermediate dimension at a time
   (about BLOCK_BYTES, sized to stay in L2/L3) into reused buffers (a fresh allocation per
   block costs page faults), used at once by fp32 GEMMs. Where moekit's native kernel has pair
-  blocks (AVX2 builds: bf16 weights widened in registers once for four x rows) every sorted
-  bf16 call takes them instead: no conversion pass, 2.2-2.8x the row-at-a-time kernel from 8
-  rows an expert, faster than the converted blocks' fp32 GEMMs alone.
+  blocks (AVX2 builds: bf16 / fp16 weights widened in registers once for four x rows) every
+  sorted bf16 / fp16 call takes them instead: no conversion pass, 2.2-2.8x the row-at-a-time
+  kernel from 8 rows an expert (bf16), faster than the converted blocks' fp32 GEMMs alone.
 Both cores work through torch's intra-op threads.
 
 Decode (at most DIRECT_ASSIGNMENTS assignments) and sorted calls of up to NATIVE_ROWS rows an
@@ -68,8 +68,8 @@ DIRECT_ASSIGNMENTS = 16
 # swapped bf16 products at 4 rows, 0.78x at 8; fp32 1.2x at 8 and 16; fp16 1.1-1.8x up to 16.
 # Where bf16 is emulated (the same host under AVX2 caps) the native kernel won 1.4-2.2x up to
 # 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED). Builds with pair blocks (AVX2
-# without AVX-512: bf16 weights widened once for 4 x rows) take every sorted bf16 call where
-# bf16 is emulated: on a 2-core AMD EPYC (Zen 3) 0.65x the row-at-a-time kernel's time at 4 rows
+# without AVX-512: 16-bit weights widened once for 4 x rows) take every sorted bf16 / fp16 call
+# where they are emulated; bf16: on a 2-core AMD EPYC (Zen 3) 0.65x the row-at-a-time kernel's time at 4 rows
 # an expert, 0.36-0.46x at 8-128, 94-105 GFLOP/s from 64 rows, where the blocked fp32 path's
 # GEMMs ran at 75-96 GFLOP/s before its conversions (bench/NOTES-cpu.md).
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
@@ -234,7 +234,7 @@ class CPUBackend(ExpertsBackend):
         bf16_no_amx = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
         rows_limit = (NATIVE_ROWS_BF16_NO_AMX if bf16_no_amx else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
             else NATIVE_ROWS_EMULATED
-        if not native and lib is not None and lib.pair_blocks and weights.w13.dtype == torch.bfloat16:
+        if not native and lib is not None and lib.pair_blocks and weights.w13.dtype in (torch.bfloat16, torch.float16):
             rows_limit = T * k  # every sorted call: no expert has more rows than the call
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):

@@ -255,8 +255,9 @@ class NativeLibrary:
 
     @property
     def pair_blocks(self) -> bool:
-        """Whether `float_gemm` multiplies bf16 weights past several x rows in blocks of 2
-        weight rows x 4 x rows (builds for AVX2 without AVX-512, where bf16 is not native)."""
+        """Whether `float_gemm` multiplies bf16 / fp16 weights past several x rows in blocks of 2
+        weight rows x 4 x rows (builds for AVX2 and F16C without AVX-512, where neither is
+        native)."""
         return hasattr(self._lib, "moekit_pair_blocks") and bool(self._lib.moekit_pair_blocks())
 
     @property

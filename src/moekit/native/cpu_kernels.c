@@ -1530,8 +1530,8 @@ static inline float frow1(int wtype, const char *w, int64_t K, const float *x) {
 #endif
 }
 
-/* One float product call. xp: where set (PAIR_BLOCKS), the x rows split into even and odd
- * columns, [rows][K / 2 even | K / 2 odd]. */
+/* One float product call. xp: where set (PAIR_BLOCKS), the x rows split in the order pair_block
+ * widens the weights, [rows][K / 2 | K / 2] (pair_prepare). */
 typedef struct {
     int wtype;
     const void *w;
@@ -1542,12 +1542,15 @@ typedef struct {
     const float *xp;
 } float_call;
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* bf16 weights against several x rows on AVX2 (no native bf16 there). A 32-bit lane of 16
- * loaded bf16 weights holds two of them: the even one is the lane shifted left by 16, the odd
- * one the lane with its low half cleared, so 16 weights widen in two operations (zero
- * extension and a shift take two for 8) against x rows split into even and odd columns once a
- * call. Blocks of 2 weight rows x 4 x rows over KC columns: per 16 columns 2 weight loads, 4
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+/* 16-bit weights against several x rows on AVX2 (no native bf16 or fp16 products there). 16
+ * loaded weights widen in two operations, into two vectors of 8 (we, wo), against x rows split
+ * once a call to match (pair_prepare):
+ *   - bf16: a 32-bit lane holds two weights; the even one is the lane shifted left by 16, the
+ *     odd one the lane with its low half cleared (zero extension and a shift take two for 8);
+ *     x split into its even and odd columns;
+ *   - fp16: vcvtph2ps of each half; x split into the first and last 8 of every 16 columns.
+ * Blocks of 2 weight rows x 4 x rows over KC columns: per 16 columns 2 weight loads, 4
  * widenings, 8 x loads and 16 FMAs into 8 accumulators (the row-at-a-time dot, frow1, widens
  * every weight again for each x row: 3 operations for 8 products). x rows go 4 at a time past
  * the item's weight rows, KC columns a pass, so the x block (16 KB) stays in L1 and the item's
@@ -1561,9 +1564,9 @@ typedef struct {
 #define PAIR_L2_AHEAD 16384  /* ... and weight bytes ahead into L2, in whole rows (Zen 3, 4 rows an */
 #endif                       /* expert: 0.89-0.92x the time at K = 512, 0.94-1.03x elsewhere) */
 
-static inline __attribute__((always_inline)) void pair_block(const int nr, const int nx, const uint16_t *w,
-                                                             int64_t K, const float *xp, int64_t k0, int64_t kn,
-                                                             int add, int prefetch, float *out, int64_t N) {
+static inline __attribute__((always_inline)) void pair_block(const int wt, const int nr, const int nx,
+                                                             const uint16_t *w, int64_t K, const float *xp, int64_t k0,
+                                                             int64_t kn, int add, int prefetch, float *out, int64_t N) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     const int64_t l2_rows = (PAIR_L2_AHEAD + 2 * K - 1) / (2 * K);
     __m256 acc[2][4];
@@ -1578,8 +1581,13 @@ static inline __attribute__((always_inline)) void pair_block(const int nr, const
         __m256 we[2], wo[2];
         for (int r = 0; r < nr; r++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * K + k));
-            we[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            wo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            if (wt == 1) {  /* bf16 */
+                we[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                wo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            } else {        /* fp16 */
+                we[r] = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+                wo[r] = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+            }
         }
         for (int j = 0; j < nx; j++) {
             const float *xj = xp + j * K + k / 2;
@@ -1595,15 +1603,29 @@ static inline __attribute__((always_inline)) void pair_block(const int nr, const
 }
 
 /* x rows xp (nx of them, 1-4) past weight rows [r0, r1) of ws, columns [k0, k0 + kn). */
-static inline __attribute__((always_inline)) void pair_pass(const int nx, const uint16_t *ws, int64_t r0, int64_t r1,
-                                                            int64_t K, const float *xp, int64_t k0, int64_t kn,
-                                                            int add, int prefetch, float *out, int64_t N) {
+static inline __attribute__((always_inline)) void pair_pass(const int wt, const int nx, const uint16_t *ws,
+                                                            int64_t r0, int64_t r1, int64_t K, const float *xp,
+                                                            int64_t k0, int64_t kn, int add, int prefetch, float *out,
+                                                            int64_t N) {
     int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) pair_block(2, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
-    if (r < r1) pair_block(1, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
+    for (; r + 2 <= r1; r += 2) pair_block(wt, 2, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
+    if (r < r1) pair_block(wt, 1, nx, ws + r * K, K, xp, k0, kn, add, prefetch, out + r, N);
 }
 
-/* A work item of a bf16 call with prepared x rows: KC columns at a time; in each pass the
+/* pair_pass of weight type wt over the nx (1-4) x rows at xp. */
+static inline __attribute__((always_inline)) void pair_passes(const int wt, int64_t nx, const uint16_t *ws,
+                                                              int64_t r0, int64_t r1, int64_t K, const float *xp,
+                                                              int64_t k0, int64_t kn, int add, int first, float *out,
+                                                              int64_t N) {
+    switch (nx) {
+        case 4: pair_pass(wt, 4, ws, r0, r1, K, xp, k0, kn, add, first, out, N); break;
+        case 3: pair_pass(wt, 3, ws, r0, r1, K, xp, k0, kn, add, first, out, N); break;
+        case 2: pair_pass(wt, 2, ws, r0, r1, K, xp, k0, kn, add, first, out, N); break;
+        default: pair_pass(wt, 1, ws, r0, r1, K, xp, k0, kn, add, first, out, N); break;
+    }
+}
+
+/* A work item of a 16-bit call with prepared x rows: KC columns at a time; in each pass the
  * segment's x rows go 4 at a time (in L1) past the item's weight rows (in L2 after the first
  * four, which stream them from memory), two at a time. */
 static void pair_item(const float_call *c, const work_item *it) {
@@ -1615,19 +1637,21 @@ static void pair_item(const float_call *c, const work_item *it) {
             const float *xp = c->xp + j * K;
             float *out = c->out + j * N;
             const int add = k0 > 0, first = j == it->j0;
-            switch (it->j1 - j >= 4 ? 4 : it->j1 - j) {
-                case 4: pair_pass(4, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
-                case 3: pair_pass(3, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
-                case 2: pair_pass(2, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
-                default: pair_pass(1, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N); break;
-            }
+            const int64_t nx = it->j1 - j >= 4 ? 4 : it->j1 - j;
+            if (c->wtype == 1) pair_passes(1, nx, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N);
+            else pair_passes(2, nx, ws, it->r0, it->r1, K, xp, k0, kn, add, first, out, N);
         }
     }
 }
 
-/* Row j of x split into its even and odd columns (K even). */
-static void pair_prepare(const float *x, int64_t K, float *xp) {
-    for (int64_t k = 0; k < K / 2; k++) xp[k] = x[2 * k], xp[K / 2 + k] = x[2 * k + 1];
+/* Row x split as pair_block widens weights of type wt (K a multiple of 16): bf16 its even and
+ * odd columns; fp16 the first and the last 8 of each 16 columns. */
+static void pair_prepare(int wt, const float *x, int64_t K, float *xp) {
+    if (wt == 1)
+        for (int64_t k = 0; k < K / 2; k++) xp[k] = x[2 * k], xp[K / 2 + k] = x[2 * k + 1];
+    else
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 8; i++) xp[k / 2 + i] = x[k + i], xp[K / 2 + k / 2 + i] = x[k + 8 + i];
 }
 #endif
 
@@ -1656,8 +1680,8 @@ static void float_item(const float_call *c, int64_t item) {
     }
 }
 
-/* Whether moekit_float_gemm_segments takes bf16 weights past several x rows in pair blocks
- * in this build (AVX2 without AVX-512). */
+/* Whether moekit_float_gemm_segments takes 16-bit weights past several x rows in pair blocks
+ * in this build (AVX2 and F16C without AVX-512). */
 int moekit_pair_blocks(void) {
 #ifdef PAIR_BLOCKS
     return 1;
@@ -1674,10 +1698,10 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
     const int64_t row_bytes = K * (wtype == 0 ? 4 : 2);
     float_call c = {wtype, w, experts, starts, x, x_stride, N, K, row_bytes, (N + ROWS - 1) / ROWS, out, NULL};
 #ifdef PAIR_BLOCKS
-    /* bf16 weights and x rows of their own: pair blocks, on x split once (without the memory:
+    /* 16-bit weights and x rows of their own: pair blocks, on x split once (without the memory:
      * the row-at-a-time path) */
     const int64_t x_rows = x_stride && starts ? starts[segments] : 0;
-    float *xp = wtype == 1 && K % 16 == 0 && x_rows > segments
+    float *xp = wtype != 0 && K % 16 == 0 && x_rows > segments
                     ? (float *)aligned_alloc(64, (size_t)(x_rows * K * 4 + 63) / 64 * 64) : NULL;
     c.xp = xp;
 #endif
@@ -1688,7 +1712,7 @@ int moekit_float_gemm_segments(int wtype, const void *w, const int64_t *experts,
 #ifdef PAIR_BLOCKS
         if (xp) {
             OMP_FOR
-            for (int64_t j = 0; j < x_rows; j++) pair_prepare(x + j * x_stride, K, xp + j * K);
+            for (int64_t j = 0; j < x_rows; j++) pair_prepare(wtype, x + j * x_stride, K, xp + j * K);
         }
 #endif
         OMP_FOR
