@@ -69,9 +69,10 @@ DIRECT_ASSIGNMENTS = 16
 # Where bf16 is emulated (the same host under AVX2 caps) the native kernel won 1.4-2.2x up to
 # 16 rows, so that limit applies there (NATIVE_ROWS_EMULATED). Builds with pair blocks (AVX2
 # without AVX-512: 16-bit weights widened once for 4 x rows) take every sorted bf16 / fp16 call
-# where they are emulated; bf16: on a 2-core AMD EPYC (Zen 3) 0.65x the row-at-a-time kernel's time at 4 rows
-# an expert, 0.36-0.46x at 8-128, 94-105 GFLOP/s from 64 rows, where the blocked fp32 path's
-# GEMMs ran at 75-96 GFLOP/s before its conversions (bench/NOTES-cpu.md).
+# where they are emulated. bf16 on a 2-core AMD EPYC (Zen 3): 0.65x the row-at-a-time kernel's
+# time at 4 rows an expert, 0.36-0.46x at 8-128, 94-105 GFLOP/s from 64 rows, where the blocked
+# fp32 path's GEMMs ran at 75-96 GFLOP/s before its conversions (bench/NOTES-cpu.md).
+EMULATED_PAIR_DTYPES = (torch.bfloat16, torch.float16)
 NATIVE_ROWS = {torch.bfloat16: 4, torch.float32: 16, torch.float16: 16}
 NATIVE_ROWS_EMULATED = 16
 
@@ -234,7 +235,7 @@ class CPUBackend(ExpertsBackend):
         bf16_no_amx = native and weights.w13.dtype == torch.bfloat16 and bf16_without_amx()
         rows_limit = (NATIVE_ROWS_BF16_NO_AMX if bf16_no_amx else NATIVE_ROWS.get(weights.w13.dtype, 0)) if native \
             else NATIVE_ROWS_EMULATED
-        if not native and lib is not None and lib.pair_blocks and weights.w13.dtype in (torch.bfloat16, torch.float16):
+        if not native and lib is not None and lib.pair_blocks and weights.w13.dtype in EMULATED_PAIR_DTYPES:
             rows_limit = T * k  # every sorted call: no expert has more rows than the call
         sr = None  # fp32 rows sorted for the native kernel, reused below when their experts have more rows
         if lib is not None and T * k <= rows_limit * min(E, T * k):

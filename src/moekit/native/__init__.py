@@ -574,7 +574,7 @@ def status() -> str:
     lib = load()
     if lib is None:
         return f"unavailable: {_REASON}"
-    bf16 = ", AVX-512 BF16 products" if lib.bf16_dot else (", bf16 pair blocks" if lib.pair_blocks else "")
+    bf16 = ", AVX-512 BF16 products" if lib.bf16_dot else (", 16-bit pair blocks" if lib.pair_blocks else "")
     return f"available ({lib.isa}{bf16}, OpenMP): {lib.path}"
 
 
