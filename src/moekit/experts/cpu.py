@@ -204,7 +204,8 @@ def native_dtypes() -> frozenset:
 class CPUBackend(ExpertsBackend):
     name = "cpu"
     description = ("native bf16/fp16/fp32 GEMMs (bf16 on moekit's vdpbf16ps kernels where the CPU has AVX-512 BF16 "
-                   "but no AMX), or fp32 GEMMs from weights converted in cache-sized blocks (CPU)")
+                   "but no AMX), or on AVX2 moekit's pair blocks (16-bit weights widened in registers) or fp32 "
+                   "GEMMs from weights converted in cache-sized blocks (CPU)")
     # decode and few-row products through moekit's native kernel where it is available
     # (moekit.native) and nothing needs a gradient; False keeps torch's GEMMs (tests compare them)
     native_products = True
