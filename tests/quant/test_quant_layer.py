@@ -150,8 +150,10 @@ def test_decode_follows_reloads_and_in_place_scale_writes(name, bf16_layer, gen)
     """A quantized layer's weights object lives across calls: a reload (new buffers) and an
     in-place write into a scale both show in the next decode call."""
     layer = _layer(name).requires_grad_(False)
-    x = torch.randn(1, H, generator=gen).bfloat16()
-    logits = torch.randn(1, E, generator=gen)
+    # 8 tokens, 16 assignments: still the decode path; at one token int4's error against the
+    # bf16 layer passed the bound in 4 % of seeds (8 tokens: at most 0.24 over 150 seeds)
+    x = torch.randn(8, H, generator=gen).bfloat16()
+    logits = torch.randn(8, E, generator=gen)
     with torch.no_grad():
         first = layer(x, logits)
         held = layer.experts.expert_weights()
