@@ -53,7 +53,6 @@ constexpr int STAGES = 5;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int MAX_EXPERTS = 1024;
-constexpr int GROUP_M = 8;
 
 struct Args {
   const float* a_scale;      // [R, K / 128]
@@ -69,6 +68,7 @@ struct Args {
   const float* topk_w;       // GEMM2: [T * k] routed weights
   const int32_t* sorted_ids; // GEMM2: [R] assignment of each sorted row (>= TK on padding)
   int TK;
+  int group_m;               // row tiles that take a column group in turn
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
@@ -246,13 +246,13 @@ struct Item {
 // neighbouring column tiles (one each, by rank); clusters walk (row tile, column group) pairs in
 // gluon_block._item's order (GROUP_M row tiles take a column group in turn).
 template <int CLUSTER>
-__device__ __forceinline__ Item item_at(int q, int num_n, const Schedule& s, int E, int rank) {
+__device__ __forceinline__ Item item_at(int q, int num_n, const Schedule& s, int E, int rank, int group_m) {
   const int units = gridDim.x / CLUSTER;
   const int t = blockIdx.x / CLUSTER + q * units;
   const int num_g = num_n / CLUSTER;
-  const int per_group = GROUP_M * num_g;
-  const int first_m = (t / per_group) * GROUP_M;
-  const int group_rows = max(min(s.num_m - first_m, GROUP_M), 1);
+  const int per_group = group_m * num_g;
+  const int first_m = (t / per_group) * group_m;
+  const int group_rows = max(min(s.num_m - first_m, group_m), 1);
   const int m = first_m + (t % per_group) % group_rows;
   Item it;
   it.nt = ((t % per_group) / group_rows) * CLUSTER + rank;
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int stage = 0;
       uint32_t phase = 0;
       for (int q = 0; q < my_items; ++q) {
-        const Item it = item_at<CLUSTER>(q, num_n, sched, args.E, rank);
+        const Item it = item_at<CLUSTER>(q, num_n, sched, args.E, rank, args.group_m);
         const int w_row = MODE == 1 ? it.e * 2 * args.N + it.nt * 64 : it.e * args.N + it.nt * 128;
         for (int kk = 0; kk < KT; ++kk) {
           mbar_wait(&empty[stage], phase ^ 1);
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   int* dst_rows = dst_rows_all + cw * 64;  // this warpgroup's rows' destinations (-1: not stored)
   int stage = 0;
   uint32_t phase = 0;
-  Item it = item_at<CLUSTER>(0, num_n, sched, args.E, rank);
+  Item it = item_at<CLUSTER>(0, num_n, sched, args.E, rank, args.group_m);
   Scales sc = first_scales<MODE>(args, it, r_lo);
   for (int q = 0; q < my_items; ++q) {
     // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // the next item's first scales load during this item's epilogue
     const Item done = it;
     if (q + 1 < my_items) {
-      it = item_at<CLUSTER>(q + 1, num_n, sched, args.E, rank);
+      it = item_at<CLUSTER>(q + 1, num_n, sched, args.E, rank, args.group_m);
       sc = first_scales<MODE>(args, it, r_lo);
     }
     // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
@@ -568,6 +568,7 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
 }
 
 constexpr int MAX_DEVICES = 64;
+int group_m_setting = 8;  // row tiles a column group (moekit_block_set_group_m)
 int last_grid[3];  // by MODE: the grid of the last launch (benchmarks record it)
 
 // A launch of `grid` CTAs of the kernel's shape in clusters of `cluster` (attr: its storage).
@@ -643,6 +644,9 @@ extern "C" {
 // The grid (CTAs) of the last launch of GEMM1 (mode 1) or GEMM2 (mode 2).
 int moekit_block_last_grid(int mode) { return mode == 1 || mode == 2 ? last_grid[mode] : 0; }
 
+// Row tiles that take a column group in turn, for the launches after this call (default 8).
+void moekit_block_set_group_m(int group_m) { group_m_setting = group_m > 0 ? group_m : 8; }
+
 // act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
 // w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16. cluster: 2 pairs
 // CTAs that share each A tile's loads (multicast), where the column tiles pair up; else 1.
@@ -653,7 +657,7 @@ int moekit_block_gemm1(const void* a1s, int64_t R, int64_t H, int64_t stride_a, 
                        const int32_t* expert_end, int E, int64_t I, void* act, int64_t stride_act, int out_dtype,
                        int programs, int cluster, int pipelined, int device, void* stream) {
   Args args{a1s_s, stride_as, w13_s, stride_we, stride_wn, expert_end, E, (int)I, (int)H, act, stride_act,
-            nullptr, nullptr, 0};
+            nullptr, nullptr, 0, group_m_setting};
   auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0
              ? launch<1, __nv_bfloat16>(a1s, R, stride_a, w13, E * 2 * I, H, args, programs, cluster, pipelined, device, s)
@@ -669,7 +673,7 @@ int moekit_block_gemm2(const void* a2, int64_t R, int64_t I, int64_t stride_a, c
                        const int32_t* sorted_ids, int TK, int out_dtype, int programs, int cluster, int pipelined,
                        int device, void* stream) {
   Args args{a2_s, stride_as, w2_s, stride_we, stride_wn, expert_end, E, (int)H, (int)I, y, stride_y, topk_w,
-            sorted_ids, TK};
+            sorted_ids, TK, group_m_setting};
   auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0 ? launch<2, __nv_bfloat16>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s)
                         : launch<2, __half>(a2, R, stride_a, w2, E * H, I, args, programs, cluster, pipelined, device, s);
