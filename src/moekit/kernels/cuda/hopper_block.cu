@@ -148,12 +148,17 @@ __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
-// Shared-memory operand descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle
-// (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
+// Shared-memory operand descriptors of K-major tiles with 128-byte rows in the 128-byte swizzle
+// (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): the low word holds the start address >> 4
+// (14 bits) and the leading byte offset (1 at bit 16); the high word the stride between 8-row
+// groups (1024 bytes >> 4) and the swizzle mode (bit 62). Adding n to the low word moves the
+// start by 16 n bytes (addresses below 256 KB: no carry out of the field), so a kernel makes
+// the low word of stage 0 once and adds the stage's and the K slice's offsets.
+constexpr uint32_t DESC_HI = (1024 >> 4) | (1u << 30);
+
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
+
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo) { return (static_cast<uint64_t>(DESC_HI) << 32) | lo; }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -301,15 +306,14 @@ __device__ __forceinline__ void advance(int& stage, uint32_t& phase) {
   }
 }
 
-// One K step's products of this warpgroup's 64 rows into p (asynchronous, one commit group).
-__device__ __forceinline__ void issue_step(float (&p)[64], const uint8_t* tiles, int stage, uint32_t a_off) {
-  const uint32_t a_base = smem_addr(tiles + stage * STAGE_BYTES) + a_off;
-  const uint32_t w_base = smem_addr(tiles + stage * STAGE_BYTES + TILE_BYTES);
+// One K step's products of this warpgroup's 64 rows into p (asynchronous, one commit group):
+// a_desc / w_desc are the low descriptor words of the stage's A rows and weight block.
+__device__ __forceinline__ void issue_step(float (&p)[64], uint32_t a_desc, uint32_t w_desc) {
   fence_operands(p);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)  // 32 bytes of K a product
-    wgmma_m64n128k32(p, smem_desc(a_base + 32 * ks), smem_desc(w_base + 32 * ks), ks);
+    wgmma_m64n128k32(p, make_desc(a_desc + 2 * ks), make_desc(w_desc + 2 * ks), ks);
   wgmma_commit();
 }
 
@@ -340,6 +344,153 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&p)[64], 
   }
 }
 
+// What the consumer warpgroups share: the stages, the epilogue's staging rows and destination
+// rows, and the program's item count.
+template <typename OutT>
+struct Consumer {
+  uint8_t* tiles;
+  OutT* staging;
+  uint64_t *full, *empty;
+  int* dst_rows_all;
+  int num_n, KT, my_items;
+  uint32_t rank;
+};
+
+// Two K steps' scales, loaded together (8-byte aligned pairs: the host checks).
+__device__ __forceinline__ float2 load2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+
+// The consumer warpgroup CW (rows 64 CW .. 64 CW + 63 of each tile): every item of the program,
+// its K steps from the ring, the promotion, then the epilogue.
+template <int MODE, typename OutT, int CLUSTER, bool PIPE, int CW>
+__device__ __forceinline__ void consume(const Args& args, const Schedule& sched, const Consumer<OutT>& c) {
+  const int tw = threadIdx.x % 128;  // thread in the warpgroup
+  const int warp = tw / 32, lane = tw % 32;
+  const int r_wg = warp * 16 + lane / 4;  // this thread's rows in its warpgroup's 64: r_wg, r_wg + 8
+  const int r_lo = CW * 64 + r_wg;        // and in the tile
+  const int c_in = 2 * (lane % 4);        // its first column in each 8-column chunk
+  OutT* stage_out = c.staging + CW * 64 * Out<MODE>::PITCH;
+  int* dst_rows = c.dst_rows_all + CW * 64;  // this warpgroup's rows' destinations (-1: not stored)
+  // low descriptor words of stage 0: this warpgroup's 64 A rows and the weight block
+  const uint32_t a_desc0 = desc_lo(smem_addr(c.tiles) + CW * 64 * 128);
+  const uint32_t w_desc0 = desc_lo(smem_addr(c.tiles) + TILE_BYTES);
+  constexpr uint32_t STAGE_DESC = STAGE_BYTES >> 4;
+  const int KT = c.KT;
+
+  float acc[64], part[64], part2[64];  // part2: PIPE only
+  int stage = 0;
+  uint32_t phase = 0;
+  Item it = item_at<CLUSTER>(0, c.num_n, sched, args.E, c.rank, args.group_m);
+  Scales sc = first_scales<MODE>(args, it, r_lo);
+  for (int q = 0; q < c.my_items; ++q) {
+    // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
+    int a_row[2] = {args.TK, args.TK};
+    float w_row[2] = {0.0f, 0.0f};
+    if (MODE == 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+        if (a_row[h] < args.TK) w_row[h] = args.topk_w[a_row[h]];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    if (PIPE) {
+      // K steps in pairs, both products issued before the first is promoted, so one promotion a
+      // pair runs under the tensor cores' work. (A product left in flight across the loop's back
+      // edge makes ptxas serialize every product: C7514.) A pair's scales come in one 8-byte load
+      // a row and block, the next pair's while this pair's products run.
+      float2 sa_lo = load2(sc.a_lo), sa_hi = load2(sc.a_hi), sw_a = load2(sc.w_a);
+      float2 sw_b = MODE == 1 ? load2(sc.w_b) : make_float2(0.0f, 0.0f);
+      for (int kk = 0; kk < KT; kk += 2) {
+        const int st0 = stage;
+        mbar_wait(&c.full[stage], phase);
+        issue_step(part, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
+        advance(stage, phase);
+        const int st1 = stage;
+        mbar_wait(&c.full[stage], phase);
+        issue_step(part2, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
+        advance(stage, phase);
+        const int kn = kk + 2 < KT ? kk + 2 : kk;  // the next pair's scales
+        const float2 na_lo = load2(sc.a_lo + kn), na_hi = load2(sc.a_hi + kn), nw_a = load2(sc.w_a + kn);
+        const float2 nw_b = MODE == 1 ? load2(sc.w_b + kn) : make_float2(0.0f, 0.0f);
+        wgmma_wait_one();  // step kk done
+        fence_operands(part);
+        release_stage<CLUSTER>(&c.empty[st0], lane);
+        promote<MODE>(acc, part, sa_lo.x, sa_hi.x, sw_a.x, sw_b.x);
+        wgmma_wait_all();  // step kk + 1 done
+        fence_operands(part2);
+        release_stage<CLUSTER>(&c.empty[st1], lane);
+        promote<MODE>(acc, part2, sa_lo.y, sa_hi.y, sw_a.y, sw_b.y);
+        sa_lo = na_lo;
+        sa_hi = na_hi;
+        sw_a = nw_a;
+        sw_b = nw_b;
+      }
+    } else {
+      float sa_lo = sc.a_lo[0], sa_hi = sc.a_hi[0], sw_a = sc.w_a[0], sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
+      for (int kk = 0; kk < KT; ++kk) {
+        mbar_wait(&c.full[stage], phase);
+        issue_step(part, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
+        // the next step's scales load while the products run
+        const int kn = kk + 1 < KT ? kk + 1 : kk;
+        const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
+        const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
+        wgmma_wait_all();
+        fence_operands(part);
+        release_stage<CLUSTER>(&c.empty[stage], lane);
+        advance(stage, phase);
+        promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
+        sa_lo = nsa_lo;
+        sa_hi = nsa_hi;
+        sw_a = nsw_a;
+        sw_b = nsw_b;
+      }
+    }
+    // the next item's first scales load during this item's epilogue
+    const Item done = it;
+    if (q + 1 < c.my_items) {
+      it = item_at<CLUSTER>(q + 1, c.num_n, sched, args.E, c.rank, args.group_m);
+      sc = first_scales<MODE>(args, it, r_lo);
+    }
+    // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
+    constexpr int PITCH = Out<MODE>::PITCH, CHUNKS = Out<MODE>::COLS / 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r_wg + 8 * h;
+      OutT* row = stage_out + r * PITCH + c_in;
+      if (MODE == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+          const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
+          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<uint32_t*>(row + 8 * j) =
+              pack2<OutT>(acc[4 * j + 2 * h] * w_row[h], acc[4 * j + 2 * h + 1] * w_row[h]);
+      }
+      if (lane % 4 == 0) {
+        const int rt = CW * 64 + r;
+        dst_rows[r] = MODE == 1 ? (rt < done.rows ? done.row0 + rt : -1) : (a_row[h] < args.TK ? a_row[h] : -1);
+      }
+    }
+    warpgroup_sync(1 + CW);
+    OutT* out = static_cast<OutT*>(args.out) + done.nt * Out<MODE>::COLS;
+#pragma unroll 4
+    for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
+      const int r = idx / CHUNKS, ch = idx % CHUNKS;
+      const int dst = dst_rows[r];
+      if (dst < 0) continue;  // padding, or an assignment of another rank's expert
+      const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * PITCH + 8 * ch);
+      *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * ch) = v;
+    }
+    warpgroup_sync(1 + CW);  // the staging rows are free again
+  }
+}
+
 constexpr size_t STAGING_BYTES = 2 * 64 * Out<2>::PITCH * 2;  // two warpgroups' 64 rows, 16-bit values
 constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * sizeof(uint64_t) +
                               (3 * MAX_EXPERTS + 128) * sizeof(int);
@@ -360,7 +511,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   int* ends = row_base + MAX_EXPERTS;
   int* dst_rows_all = ends + MAX_EXPERTS;  // [128] the epilogue's destination rows
 
-  const int wg = threadIdx.x / 128;
+  // the warpgroup, known to the compiler as the same across a warp (so that the roles' code and
+  // the product descriptors stay in uniform registers)
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
@@ -411,129 +564,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     return;
   }
 
-  // consumers
+  // consumers: warpgroup 1 takes the tile's first 64 rows, warpgroup 2 the rest (a template
+  // argument each, so that their descriptors stay in uniform registers)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
-  const int t = threadIdx.x - 128;  // 0..255
-  const int cw = t / 128;           // which 64 rows of the tile
-  const int tw = t % 128;           // thread in the warpgroup
-  const int warp = tw / 32, lane = t % 32;
-  const int r_wg = warp * 16 + lane / 4;  // this thread's rows in its warpgroup's 64: r_wg, r_wg + 8
-  const int r_lo = cw * 64 + r_wg;        // and in the tile
-  const int c_in = 2 * (lane % 4);        // its first column in each 8-column chunk
-  const uint32_t a_off = cw * 64 * 128;   // this warpgroup's 64 A rows in the tile
-  OutT* stage_out = staging + cw * 64 * Out<MODE>::PITCH;
-
-  float acc[64], part[64], part2[64];  // part2: PIPE only
-  int* dst_rows = dst_rows_all + cw * 64;  // this warpgroup's rows' destinations (-1: not stored)
-  int stage = 0;
-  uint32_t phase = 0;
-  Item it = item_at<CLUSTER>(0, num_n, sched, args.E, rank, args.group_m);
-  Scales sc = first_scales<MODE>(args, it, r_lo);
-  for (int q = 0; q < my_items; ++q) {
-    // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
-    int a_row[2] = {args.TK, args.TK};
-    float w_row[2] = {0.0f, 0.0f};
-    if (MODE == 2) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
-        if (a_row[h] < args.TK) w_row[h] = args.topk_w[a_row[h]];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float sa_lo = sc.a_lo[0], sa_hi = sc.a_hi[0], sw_a = sc.w_a[0], sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
-    if (PIPE) {
-      // K steps in pairs, both products issued before the first is promoted, so one promotion a
-      // pair runs under the tensor cores' work. (A product left in flight across the loop's back
-      // edge makes ptxas serialize every product: C7514.)
-      for (int kk = 0; kk < KT; kk += 2) {
-        const int st0 = stage;
-        mbar_wait(&full[stage], phase);
-        issue_step(part, tiles, stage, a_off);
-        advance(stage, phase);
-        const int st1 = stage;
-        mbar_wait(&full[stage], phase);
-        issue_step(part2, tiles, stage, a_off);
-        advance(stage, phase);
-        const float sa1_lo = sc.a_lo[kk + 1], sa1_hi = sc.a_hi[kk + 1], sw1_a = sc.w_a[kk + 1];
-        const float sw1_b = MODE == 1 ? sc.w_b[kk + 1] : 0.0f;
-        wgmma_wait_one();  // step kk done
-        fence_operands(part);
-        release_stage<CLUSTER>(&empty[st0], lane);
-        promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
-        const int kn = kk + 2 < KT ? kk + 2 : kk;  // the next pair's first scales
-        sa_lo = sc.a_lo[kn];
-        sa_hi = sc.a_hi[kn];
-        sw_a = sc.w_a[kn];
-        sw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
-        wgmma_wait_all();  // step kk + 1 done
-        fence_operands(part2);
-        release_stage<CLUSTER>(&empty[st1], lane);
-        promote<MODE>(acc, part2, sa1_lo, sa1_hi, sw1_a, sw1_b);
-      }
-    } else {
-      for (int kk = 0; kk < KT; ++kk) {
-        mbar_wait(&full[stage], phase);
-        issue_step(part, tiles, stage, a_off);
-        // the next step's scales load while the products run
-        const int kn = kk + 1 < KT ? kk + 1 : kk;
-        const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
-        const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
-        wgmma_wait_all();
-        fence_operands(part);
-        release_stage<CLUSTER>(&empty[stage], lane);
-        advance(stage, phase);
-        promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
-        sa_lo = nsa_lo;
-        sa_hi = nsa_hi;
-        sw_a = nsw_a;
-        sw_b = nsw_b;
-      }
-    }
-    // the next item's first scales load during this item's epilogue
-    const Item done = it;
-    if (q + 1 < my_items) {
-      it = item_at<CLUSTER>(q + 1, num_n, sched, args.E, rank, args.group_m);
-      sc = first_scales<MODE>(args, it, r_lo);
-    }
-    // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
-    constexpr int PITCH = Out<MODE>::PITCH, CHUNKS = Out<MODE>::COLS / 8;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r_wg + 8 * h;
-      OutT* row = stage_out + r * PITCH + c_in;
-      if (MODE == 1) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-          const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
-          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint32_t*>(row + 8 * j) =
-              pack2<OutT>(acc[4 * j + 2 * h] * w_row[h], acc[4 * j + 2 * h + 1] * w_row[h]);
-      }
-      if (lane % 4 == 0) {
-        const int rt = cw * 64 + r;
-        dst_rows[r] = MODE == 1 ? (rt < done.rows ? done.row0 + rt : -1) : (a_row[h] < args.TK ? a_row[h] : -1);
-      }
-    }
-    warpgroup_sync(1 + cw);
-    OutT* out = static_cast<OutT*>(args.out) + done.nt * Out<MODE>::COLS;
-#pragma unroll 4
-    for (int idx = tw; idx < 64 * CHUNKS; idx += 128) {
-      const int r = idx / CHUNKS, c = idx % CHUNKS;
-      const int dst = dst_rows[r];
-      if (dst < 0) continue;  // padding, or an assignment of another rank's expert
-      const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * PITCH + 8 * c);
-      *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * c) = v;
-    }
-    warpgroup_sync(1 + cw);  // the staging rows are free again
-  }
+  const Consumer<OutT> c{tiles, staging, full, empty, dst_rows_all, num_n, KT, my_items, rank};
+  if (wg == 1)
+    consume<MODE, OutT, CLUSTER, PIPE, 0>(args, sched, c);
+  else
+    consume<MODE, OutT, CLUSTER, PIPE, 1>(args, sched, c);
   if (CLUSTER > 1) cluster_sync();  // no arrival on a peer's barriers after it exits
 }
 
@@ -629,7 +667,11 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
   if (device < 0 || device >= MAX_DEVICES || cudaSetDevice(device) != cudaSuccess) return -3;
   const int num_n = args.N / Out<MODE>::COLS;
   const bool pairs = cluster == 2 && num_n % 2 == 0;
-  if (pipelined) {
+  // K steps in pairs need an even count and 8-byte aligned pairs of scales
+  const bool even = (args.K / BK) % 2 == 0 && args.stride_as % 2 == 0 && args.stride_we % 2 == 0 &&
+                    args.stride_wn % 2 == 0 && reinterpret_cast<uintptr_t>(args.a_scale) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(args.w_scale) % 8 == 0;
+  if (pipelined && even) {
     return pairs ? launch_cluster<MODE, OutT, 2, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
                  : launch_cluster<MODE, OutT, 1, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
   }
