@@ -203,7 +203,24 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + __expf(-g)) * u; }
+// silu(g) * u with the hardware's approximate 2^x and reciprocal (no slow paths for denormals or
+// division: an epilogue runs while no product of its warpgroup is in flight).
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-1.4426950408889634f * g));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return g * r * u;
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
 
 // ---- the expert schedule ------------------------------------------------------------------------
 
@@ -356,6 +373,8 @@ struct Consumer {
   uint32_t rank;
 };
 
+__device__ __forceinline__ float2 scaled(float2 v, float f) { return make_float2(v.x * f, v.y * f); }
+
 // Two K steps' scales, loaded together (8-byte aligned pairs: the host checks).
 __device__ __forceinline__ float2 load2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
 
@@ -368,7 +387,7 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
   const int r_wg = warp * 16 + lane / 4;  // this thread's rows in its warpgroup's 64: r_wg, r_wg + 8
   const int r_lo = CW * 64 + r_wg;        // and in the tile
   const int c_in = 2 * (lane % 4);        // its first column in each 8-column chunk
-  OutT* stage_out = c.staging + CW * 64 * Out<MODE>::PITCH;
+  const uint32_t stage_base = smem_addr(c.staging + CW * 64 * Out<MODE>::PITCH);  // this warpgroup's staging rows
   int* dst_rows = c.dst_rows_all + CW * 64;  // this warpgroup's rows' destinations (-1: not stored)
   // low descriptor words of stage 0: this warpgroup's 64 A rows and the weight block
   const uint32_t a_desc0 = desc_lo(smem_addr(c.tiles) + CW * 64 * 128);
@@ -384,8 +403,9 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
   for (int q = 0; q < c.my_items; ++q) {
     // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
     int a_row[2] = {args.TK, args.TK};
-    float w_row[2] = {0.0f, 0.0f};
+    float w_row[2] = {1.0f, 1.0f};  // GEMM1: none
     if (MODE == 2) {
+      w_row[0] = w_row[1] = 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
@@ -400,7 +420,9 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
       // pair runs under the tensor cores' work. (A product left in flight across the loop's back
       // edge makes ptxas serialize every product: C7514.) A pair's scales come in one 8-byte load
       // a row and block, the next pair's while this pair's products run.
-      float2 sa_lo = load2(sc.a_lo), sa_hi = load2(sc.a_hi), sw_a = load2(sc.w_a);
+      // (GEMM2: each row's routed weight joins its row scales, not the epilogue)
+      float2 sa_lo = scaled(load2(sc.a_lo), w_row[0]), sa_hi = scaled(load2(sc.a_hi), w_row[1]);
+      float2 sw_a = load2(sc.w_a);
       float2 sw_b = MODE == 1 ? load2(sc.w_b) : make_float2(0.0f, 0.0f);
       for (int kk = 0; kk < KT; kk += 2) {
         const int st0 = stage;
@@ -412,7 +434,8 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         issue_step(part2, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
         advance(stage, phase);
         const int kn = kk + 2 < KT ? kk + 2 : kk;  // the next pair's scales
-        const float2 na_lo = load2(sc.a_lo + kn), na_hi = load2(sc.a_hi + kn), nw_a = load2(sc.w_a + kn);
+        const float2 na_lo = scaled(load2(sc.a_lo + kn), w_row[0]), na_hi = scaled(load2(sc.a_hi + kn), w_row[1]);
+        const float2 nw_a = load2(sc.w_a + kn);
         const float2 nw_b = MODE == 1 ? load2(sc.w_b + kn) : make_float2(0.0f, 0.0f);
         wgmma_wait_one();  // step kk done
         fence_operands(part);
@@ -428,13 +451,14 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         sw_b = nw_b;
       }
     } else {
-      float sa_lo = sc.a_lo[0], sa_hi = sc.a_hi[0], sw_a = sc.w_a[0], sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
+      float sa_lo = sc.a_lo[0] * w_row[0], sa_hi = sc.a_hi[0] * w_row[1], sw_a = sc.w_a[0];
+      float sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
       for (int kk = 0; kk < KT; ++kk) {
         mbar_wait(&c.full[stage], phase);
         issue_step(part, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
         // the next step's scales load while the products run
         const int kn = kk + 1 < KT ? kk + 1 : kk;
-        const float nsa_lo = sc.a_lo[kn], nsa_hi = sc.a_hi[kn], nsw_a = sc.w_a[kn];
+        const float nsa_lo = sc.a_lo[kn] * w_row[0], nsa_hi = sc.a_hi[kn] * w_row[1], nsw_a = sc.w_a[kn];
         const float nsw_b = MODE == 1 ? sc.w_b[kn] : 0.0f;
         wgmma_wait_all();
         fence_operands(part);
@@ -458,19 +482,18 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r_wg + 8 * h;
-      OutT* row = stage_out + r * PITCH + c_in;
+      const uint32_t row = stage_base + (r * PITCH + c_in) * sizeof(OutT);
       if (MODE == 1) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
           const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
-          *reinterpret_cast<uint32_t*>(row + 8 * j) = pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1));
+          st_shared_b32(row + 16 * j, pack2<OutT>(silu_mul(g0, u0), silu_mul(g1, u1)));
         }
       } else {
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint32_t*>(row + 8 * j) =
-              pack2<OutT>(acc[4 * j + 2 * h] * w_row[h], acc[4 * j + 2 * h + 1] * w_row[h]);
+          st_shared_b32(row + 16 * j, pack2<OutT>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
       }
       if (lane % 4 == 0) {
         const int rt = CW * 64 + r;
@@ -484,7 +507,7 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
       const int r = idx / CHUNKS, ch = idx % CHUNKS;
       const int dst = dst_rows[r];
       if (dst < 0) continue;  // padding, or an assignment of another rank's expert
-      const uint4 v = *reinterpret_cast<const uint4*>(stage_out + r * PITCH + 8 * ch);
+      const uint4 v = ld_shared_v4(stage_base + (r * PITCH + 8 * ch) * sizeof(OutT));
       *reinterpret_cast<uint4*>(out + (int64_t)dst * args.stride_out + 8 * ch) = v;
     }
     warpgroup_sync(1 + CW);  // the staging rows are free again
