@@ -102,6 +102,7 @@ def main():
     p.add_argument("--ncu", action="store_true")
     p.add_argument("--only", default="", help="comma-separated case names (default: all)")
     p.add_argument("--group-m", default="8", help="comma-separated row tiles a column group for the CUDA cases")
+    p.add_argument("--stages", default="5", help="comma-separated GEMM1 ring stages for the CUDA cases (5, 6)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     print("hopper_block:", hopper_block.status(), flush=True)
@@ -123,18 +124,22 @@ def main():
             torch.cuda.nvtx.range_pop()
         return
     lib = hopper_block.load()
-    groups = [int(g) for g in args.group_m.split(",")]
+    settings = [(int(g), int(st)) for g in args.group_m.split(",") for st in args.stages.split(",")]
     timed = {}
     for name, (flop, fn) in cs.items():
-        for g in (groups if "cuda" in name else [None]):
-            timed[name if g is None else f"{name} group_m={g}"] = (flop, fn, g)
+        for g in (settings if "cuda" in name else [None]):
+            if g is not None and g[1] != 5 and "gemm2" in name:
+                continue
+            timed[name if g is None else f"{name} group_m={g[0]} stages={g[1]}"] = (flop, fn, g)
     res = {name: [] for name in timed}
     for _ in range(args.rounds):
         for name, (_, fn, g) in timed.items():
             if g is not None:
-                lib.moekit_block_set_group_m(g)
+                lib.moekit_block_set_group_m(g[0])
+                lib.moekit_block_set_stages(g[1])
             res[name].append(time_ms(fn, args.reps))
     lib.moekit_block_set_group_m(8)
+    lib.moekit_block_set_stages(5)
     rows = []
     for name, (flop, _, _) in timed.items():
         ms = statistics.median(res[name])

@@ -5,7 +5,7 @@
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-.}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
-timeout 300 python3 bench/block_kernel_probe_h200.py --rounds 3 --group-m ${GROUP_M_LIST:-8} --out $OUT/h200-block-kernel-probe.json
+timeout 300 python3 bench/block_kernel_probe_h200.py --rounds 3 --group-m ${GROUP_M_LIST:-8} --stages ${STAGES_LIST:-5} --out $OUT/h200-block-kernel-probe.json
 [ -n "${NO_NCU:-}" ] && exit 0
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 timeout ${NCU_TIMEOUT:-200} $NCU --clock-control none --profile-from-start off --nvtx \

@@ -95,7 +95,10 @@ def test_the_kernels_keep_products_in_flight(tmp_path):
     assert "C7514" not in run.stderr and "C7508" not in run.stderr, run.stderr[-3000:]
     sass = subprocess.run([_cuobjdump(), "--dump-sass", str(so)], capture_output=True, text=True, timeout=600).stdout
     functions = re.split(r"\n\s*Function : ", sass)[1:]
-    assert len(functions) == 16  # GEMM1 / GEMM2 x bf16 / fp16 x single CTAs / pairs x serial / paired K steps
+    # GEMM1 / GEMM2 x bf16 / fp16 x single CTAs / pairs x serial / paired K steps, and GEMM1's
+    # six-stage ring on single CTAs with paired K steps
+    assert len(functions) == 18
+    assert sum("ELi6E" in body.splitlines()[0] for body in functions) == 2
     for body in functions:
         name = body.splitlines()[0]
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body and "UTMALDG.2D" in body, name

@@ -49,7 +49,7 @@ constexpr int BM = 128;                    // rows of a tile (two consumer warpg
 constexpr int BK = 128;                    // K of a step: one scale block
 constexpr int TILE_BYTES = 128 * BK;       // an fp8 [128 x 128] operand tile: 16 KB
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
-constexpr int STAGES = 5;
+constexpr int STAGES = 5;               // the ring's stages (GEMM1 may take 6: moekit_block_set_stages)
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int MAX_EXPERTS = 1024;
@@ -316,8 +316,9 @@ __device__ __forceinline__ Scales first_scales(const Args& args, const Item& it,
   return s;
 }
 
+template <int S>
 __device__ __forceinline__ void advance(int& stage, uint32_t& phase) {
-  if (++stage == STAGES) {
+  if (++stage == S) {
     stage = 0;
     phase ^= 1;
   }
@@ -380,7 +381,7 @@ __device__ __forceinline__ float2 load2(const float* p) { return __ldg(reinterpr
 
 // The consumer warpgroup CW (rows 64 CW .. 64 CW + 63 of each tile): every item of the program,
 // its K steps from the ring, the promotion, then the epilogue.
-template <int MODE, typename OutT, int CLUSTER, bool PIPE, int CW>
+template <int MODE, typename OutT, int CLUSTER, bool PIPE, int S, int CW>
 __device__ __forceinline__ void consume(const Args& args, const Schedule& sched, const Consumer<OutT>& c) {
   const int tw = threadIdx.x % 128;  // thread in the warpgroup
   const int warp = tw / 32, lane = tw % 32;
@@ -428,11 +429,11 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         const int st0 = stage;
         mbar_wait(&c.full[stage], phase);
         issue_step(part, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
-        advance(stage, phase);
+        advance<S>(stage, phase);
         const int st1 = stage;
         mbar_wait(&c.full[stage], phase);
         issue_step(part2, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
-        advance(stage, phase);
+        advance<S>(stage, phase);
         const int kn = kk + 2 < KT ? kk + 2 : kk;  // the next pair's scales
         const float2 na_lo = scaled(load2(sc.a_lo + kn), w_row[0]), na_hi = scaled(load2(sc.a_hi + kn), w_row[1]);
         const float2 nw_a = load2(sc.w_a + kn);
@@ -463,7 +464,7 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         wgmma_wait_all();
         fence_operands(part);
         release_stage<CLUSTER>(&c.empty[stage], lane);
-        advance(stage, phase);
+        advance<S>(stage, phase);
         promote<MODE>(acc, part, sa_lo, sa_hi, sw_a, sw_b);
         sa_lo = nsa_lo;
         sa_hi = nsa_hi;
@@ -514,22 +515,26 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
   }
 }
 
-constexpr size_t STAGING_BYTES = 2 * 64 * Out<2>::PITCH * 2;  // two warpgroups' 64 rows, 16-bit values
-constexpr size_t SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * sizeof(uint64_t) +
-                              (3 * MAX_EXPERTS + 128) * sizeof(int);
+template <int MODE>
+__host__ __device__ constexpr size_t staging_bytes() { return 2 * 64 * Out<MODE>::PITCH * 2; }  // two warpgroups' 64 rows, 16-bit values
+template <int MODE, int S>
+__host__ __device__ constexpr size_t smem_bytes() {
+  return 1024 + S * STAGE_BYTES + staging_bytes<MODE>() + 2 * S * sizeof(uint64_t) + (3 * MAX_EXPERTS + 128) * sizeof(int);
+}
+static_assert(smem_bytes<1, 6>() <= 227 * 1024 && smem_bytes<2, STAGES>() <= 227 * 1024, "shared memory per block");
 
-template <int MODE, typename OutT, int CLUSTER, bool PIPE>
+template <int MODE, typename OutT, int CLUSTER, bool PIPE, int S>
 __global__ void __launch_bounds__(THREADS, 1)
     block_fp8_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap w_map,
                      const Args args) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment for the swizzled tiles
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* tiles = smem;  // STAGES x (A tile, weight tile)
-  OutT* staging = reinterpret_cast<OutT*>(smem + STAGES * STAGE_BYTES);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + STAGING_BYTES);
-  uint64_t* empty = full + STAGES;
-  int* tile_end = reinterpret_cast<int*>(empty + STAGES);
+  uint8_t* tiles = smem;  // S x (A tile, weight tile)
+  OutT* staging = reinterpret_cast<OutT*>(smem + S * STAGE_BYTES);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * STAGE_BYTES + staging_bytes<MODE>());
+  uint64_t* empty = full + S;
+  int* tile_end = reinterpret_cast<int*>(empty + S);
   int* row_base = tile_end + MAX_EXPERTS;
   int* ends = row_base + MAX_EXPERTS;
   int* dst_rows_all = ends + MAX_EXPERTS;  // [128] the epilogue's destination rows
@@ -539,7 +544,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < STAGES; ++i) {
+    for (int i = 0; i < S; ++i) {
       mbar_init(&full[i], 1);
       mbar_init(&empty[i], CONSUMER_WARPS * CLUSTER);  // a stage is refilled in every CTA of the cluster
     }
@@ -576,10 +581,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           tma_load(w_tile, &w_map, &full[stage], kk * BK, w_row);
           if (MODE == 1)  // the up rows below the gate rows
             tma_load(w_tile + TILE_BYTES / 2, &w_map, &full[stage], kk * BK, w_row + args.N);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance<S>(stage, phase);
         }
       }
     }
@@ -592,9 +594,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
   const Consumer<OutT> c{tiles, staging, full, empty, dst_rows_all, num_n, KT, my_items, rank};
   if (wg == 1)
-    consume<MODE, OutT, CLUSTER, PIPE, 0>(args, sched, c);
+    consume<MODE, OutT, CLUSTER, PIPE, S, 0>(args, sched, c);
   else
-    consume<MODE, OutT, CLUSTER, PIPE, 1>(args, sched, c);
+    consume<MODE, OutT, CLUSTER, PIPE, S, 1>(args, sched, c);
   if (CLUSTER > 1) cluster_sync();  // no arrival on a peer's barriers after it exits
 }
 
@@ -630,10 +632,11 @@ int make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int6
 
 constexpr int MAX_DEVICES = 64;
 int group_m_setting = 8;  // row tiles a column group (moekit_block_set_group_m)
+int stages_setting = 5;   // GEMM1's stages on single CTAs with K steps in pairs (moekit_block_set_stages)
 int last_grid[3];  // by MODE: the grid of the last launch (benchmarks record it)
 
 // A launch of `grid` CTAs of the kernel's shape in clusters of `cluster` (attr: its storage).
-cudaLaunchConfig_t launch_config(int grid, int cluster, cudaStream_t stream, cudaLaunchAttribute* attr) {
+cudaLaunchConfig_t launch_config(int grid, int cluster, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = cluster;
   attr->val.clusterDim.y = 1;
@@ -641,14 +644,14 @@ cudaLaunchConfig_t launch_config(int grid, int cluster, cudaStream_t stream, cud
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cfg;
 }
 
-template <int MODE, typename OutT, int CLUSTER, bool PIPE>
+template <int MODE, typename OutT, int CLUSTER, bool PIPE, int S = STAGES>
 int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_rows, int64_t stride_w,
                    const Args& args, int programs, int device, cudaStream_t stream) {
   CUtensorMap a_map, w_map;
@@ -656,17 +659,18 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
   if (err) return err;
   err = make_map(&w_map, w, w_rows, args.K, stride_w, MODE == 1 ? 64 : 128);
   if (err) return err;
-  auto kernel = block_fp8_kernel<MODE, OutT, CLUSTER, PIPE>;
+  auto kernel = block_fp8_kernel<MODE, OutT, CLUSTER, PIPE, S>;
+  constexpr size_t smem = smem_bytes<MODE, S>();
   static int resident[MAX_DEVICES];  // CTAs that fit at once (whole clusters), by device
   if (!resident[device]) {
-    cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+    cudaError_t c = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (c != cudaSuccess) return 2000 + (int)c;
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     int fit = sms;
     if (CLUSTER > 1) {
       cudaLaunchAttribute attr;
-      const cudaLaunchConfig_t cfg = launch_config(sms / CLUSTER * CLUSTER, CLUSTER, nullptr, &attr);
+      const cudaLaunchConfig_t cfg = launch_config(sms / CLUSTER * CLUSTER, CLUSTER, smem, nullptr, &attr);
       int clusters = 0;
       c = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
       if (c != cudaSuccess || clusters < 1) return 2000 + (int)c;
@@ -678,7 +682,7 @@ int launch_cluster(const void* a, int64_t R, int64_t stride_a, const void* w, in
   grid = grid / CLUSTER * CLUSTER;
   last_grid[MODE] = grid;
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = launch_config(grid, CLUSTER, stream, &attr);
+  const cudaLaunchConfig_t cfg = launch_config(grid, CLUSTER, smem, stream, &attr);
   cudaError_t c = cudaLaunchKernelEx(&cfg, kernel, a_map, w_map, args);
   return c == cudaSuccess ? 0 : 3000 + (int)c;
 }
@@ -695,8 +699,13 @@ int launch(const void* a, int64_t R, int64_t stride_a, const void* w, int64_t w_
                     args.stride_wn % 2 == 0 && reinterpret_cast<uintptr_t>(args.a_scale) % 8 == 0 &&
                     reinterpret_cast<uintptr_t>(args.w_scale) % 8 == 0;
   if (pipelined && even) {
-    return pairs ? launch_cluster<MODE, OutT, 2, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
-                 : launch_cluster<MODE, OutT, 1, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+    if (pairs)
+      return launch_cluster<MODE, OutT, 2, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+    if constexpr (MODE == 1) {  // GEMM1's staging rows leave room for a sixth stage
+      if (stages_setting == 6)
+        return launch_cluster<MODE, OutT, 1, true, 6>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
+    }
+    return launch_cluster<MODE, OutT, 1, true>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
   }
   return pairs ? launch_cluster<MODE, OutT, 2, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream)
                : launch_cluster<MODE, OutT, 1, false>(a, R, stride_a, w, w_rows, stride_w, args, programs, device, stream);
@@ -711,6 +720,9 @@ int moekit_block_last_grid(int mode) { return mode == 1 || mode == 2 ? last_grid
 
 // Row tiles that take a column group in turn, for the launches after this call (default 8).
 void moekit_block_set_group_m(int group_m) { group_m_setting = group_m > 0 ? group_m : 8; }
+
+// GEMM1's ring on single CTAs with K steps in pairs: 5 or 6 stages (default 5).
+void moekit_block_set_stages(int stages) { stages_setting = stages == 6 ? 6 : 5; }
 
 // act [R, I] = silu(gate) * up of the sorted fp8 rows a1s [R, H] (scales [R, H / 128]) through
 // w13 [E, 2I, H] fp8 (scales [E, 2I / 128, H / 128]); out_dtype 0 bf16, 1 fp16. cluster: 2 pairs
