@@ -113,7 +113,7 @@ def test_cuda_and_cublas_both_on_is_refused(cuda_gen):
         _run(wts, x, w, ids, cublas1="on")
 
 
-def test_auto_leaves_gemm1_to_cublas_where_its_rule_wants_it(cuda_gen, monkeypatch):
+def test_auto_takes_the_cuda_kernels_over_the_cublas_rule(cuda_gen, monkeypatch):
     from moekit.kernels import cublas_block  # noqa: PLC0415
 
     if cublas_block.refusal(torch.device("cuda"), 512, 256) is not None:
@@ -123,5 +123,9 @@ def test_auto_leaves_gemm1_to_cublas_where_its_rule_wants_it(cuda_gen, monkeypat
     wts = _weights(E, H, I, cuda_gen)
     w, ids = _routing(T, E, k, cuda_gen)
     x = torch.randn(T, H, device="cuda", generator=cuda_gen).bfloat16()
-    assert torch.equal(_run(wts, x, w, ids, cuda="auto", cublas1="auto"), _run(wts, x, w, ids, cuda="off", cublas1="on"))
+    assert torch.equal(_run(wts, x, w, ids, cuda="auto", cublas1="auto"), _run(wts, x, w, ids))
     assert torch.equal(_run(wts, x, w, ids, cuda="on", cublas1="auto"), _run(wts, x, w, ids))
+    # cuBLAS where its rule wants it with the CUDA kernels off, or over "auto" when asked for
+    on_cublas = _run(wts, x, w, ids, cuda="off", cublas1="on")
+    assert torch.equal(_run(wts, x, w, ids, cuda="off", cublas1="auto"), on_cublas)
+    assert torch.equal(_run(wts, x, w, ids, cuda="auto", cublas1="on"), on_cublas)

@@ -63,10 +63,14 @@ def print_tiles(text: str, Ms, dtype: torch.dtype, scheme, device) -> None:
             config, knobs, source = pick_quant_tiles(M, E, k, H, I, dtype, device, scheme, modes_of(scheme))
             extra = f" knobs {knobs.to_json()}" if knobs.to_json() else ""
             if knobs.gluon and knobs.cublas1 == "auto":
-                from moekit.kernels import cublas_block  # noqa: PLC0415
+                from moekit.kernels import cublas_block, hopper_block  # noqa: PLC0415
 
                 here = torch.device("cuda") if torch.cuda.is_available() else None
-                extra += f"\n      {cublas_block.explain(M, k, E, H, I, here)}"
+                why_not = hopper_block.refusal(here, dtype, E, H, I, knobs.gluon) if here is not None else "no GPU"
+                if why_not is None and knobs.cuda != "off":
+                    extra += "\n      both GEMMs on moekit's CUDA kernels (kernels/hopper_block.py)"
+                else:
+                    extra += f"\n      {cublas_block.explain(M, k, E, H, I, here)}"
         print(f"  M={M:6d} ({M * k / E:8.1f} rows an expert): {source}\n      {config.to_json()}{extra}")
 
 

@@ -472,10 +472,11 @@ def fused_moe_quant(
     chain = dict(PDL=knobs.pdl, launch_pdl=knobs.pdl)  # a programmatic dependent of the kernel before
     if gluon_rows:  # 128 x 128 fp8 blocks on Hopper: the Gluon GEMMs, GEMM1 on cuBLAS at prefill sizes
         a1s, a1s_s = gluon_block.gather_rows(a1, a1_s, al.sorted_ids, al.expert_end, k, R)
-        # GEMM1 on cuBLAS where its rule wants it (eager prefill), else both GEMMs on moekit's CUDA
-        # kernels where they run, else the Gluon kernels (QuantKnobs.cuda, .cublas1)
+        # both GEMMs on moekit's CUDA kernels where they run (unless cublas1 "on" asks for cuBLAS),
+        # else GEMM1 on cuBLAS where its rule wants it (eager prefill), else the Gluon kernels
+        # (QuantKnobs.cuda, .cublas1)
         cuda = _cuda_block(knobs.cuda, dev, x.dtype, E, H, I, gluon_rows, knobs.cublas1)
-        if cuda and (knobs.cuda == "on" or not _cublas_gemm1(knobs.cublas1, T, k, E, H, I, dev)):
+        if cuda and (knobs.cuda == "on" or knobs.cublas1 != "on"):
             act = torch.empty(R, I, dtype=x.dtype, device=dev)
             hopper_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end)
             a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
@@ -547,7 +548,7 @@ def fused_moe_quant(
 def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H: int, I: int, rows: int,
                 cublas1: str = "auto") -> bool:
     """Whether a Gluon call's GEMMs may run moekit's CUDA kernels instead (QuantKnobs.cuda; with
-    "auto", GEMM1 on cuBLAS takes precedence where its own rule wants it)."""
+    "auto", cublas1 "on" still sends GEMM1 to cuBLAS)."""
     if mode == "off":
         return False
     if mode == "on" and cublas1 == "on":

@@ -74,16 +74,18 @@ class QuantKnobs:
         scheme on Hopper (kernels/gluon_block.py: each K block's promotion overlapped with the
         next product), which then run GEMM1 and GEMM2 instead of these tiles; a tuned entry's
         gluon falls back to the tiles on calls the Gluon kernels cannot run.
-    cublas1: with gluon, where GEMM1 runs: "auto" on cuBLAS (one product an expert;
-        kernels/cublas_block.py) from cublas_block.CUBLAS_ROWS rows an expert and products of
-        cublas_block.CUBLAS_MIN_FLOP, where torch's cuBLAS runs the recipe and the call is not
-        being captured or compiled, else the Gluon GEMM1; "on" on cuBLAS (a call that cannot
-        raises); "off" the Gluon GEMM1.
+    cublas1: with gluon, where GEMM1 runs when moekit's CUDA kernels do not take the call (knob
+        cuda): "auto" on cuBLAS (one product an expert; kernels/cublas_block.py) from
+        cublas_block.CUBLAS_ROWS rows an expert and products of cublas_block.CUBLAS_MIN_FLOP,
+        where torch's cuBLAS runs the recipe and the call is not being captured or compiled,
+        else the Gluon GEMM1; "on" on cuBLAS (a call that cannot raises; also over cuda
+        "auto"); "off" the Gluon GEMM1.
     cuda: with 128-row gluon tiles, whether both GEMMs run moekit's CUDA kernels instead
         (kernels/hopper_block.py: a producer warpgroup and two consumer warpgroups that take
-        turns on the tensor cores): "auto" where they are built and can run the call and GEMM1
-        does not go to cuBLAS (cublas1's rule: eager prefill, where cuBLAS measured faster), "on"
-        (a call that cannot raises; not with cublas1 "on"), "off" the Gluon / cuBLAS kernels.
+        turns on the tensor cores): "auto" where they are built and can run the call, unless
+        cublas1 is "on" (they measured faster than the cuBLAS GEMM1 eagerly too:
+        bench/results/h200-hopper-block-ab-5.json), "on" (a call that cannot raises; not with
+        cublas1 "on"), "off" the Gluon / cuBLAS kernels.
     """
 
     gate_up: bool = False
