@@ -379,6 +379,43 @@ __device__ __forceinline__ float2 scaled(float2 v, float f) { return make_float2
 // Two K steps' scales, loaded together (8-byte aligned pairs: the host checks).
 __device__ __forceinline__ float2 load2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
 
+// What an item's K loop needs first (GEMM2: loaded during the item before's epilogue): GEMM2's
+// assignments and routed weights of this thread's two rows (GEMM1: none, weight 1), and the first
+// K steps' scales (a pair of steps with PIPE, else one in .x).
+struct Lead {
+  int a_row[2];
+  float w_row[2];
+  float2 a_lo, a_hi, w_a, w_b;
+};
+
+template <int MODE, bool PIPE>
+__device__ __forceinline__ Lead lead_of(const Args& args, const Item& it, const Scales& sc, int r_lo) {
+  Lead l;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l.a_row[h] = args.TK;
+    l.w_row[h] = MODE == 1 ? 1.0f : 0.0f;
+    if (MODE == 2) {
+      const int r = r_lo + 8 * h;
+      l.a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
+      if (l.a_row[h] < args.TK) l.w_row[h] = args.topk_w[l.a_row[h]];
+    }
+  }
+  const float2 zero = make_float2(0.0f, 0.0f);
+  if (PIPE) {
+    l.a_lo = load2(sc.a_lo);
+    l.a_hi = load2(sc.a_hi);
+    l.w_a = load2(sc.w_a);
+    l.w_b = MODE == 1 ? load2(sc.w_b) : zero;
+  } else {
+    l.a_lo = make_float2(sc.a_lo[0], 0.0f);
+    l.a_hi = make_float2(sc.a_hi[0], 0.0f);
+    l.w_a = make_float2(sc.w_a[0], 0.0f);
+    l.w_b = MODE == 1 ? make_float2(sc.w_b[0], 0.0f) : zero;
+  }
+  return l;
+}
+
 // The consumer warpgroup CW (rows 64 CW .. 64 CW + 63 of each tile): every item of the program,
 // its K steps from the ring, the promotion, then the epilogue.
 template <int MODE, typename OutT, int CLUSTER, bool PIPE, int S, int CW>
@@ -401,19 +438,13 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
   uint32_t phase = 0;
   Item it = item_at<CLUSTER>(0, c.num_n, sched, args.E, c.rank, args.group_m);
   Scales sc = first_scales<MODE>(args, it, r_lo);
+  // GEMM2 loads an item's lead during the item before's epilogue (its routed weights are two
+  // dependent loads); GEMM1's long K loops hide its scales' loads, and its registers are tight
+  Lead next;
+  if (MODE == 2) next = lead_of<MODE, PIPE>(args, it, sc, r_lo);
   for (int q = 0; q < c.my_items; ++q) {
-    // GEMM2: this thread's rows' assignments and routed weights, loaded long before the epilogue
-    int a_row[2] = {args.TK, args.TK};
-    float w_row[2] = {1.0f, 1.0f};  // GEMM1: none
-    if (MODE == 2) {
-      w_row[0] = w_row[1] = 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        a_row[h] = r < it.rows ? args.sorted_ids[it.row0 + r] : args.TK;
-        if (a_row[h] < args.TK) w_row[h] = args.topk_w[a_row[h]];
-      }
-    }
+    const Lead cur = MODE == 2 ? next : lead_of<MODE, PIPE>(args, it, sc, r_lo);
+    const float* w_row = cur.w_row;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     if (PIPE) {
@@ -422,9 +453,7 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
       // edge makes ptxas serialize every product: C7514.) A pair's scales come in one 8-byte load
       // a row and block, the next pair's while this pair's products run.
       // (GEMM2: each row's routed weight joins its row scales, not the epilogue)
-      float2 sa_lo = scaled(load2(sc.a_lo), w_row[0]), sa_hi = scaled(load2(sc.a_hi), w_row[1]);
-      float2 sw_a = load2(sc.w_a);
-      float2 sw_b = MODE == 1 ? load2(sc.w_b) : make_float2(0.0f, 0.0f);
+      float2 sa_lo = scaled(cur.a_lo, w_row[0]), sa_hi = scaled(cur.a_hi, w_row[1]), sw_a = cur.w_a, sw_b = cur.w_b;
       for (int kk = 0; kk < KT; kk += 2) {
         const int st0 = stage;
         mbar_wait(&c.full[stage], phase);
@@ -452,8 +481,7 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         sw_b = nw_b;
       }
     } else {
-      float sa_lo = sc.a_lo[0] * w_row[0], sa_hi = sc.a_hi[0] * w_row[1], sw_a = sc.w_a[0];
-      float sw_b = MODE == 1 ? sc.w_b[0] : 0.0f;
+      float sa_lo = cur.a_lo.x * w_row[0], sa_hi = cur.a_hi.x * w_row[1], sw_a = cur.w_a.x, sw_b = cur.w_b.x;
       for (int kk = 0; kk < KT; ++kk) {
         mbar_wait(&c.full[stage], phase);
         issue_step(part, a_desc0 + stage * STAGE_DESC, w_desc0 + stage * STAGE_DESC);
@@ -472,11 +500,13 @@ __device__ __forceinline__ void consume(const Args& args, const Schedule& sched,
         sw_b = nsw_b;
       }
     }
-    // the next item's first scales load during this item's epilogue
+    // what the next item needs before its K loop loads during this item's epilogue
     const Item done = it;
+    const int* a_row = cur.a_row;
     if (q + 1 < c.my_items) {
       it = item_at<CLUSTER>(q + 1, c.num_n, sched, args.E, c.rank, args.group_m);
       sc = first_scales<MODE>(args, it, r_lo);
+      if (MODE == 2) next = lead_of<MODE, PIPE>(args, it, sc, r_lo);
     }
     // Epilogue: the warpgroup's 64 rows into shared memory, then 16-byte stores of whole row pieces.
     constexpr int PITCH = Out<MODE>::PITCH, CHUNKS = Out<MODE>::COLS / 8;
