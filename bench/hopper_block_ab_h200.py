@@ -30,7 +30,8 @@ _GLUON = QuantKnobs(gluon=128, cublas1="off", cuda="off")
 _CUDA = QuantKnobs(gluon=128, cublas1="off", cuda="on")
 # label: (knobs, hopper_block.CLUSTER, hopper_block.PIPELINED); "cuda" is the shipped setting
 VARIANTS = {"gluon": (_GLUON, 2, True), "cuda": (_CUDA, 2, True), "cuda c1": (_CUDA, 1, True),
-            "cuda serial": (_CUDA, 2, False)}
+            "cuda serial": (_CUDA, 2, False),
+            "cuda gemm1": (QuantKnobs(gluon=128, cublas1="off", cuda="gemm1"), 1, True)}
 
 
 def _variant(wts, kn, cluster, pipelined):
@@ -49,6 +50,7 @@ def main() -> None:
     p = ab_arg_parser(__doc__, "hopper_block_ab.json")
     p.add_argument("--point", action="append", required=True, help="shape:M (repeatable)")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 kernel of the shipped tables")
+    p.add_argument("--variants", default=None, help="comma-separated variants to time (default: all; gluon always)")
     p.add_argument("--eager", action="store_true",
                    help="also time every variant eagerly, and the shipped rule's GEMM1 on cuBLAS (cublas1 auto)")
     args = p.parse_args()
@@ -61,24 +63,29 @@ def main() -> None:
         flop = layer_flops(M, k, H, I)
         wts = quantized_weights(SCHEME, E, H, I, False, "cuda")
         sets = routing_sets(M, E, k, H, 4 if M >= 4096 else 8, torch.bfloat16, "cuda")
-        calls = {label: _variant(wts, *v) for label, v in VARIANTS.items()}
+        chosen = {"gluon", *(args.variants.split(",") if args.variants else VARIANTS)}
+        calls = {label: _variant(wts, *v) for label, v in VARIANTS.items() if label in chosen}
         row = {"point": point, "variants": {label: {"rounds_us": []} for label in calls}}
         ref = [calls["gluon"](*s) for s in sets]
+        main_v = next((v for v in ("cuda", "cuda c1", "cuda serial", "cuda gemm1") if v in calls), None)
         try:
-            outs = [calls["cuda"](*s) for s in sets]
+            outs = [calls[main_v](*s) for s in sets] if main_v else []
             row["cuda_grids"] = [hopper_block.load().moekit_block_last_grid(m) for m in (1, 2)]
+            same = [v for v in ("cuda c1", "cuda serial") if v in calls and v != main_v and main_v != "cuda gemm1"]
             row["cuda_variants_bits_equal_cuda"] = all(torch.equal(o, calls[v](*s)) for o, s in zip(outs, sets)
-                                                       for v in ("cuda c1", "cuda serial"))
+                                                       for v in same)
             torch.cuda.synchronize()
-            row["cuda_rel_err_vs_gluon"] = max(((o.float() - r.float()).norm() / r.norm()).item()
-                                               for o, r in zip(outs, ref))
+            for v in [v for v in calls if v != "gluon"]:
+                o_v = outs if v == main_v else [calls[v](*s) for s in sets]
+                row.setdefault("rel_err_vs_gluon", {})[v] = max(((o.float() - r.float()).norm() / r.norm()).item()
+                                                                for o, r in zip(o_v, ref))
             row["cuda_bits_equal_gluon"] = all(torch.equal(o, r) for o, r in zip(outs, ref))
-            row["cuda_run_to_run_bits"] = all(torch.equal(o, calls["cuda"](*s)) for o, s in zip(outs, sets))
-            print(f"{point}: grids {row['cuda_grids']}, cuda vs gluon rel err {row['cuda_rel_err_vs_gluon']:.2e}, bits equal "
-                  f"{row['cuda_bits_equal_gluon']}, run to run {row['cuda_run_to_run_bits']}", flush=True)
+            row["cuda_run_to_run_bits"] = all(torch.equal(o, calls[main_v](*s)) for o, s in zip(outs, sets))
+            print(f"{point}: grids {row['cuda_grids']}, rel err vs gluon {row.get('rel_err_vs_gluon')}, run to run "
+                  f"{row['cuda_run_to_run_bits']}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a variant that cannot run is a result)
-            row["variants"]["cuda"] = {"failed": f"{type(exc).__name__}: {exc}"[:800]}
-            print(f"{point}: cuda failed: {row['variants']['cuda']['failed']}", flush=True)
+            row["variants"][main_v] = {"failed": f"{type(exc).__name__}: {exc}"[:800]}
+            print(f"{point}: {main_v} failed: {row['variants'][main_v]['failed']}", flush=True)
         if args.eager:
             calls["gluon cublas1"] = _variant(wts, QuantKnobs(gluon=128, cublas1="auto", cuda="off"), 2, True)
             row["variants"]["gluon cublas1"] = {"rounds_us": []}

@@ -30,7 +30,7 @@ def fresh(monkeypatch, tmp_path):
 def test_the_knob_takes_auto_on_off():
     assert QuantKnobs().cuda == "auto"
     assert QuantKnobs(cuda="off").to_json() == {"cuda": "off"}
-    with pytest.raises(ValueError, match="cuda must be one of \\['auto', 'on', 'off'\\], got 'yes'"):
+    with pytest.raises(ValueError, match="cuda must be one of \\['auto', 'on', 'off', 'gemm1'\\], got 'yes'"):
         QuantKnobs(cuda="yes")
 
 

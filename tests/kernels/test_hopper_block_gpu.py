@@ -48,6 +48,8 @@ def test_cuda_block_matches_the_reference_and_the_gluon_kernels(T, E, k, H, I, n
             assert rel_err(out, ref) <= TOLERANCE["fp8"], rel_err(out, ref)
             assert rel_err(out, _run(wts, x, w, ids, emap, cuda="off")) <= TOLERANCE["fp8"]
             assert torch.equal(out, _run(wts, x, w, ids, emap))  # run to run
+            mixed = _run(wts, x, w, ids, emap, cuda="gemm1")  # GEMM2 on the Gluon kernel
+            assert rel_err(mixed, ref) <= TOLERANCE["fp8"], rel_err(mixed, ref)
 
 
 def test_cuda_block_deepseek_v3_sized_experts_in_a_cuda_graph(cuda_gen):

@@ -476,12 +476,15 @@ def fused_moe_quant(
         # else GEMM1 on cuBLAS where its rule wants it (eager prefill), else the Gluon kernels
         # (QuantKnobs.cuda, .cublas1)
         cuda = _cuda_block(knobs.cuda, dev, x.dtype, E, H, I, gluon_rows, knobs.cublas1)
-        if cuda and (knobs.cuda == "on" or knobs.cublas1 != "on"):
+        if cuda and (knobs.cuda in ("on", "gemm1") or knobs.cublas1 != "on"):
             act = torch.empty(R, I, dtype=x.dtype, device=dev)
             hopper_block.gemm1(a1s, a1s_s, w13, w13_scale, act, al.expert_end)
             a2, a2_s = quantize_rows(act, scheme, modes, expert_end=al.expert_end)
             y = torch.empty(1, TK, H, dtype=x.dtype, device=dev)
-            hopper_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end)
+            if knobs.cuda == "gemm1":
+                gluon_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end, gluon_rows)
+            else:
+                hopper_block.gemm2(a2, a2_s, w2, w2_scale, y[0], topk_weights, al.sorted_ids, al.expert_end)
             return _sum_over_k(y, topk_ids, expert_map, T, H, k, out_dtype, chain)
         if _cublas_gemm1(knobs.cublas1, T, k, E, H, I, dev):
             a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w13, w13_scale, topk_ids, expert_map, al.sorted_ids,
@@ -551,10 +554,10 @@ def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H
     "auto", cublas1 "on" still sends GEMM1 to cuBLAS)."""
     if mode == "off":
         return False
-    if mode == "on" and cublas1 == "on":
+    if mode in ("on", "gemm1") and cublas1 == "on":
         raise ValueError("knobs.cuda='on' and knobs.cublas1='on' both ask for GEMM1: set one of them to 'auto' or 'off'")
     why = hopper_block.refusal(device, x_dtype, E, H, I, rows)
-    if why and mode == "on":
+    if why and mode in ("on", "gemm1"):
         raise ValueError(f"knobs.cuda='on' cannot run this call on moekit's CUDA kernels: {why}")
     return why is None
 

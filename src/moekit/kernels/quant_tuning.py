@@ -30,6 +30,7 @@ _SMEM_LIMIT = 220 * 1024
 
 
 CUBLAS1 = ("auto", "on", "off")
+CUDA_BLOCK = ("auto", "on", "off", "gemm1")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class QuantKnobs:
         turns on the tensor cores): "auto" where they are built and can run the call, unless
         cublas1 is "on" (they measured faster than the cuBLAS GEMM1 eagerly too:
         bench/results/h200-hopper-block-ab-5.json), "on" (a call that cannot raises; not with
-        cublas1 "on"), "off" the Gluon / cuBLAS kernels.
+        cublas1 "on"), "gemm1" GEMM1 on them and GEMM2 on the Gluon kernel (as "on" otherwise),
+        "off" the Gluon / cuBLAS kernels.
     """
 
     gate_up: bool = False
@@ -110,8 +112,9 @@ class QuantKnobs:
                 if isinstance(value, bool) or value not in (0, 64, 128):
                     raise ValueError(f"gluon must be 0 (off) or a row tile of 64 or 128, got {value!r}")
             elif f.name in ("cublas1", "cuda"):
-                if value not in CUBLAS1:
-                    raise ValueError(f"{f.name} must be one of {list(CUBLAS1)}, got {value!r}")
+                allowed = CUBLAS1 if f.name == "cublas1" else CUDA_BLOCK
+                if value not in allowed:
+                    raise ValueError(f"{f.name} must be one of {list(allowed)}, got {value!r}")
             elif f.name == "split_k":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"split_k must be an int >= 1, got {value!r}")
