@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from moekit.kernels import hopper_block
+from scaled_mm_block_probe_h200 import quant_groups, time_ms  # a sibling script
 
 FP8 = torch.float8_e4m3fn
 R, H, I = 131072, 7168, 2048
@@ -31,13 +32,6 @@ def quant_blocks(w):
     b = w.view(E, N // 128, 128, K // 128, 128)
     s = b.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
     return (b / s[:, :, None, :, None]).to(FP8).view(E, N, K), s.contiguous()
-
-
-def quant_groups(x):
-    M, K = x.shape
-    g = x.view(M, K // 128, 128)
-    s = g.abs().amax(dim=2).clamp_min(1e-12) / 448.0
-    return (g / s[..., None]).to(FP8).view(M, K), s.contiguous()
 
 
 def rows_fp8(K):
@@ -83,16 +77,6 @@ def cases():
             out["gemm2 cublas"] = (2 * R * H * I, lambda w=w2[0], s=w2_s[0]: torch.ops.aten._scaled_mm.out(
                 a2, w.t(), sa2, s.t(), out_dtype=torch.bfloat16, out=o2))
     return out
-
-
-def time_ms(fn, reps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main():
