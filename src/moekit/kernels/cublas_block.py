@@ -18,6 +18,10 @@ and 1.29-1.31x the bf16 kernel (bench/results/h200-cublaslt-block-probe.json, -s
 is left is on the GPU: products of 513-640 rows take a second wave of tiles (48 against 31.6 us
 at 512 rows), which products on the other streams fill only in part.
 
+Where moekit's CUDA kernels take the call (kernels/hopper_block.py, knob `cuda`: 128-row tiles on
+Hopper with nvcc) they run both GEMMs instead, faster eagerly too; cublas1 "on" still asks for
+this path.
+
 Pipeline (launch_quant.fused_moe_quant, knob `cublas1`, with the Gluon GEMM2 after it):
     align (+ x quantized per 128 columns) -> gather_rows -> scales of each expert's rows
     copied M-major (segment_scales_kernel) -> the host reads the experts' ends and row counts

@@ -16,11 +16,13 @@
 //
 // Template variants (the host picks them; bits identical): CLUSTER 2 pairs CTAs on the same row
 // tile and neighbouring column tiles, each loading half of the A tile for both by TMA multicast;
-// PIPE issues both products of a pair of K steps before promoting the first. Measured on an H200
-// (bench/NOTES-triton.md, "The block scheme in CUDA"): the shipped single CTAs with K-step pairs
-// run 1.00-1.02x the Gluon kernels' calls in CUDA graphs (1.10x at Mixtral's shape); the graph
-// times of every variant sit 13-16 % above their eager kernel sums, the clocks under sustained
-// work setting the pace.
+// PIPE issues both products of a pair of K steps before promoting the first; GEMM1 may run a
+// ring of 6 stages. The consumers' K loop is issue-bound (bench/NOTES-triton.md, "The block
+// scheme's CUDA kernels were issue-bound"): each instruction counts, so the warpgroup's role is
+// made warp-uniform for the compiler (descriptors in uniform registers), a pair's scales come in
+// one load and the epilogue has no slow paths. Measured on an H200: the shipped single CTAs with
+// K-step pairs 1.14x the Gluon kernels' calls at DeepSeek-V3 M = 16384, 1.32x at Mixtral M = 4096,
+// in CUDA graphs and eagerly faster than the cuBLAS GEMM1 (bench/results/h200-hopper-block-ab-5.json).
 //
 // One program per SM walks (row tile, column tile) items in the Gluon kernels' order
 // (gluon_block._item: row tiles grouped by GROUP_M for L2 reuse of the weight blocks; an item's
