@@ -555,10 +555,11 @@ def _cuda_block(mode: str, device: torch.device, x_dtype: torch.dtype, E: int, H
     if mode == "off":
         return False
     if mode in ("on", "gemm1") and cublas1 == "on":
-        raise ValueError("knobs.cuda='on' and knobs.cublas1='on' both ask for GEMM1: set one of them to 'auto' or 'off'")
+        raise ValueError(f"knobs.cuda={mode!r} and knobs.cublas1='on' both ask for GEMM1: set one of them to 'auto' "
+                         "or 'off'")
     why = hopper_block.refusal(device, x_dtype, E, H, I, rows)
     if why and mode in ("on", "gemm1"):
-        raise ValueError(f"knobs.cuda='on' cannot run this call on moekit's CUDA kernels: {why}")
+        raise ValueError(f"knobs.cuda={mode!r} cannot run this call on moekit's CUDA kernels: {why}")
     return why is None
 
 
