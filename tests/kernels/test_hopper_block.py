@@ -82,6 +82,25 @@ def _cuobjdump():
     return str(tool) if tool.exists() else shutil.which("cuobjdump")
 
 
+def _product_loops(sass: str) -> list:
+    """The instructions of each innermost loop (a branch back to a lower address) of a kernel's
+    SASS, as cuobjdump prints it, that holds eight warpgroup products: a paired K loop."""
+    code = []  # (address, instruction)
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    back = {a: int(t.group(1), 16) for a, ins in code if (t := re.search(r"\bBRA 0x([0-9a-f]+)$", ins))
+            and int(t.group(1), 16) < a}  # the backward branches: address -> loop head
+    loops = []
+    for addr, head in back.items():
+        inner = not any(head <= a < addr and head <= h for a, h in back.items())  # no loop inside
+        body = [x for a, x in code if head <= a <= addr]
+        if inner and sum("QGMMA" in x for x in body) == 8:
+            loops.append(body)
+    return loops
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc here")
 @pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump here")
 def test_the_kernels_keep_products_in_flight(tmp_path):
@@ -107,6 +126,11 @@ def test_the_kernels_keep_products_in_flight(tmp_path):
         assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in body) == paired, name
         if "Li2ELb" in name:  # CTA pairs: the A tile multicast
             assert "UTMALDG.2D.MULTICAST" in body, name
+        if "Li1ELb1E" in name:  # the shipped variant: its K loop is issue-bound, every instruction counts
+            loops = _product_loops(body)
+            assert loops, name
+            for loop in loops:  # 8 products, 128 FFMA of the promotion; no descriptor moves a product
+                assert len(loop) <= 260 and sum("R2UR" in x for x in loop) <= 8, (name, len(loop))
 
 
 def test_the_source_ships_with_the_package():
