@@ -106,10 +106,13 @@ def _per_gemm(cls):
     return b
 
 
-def make_variants(gen: torch.Generator, l3_bytes: int, min_copies: int = 6):
-    """name -> (backend, x dtype, [ExpertWeights copies], bytes per layer)."""
-    w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
-    w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
+# The issue's comparison: the baseline and the two quantized backends it names (--variants target).
+TARGET_VARIANTS = ("bf16 cpu", "int8_w8a8 cpu_int8", "int4_w4a16 cpu_wo")
+
+
+def make_variants(gen: torch.Generator, l3_bytes: int, min_copies: int = 6, only=None):
+    """name -> (backend, x dtype, [ExpertWeights copies], bytes per layer); `only`: the names to build
+    (all by default)."""
     specs = [
         ("bf16 cpu", "cpu", torch.bfloat16, lambda a, b: ExpertWeights(a.bfloat16(), b.bfloat16())),
         ("bf16 cpu (one native call a GEMM)", _per_gemm(CPUBackend), torch.bfloat16,
@@ -125,6 +128,14 @@ def make_variants(gen: torch.Generator, l3_bytes: int, min_copies: int = 6):
         ("int8_w8a16 cpu_wo", "cpu_wo", torch.bfloat16, lambda a, b: quantize_experts(a, b, "int8_w8a16")),
         ("int4_w4a16 cpu_wo fp32 x", "cpu_wo", torch.float32, lambda a, b: quantize_experts(a, b, "int4_w4a16")),
     ]
+    if only is not None:
+        unknown = set(only) - {spec[0] for spec in specs}
+        if unknown or "bf16 cpu" not in only:
+            raise ValueError(f"variants must name known variants and include the baseline 'bf16 cpu', got {sorted(only)}"
+                             f" (unknown: {sorted(unknown)}; known: {[spec[0] for spec in specs]})")
+        specs = [spec for spec in specs if spec[0] in only]
+    w13 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=gen) * I ** -0.5
     out = {}
     for name, backend, dtype, build in specs:
         first = build(w13, w2)
@@ -153,11 +164,17 @@ def main(argv=None) -> int:
     p.add_argument("--l3-mb", type=int, default=32,
                    help="the L3 size the weight copies exceed 3x (MB); on a 480 MB shared L3 host random "
                         "1 MB reads measured the same from 2 GB as from 100 MB (bench/NOTES-cpu.md)")
+    p.add_argument("--variants", default="all",
+                   help="'all', 'target' (the baseline, int8_w8a8 cpu_int8 and int4_w4a16 cpu_wo: the issue's "
+                        "comparison without the ablations on torch's operators in the same rounds), or variant "
+                        "names separated by ';'")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
     Ms = [int(m) for m in args.ms.split(",")]
     gen = torch.Generator().manual_seed(0)
-    variants = make_variants(gen, args.l3_mb * 1024 * 1024, args.min_copies)
+    only = (None if args.variants == "all" else TARGET_VARIANTS if args.variants == "target"
+            else tuple(v.strip() for v in args.variants.split(";")))
+    variants = make_variants(gen, args.l3_mb * 1024 * 1024, args.min_copies, only)
     params = ActivationParams()
     load_before = os.getloadavg()
     dram = dram_read_bytes_per_s()
@@ -224,7 +241,7 @@ def main(argv=None) -> int:
         "native_kernels": moekit.native.status(),
         "cpu_backend_native_dtypes": sorted(str(d).replace("torch.", "") for d in native_dtypes()),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
-        "rounds": args.rounds, "warmup": args.warmup,
+        "rounds": args.rounds, "warmup": args.warmup, "variants": list(variants),
         "method": ("backend.apply only (sort, GEMMs, weighting, combine; no router); round-robin over variants, "
                    "the order rotated by one each round, "
                    "with fresh uniform routing per round; weights rotated over copies "

@@ -168,3 +168,12 @@ def test_host_time_us_warms_then_times_every_set_per_pass():
     seen = []
     us = host_time_us(seen.append, [(i,) for i in range(4)], reps=2, warm=3, device="cpu")
     assert seen == [0, 1, 2] + [0, 1, 2, 3] * 2 and 0 < us < 1e6
+
+
+def test_cpu_quant_variants_are_checked_before_any_weights_are_built():
+    cpu_quant = _load(BENCH / "cpu_quant.py")
+    gen = __import__("torch").Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="baseline 'bf16 cpu'"):
+        cpu_quant.make_variants(gen, 1, 1, only=("int4_w4a16 cpu_wo",))
+    with pytest.raises(ValueError, match="unknown: \\['int3 cpu'\\]"):
+        cpu_quant.make_variants(gen, 1, 1, only=("bf16 cpu", "int3 cpu"))
