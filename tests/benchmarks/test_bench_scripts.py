@@ -171,8 +171,10 @@ def test_host_time_us_warms_then_times_every_set_per_pass():
 
 
 def test_cpu_quant_variants_are_checked_before_any_weights_are_built():
+    import torch
+
     cpu_quant = _load(BENCH / "cpu_quant.py")
-    gen = __import__("torch").Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="baseline 'bf16 cpu'"):
         cpu_quant.make_variants(gen, 1, 1, only=("int4_w4a16 cpu_wo",))
     with pytest.raises(ValueError, match="unknown: \\['int3 cpu'\\]"):
