@@ -93,6 +93,37 @@ else:
         out.copy_(av @ bv)
         return out
 
+    def _sorted_rows(xq, xs, al, T, k):
+        """x's rows in sorted order, zeros on padding rows (gluon_block.gather_rows' contract)."""
+        R = al.max_blocks * al.block_m
+        sid = al.sorted_ids.long()
+        live = (torch.arange(R) < int(al.expert_end[-1])) & (sid >= 0) & (sid < T * k)  # rows past the end: unwritten
+        tok = torch.where(live, sid // k, T)  # row T: a zero row, so no tokens index safely too
+        xq8 = torch.cat([xq.view(torch.uint8), xq.view(torch.uint8).new_zeros(1, xq.shape[1])])
+        xs0 = torch.cat([xs, xs.new_zeros(1, xs.shape[1])])
+        return xq8[tok].view(torch.float8_e4m3fn), xs0[tok]
+
+    @pytest.mark.parametrize("T, k, E, n_remote, empty", [(0, 2, 3, 0, False), (1, 1, 2, 0, False), (5, 2, 4, 0, True),
+                                                          (9, 3, 6, 3, False), (70, 4, 5, 2, True)])
+    def test_gather_rows_writes_each_token_row_to_its_sorted_rows(T, k, E, n_remote, empty, gen):
+        from moekit.kernels import gluon_block  # noqa: PLC0415
+
+        H = 384  # three scale groups: not a power of two
+        emap = random_expert_map(E, n_remote, gen)
+        n_ids = E + n_remote
+        first = 1 if empty else 0  # global id 0 never chosen: an expert (or a remote one) with no rows
+        rows = [torch.randperm(n_ids - first, generator=gen)[:k] + first for _ in range(T)]
+        ids = (torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.long)).to(torch.int32)
+        xq, xs = _quant_x(torch.randn(T, H, generator=gen))
+        al = moe_align(ids, emap, E, 128)
+        R = al.max_blocks * al.block_m
+        got, got_s = gluon_block.gather_rows(xq, xs, al.sorted_ids, al.expert_end, k, R)
+        want, want_s = _sorted_rows(xq, xs, al, T, k)
+        end = int(al.expert_end[-1])
+        assert got.shape == (R, H) and got_s.shape == (R, H // 128) and got.dtype == torch.float8_e4m3fn
+        assert torch.equal(got[:end].view(torch.uint8), want[:end].view(torch.uint8))
+        assert torch.equal(got_s[:end], want_s[:end])
+
     def _quant_x(x: torch.Tensor):
         g = x.float().view(x.shape[0], x.shape[1] // 128, 128)
         s = g.abs().amax(dim=2).clamp_min(1e-12) / 448.0
@@ -118,13 +149,7 @@ else:
         xq, xs = _quant_x(x)
         al = moe_align(ids, emap, E, 128)
         R = al.max_blocks * al.block_m
-        # x's rows in sorted order, zeros on padding rows (gluon_block.gather_rows on the GPU)
-        sid = al.sorted_ids.long()
-        live = (torch.arange(R) < int(al.expert_end[-1])) & (sid >= 0) & (sid < T * k)  # rows past the end: unwritten
-        tok = torch.where(live, sid // k, 0)
-        a1s = torch.where(live[:, None], xq.view(torch.uint8)[tok], 0).to(torch.uint8).view(
-            torch.float8_e4m3fn)
-        a1s_s = torch.where(live[:, None], xs[tok], 0.0)
+        a1s, a1s_s = _sorted_rows(xq, xs, al, T, k)
         a2, a2_s = cublas_block.gemm1(a1s, a1s_s, w.w13, w.scales["w13_scale"], ids, emap, al.sorted_ids,
                                       al.expert_end, torch.float16)
         assert a2.shape == (R, I) and a2.dtype == torch.float8_e4m3fn and a2_s.shape == (R, I // 128)

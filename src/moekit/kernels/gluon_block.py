@@ -100,38 +100,75 @@ def refusal(scheme, x_dtype: torch.dtype, device: torch.device, activation: str,
 
 
 @triton.jit
-def gather_rows_kernel(a_ptr, as_ptr, out_ptr, outs_ptr, sorted_ptr, expert_end_ptr, E, TK, k, H, G,
-                       stride_a, stride_as, stride_o, stride_os, BH: tl.constexpr, BG: tl.constexpr):
-    """Row r of the sorted rows: x's quantized row of its assignment's token and its scales (zeros
-    on padding rows); rows past the last expert's padded end are left unwritten."""
-    r = tl.program_id(0)
-    if r < tl.load(expert_end_ptr + E - 1):
-        a = tl.load(sorted_ptr + r)
-        live = a < TK
-        t = tl.where(live, a // k, 0).to(tl.int64)
-        cols = tl.arange(0, BH)
-        for h0 in range(0, H, BH):
-            c = h0 + cols
-            v = tl.load(a_ptr + t * stride_a + c, mask=live & (c < H), other=0)
-            tl.store(out_ptr + r.to(tl.int64) * stride_o + c, v, mask=c < H)
-        g = tl.arange(0, BG)
-        s = tl.load(as_ptr + t * stride_as + g, mask=live & (g < G), other=0.0)
-        tl.store(outs_ptr + r.to(tl.int64) * stride_os + g, s, mask=g < G)
+def sorted_rows_kernel(sorted_ptr, expert_end_ptr, row_of_ptr, out_ptr, outs_ptr, E, TK, H, G, stride_o, stride_os,
+                       BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr):
+    """Sorted rows [BR program_id(0), + BR): each live row's number to row_of[its assignment];
+    padding rows (sentinel assignments) zeroed, with their scales; rows past the last expert's
+    padded end left alone."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    inside = rows < tl.load(expert_end_ptr + E - 1)
+    a = tl.load(sorted_ptr + rows, mask=inside, other=TK)
+    tl.store(row_of_ptr + a, rows, mask=inside & (a < TK))
+    pad = inside & (a >= TK)
+    r64 = rows.to(tl.int64)
+    cols = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        c = h0 + cols
+        tl.store(out_ptr + r64[:, None] * stride_o + c[None, :], tl.zeros([BR, BH], dtype=tl.uint8),
+                 mask=pad[:, None] & (c < H)[None, :])
+    g = tl.arange(0, BG)
+    tl.store(outs_ptr + r64[:, None] * stride_os + g[None, :], tl.zeros([BR, BG], dtype=tl.float32),
+             mask=pad[:, None] & (g < G)[None, :])
+
+
+@triton.jit
+def scatter_rows_kernel(a_ptr, as_ptr, out_ptr, outs_ptr, row_of_ptr, k, H, G, stride_a, stride_as, stride_o,
+                        stride_os, K_PAD: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr):
+    """Token program_id(0)'s quantized row and scales, read once, to the sorted rows of its k
+    assignments (row_of; -1: another rank's expert, not stored)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_PAD)
+    dst = tl.load(row_of_ptr + t * k + j, mask=j < k, other=-1)
+    live = dst >= 0
+    d64 = dst.to(tl.int64)
+    cols = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        c = h0 + cols
+        v = tl.load(a_ptr + t * stride_a + c, mask=c < H, other=0)
+        tl.store(out_ptr + d64[:, None] * stride_o + c[None, :], tl.broadcast_to(v[None, :], [K_PAD, BH]),
+                 mask=live[:, None] & (c < H)[None, :])
+    g = tl.arange(0, BG)
+    sv = tl.load(as_ptr + t * stride_as + g, mask=g < G, other=0.0)
+    tl.store(outs_ptr + d64[:, None] * stride_os + g[None, :], tl.broadcast_to(sv[None, :], [K_PAD, BG]),
+             mask=live[:, None] & (g < G)[None, :])
 
 
 def gather_rows(a1: torch.Tensor, a1_s: torch.Tensor, sorted_ids: torch.Tensor, expert_end: torch.Tensor, k: int,
                 R: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """x's quantized rows a1 [T, H] and scales a1_s [T, H / 128] in the alignment's sorted order
-    ([R, H], [R, H / 128]): GEMM1's A operand by TMA, which cannot gather rows on Hopper."""
+    ([R, H], [R, H / 128]; zeros on padding rows, rows past the last expert's padded end left
+    unwritten): GEMM1's A operand by TMA, which cannot gather rows on Hopper.
+
+    Two launches: each sorted row's number to its assignment (and the padding rows zeroed), then
+    one program a token that reads its row once and writes it to its k sorted rows. (One program
+    a sorted row read each token's row k times: DeepSeek-V3 at 16384 tokens 486 us on an H200.)"""
     T, H = a1.shape
     E = expert_end.shape[0]
     out = torch.empty(R, H, dtype=a1.dtype, device=a1.device)
     outs = torch.empty(R, a1_s.shape[1], dtype=torch.float32, device=a1.device)
     if R:
         G = a1_s.shape[1]
-        gather_rows_kernel[(R,)](a1.view(torch.uint8), a1_s, out.view(torch.uint8), outs, sorted_ids, expert_end,
-                                 E, T * k, k, H, G, a1.stride(0), a1_s.stride(0), out.stride(0), outs.stride(0),
-                                 BH=min(2048, triton.next_power_of_2(H)), BG=triton.next_power_of_2(G), num_warps=4)
+        BG = triton.next_power_of_2(G)
+        row_of = torch.full((T * k,), -1, dtype=torch.int32, device=a1.device)
+        BR = 16
+        sorted_rows_kernel[(triton.cdiv(R, BR),)](sorted_ids, expert_end, row_of, out.view(torch.uint8), outs, E,
+                                                  T * k, H, G, out.stride(0), outs.stride(0), BR=BR,
+                                                  BH=min(1024, triton.next_power_of_2(H)), BG=BG, num_warps=4)
+        if T:
+            scatter_rows_kernel[(T,)](a1.view(torch.uint8), a1_s, out.view(torch.uint8), outs, row_of, k, H, G,
+                                      a1.stride(0), a1_s.stride(0), out.stride(0), outs.stride(0),
+                                      K_PAD=triton.next_power_of_2(k), BH=min(1024, triton.next_power_of_2(H)),
+                                      BG=BG, num_warps=4)
     return out, outs
 
 
