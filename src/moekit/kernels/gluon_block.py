@@ -150,8 +150,9 @@ def gather_rows(a1: torch.Tensor, a1_s: torch.Tensor, sorted_ids: torch.Tensor, 
     unwritten): GEMM1's A operand by TMA, which cannot gather rows on Hopper.
 
     Two launches: each sorted row's number to its assignment (and the padding rows zeroed), then
-    one program a token that reads its row once and writes it to its k sorted rows. (One program
-    a sorted row read each token's row k times: DeepSeek-V3 at 16384 tokens 486 us on an H200.)"""
+    one program a token that reads its row once and writes it to its k sorted rows: DeepSeek-V3
+    at 16384 tokens 350-360 us on an H200, where one program a sorted row, reading each token's
+    row k times, took 486-500 (bench/NOTES-triton.md, "x's rows scattered by token")."""
     T, H = a1.shape
     E = expert_end.shape[0]
     out = torch.empty(R, H, dtype=a1.dtype, device=a1.device)
