@@ -159,17 +159,16 @@ def gather_rows(a1: torch.Tensor, a1_s: torch.Tensor, sorted_ids: torch.Tensor, 
     outs = torch.empty(R, a1_s.shape[1], dtype=torch.float32, device=a1.device)
     if R:
         G = a1_s.shape[1]
-        BG = triton.next_power_of_2(G)
+        BG, BH = triton.next_power_of_2(G), min(1024, triton.next_power_of_2(H))
         row_of = torch.full((T * k,), -1, dtype=torch.int32, device=a1.device)
         BR = 16
         sorted_rows_kernel[(triton.cdiv(R, BR),)](sorted_ids, expert_end, row_of, out.view(torch.uint8), outs, E,
                                                   T * k, H, G, out.stride(0), outs.stride(0), BR=BR,
-                                                  BH=min(1024, triton.next_power_of_2(H)), BG=BG, num_warps=4)
+                                                  BH=BH, BG=BG, num_warps=4)
         if T:
             scatter_rows_kernel[(T,)](a1.view(torch.uint8), a1_s, out.view(torch.uint8), outs, row_of, k, H, G,
                                       a1.stride(0), a1_s.stride(0), out.stride(0), outs.stride(0),
-                                      K_PAD=triton.next_power_of_2(k), BH=min(1024, triton.next_power_of_2(H)),
-                                      BG=BG, num_warps=4)
+                                      K_PAD=triton.next_power_of_2(k), BH=BH, BG=BG, num_warps=4)
     return out, outs
 
 
