@@ -36,6 +36,8 @@ def call(args, **kw):
         ("topk_weights", torch.rand(T, k + 1), "topk_weights must have the shape"),
         ("topk_weights", torch.ones(T, k, dtype=torch.int64), "topk_weights must be a float tensor"),
         ("w13", [1, 2], "w13 must be a torch.Tensor"),
+        ("w2", torch.randn(E - 1, H, I), "w13 and w2 must hold the same number of experts"),
+        ("topk_ids", torch.zeros(T, 0, dtype=torch.int32), r"topk_ids must be \[T=5, k\] with k >= 1"),
     ],
 )
 def test_fused_experts_rejects(ok, field, value, match):
@@ -57,6 +59,21 @@ def test_unknown_backend(ok):
 def test_bias_shape(ok):
     with pytest.raises(ValueError, match=r"b13 must be \[E=4, 16\]"):
         call(ok, b13=torch.randn(E, I))
+
+
+def test_bias_dtype(ok):
+    with pytest.raises(TypeError, match="b2 must be a float tensor, got torch.int64"):
+        call(ok, b2=torch.zeros(E, H, dtype=torch.int64))
+
+
+def test_router_logits_must_follow_x():
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=k))
+    x = torch.randn(2, 3, H)
+    assert layer(x, torch.randn(2, 3, E)).shape == (2, 3, H)
+    assert layer(x, torch.randn(6, E)).shape == (2, 3, H)  # [T, E] over the flattened tokens
+    for bad in (torch.randn(3, 2, E), torch.randn(6 * E)):
+        with pytest.raises(ValueError, match="router_logits must be"):
+            layer(x, bad)
 
 
 def test_expert_map_values(ok):

@@ -6,6 +6,8 @@ E experts, k experts per token (top_k), G expert groups.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
@@ -27,6 +29,13 @@ ORDERS = ("score_then_topk", "topk_then_softmax", "topk_then_sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
 SCALE_PLACES = ("router", "output")
 SHARED_MODES = ("separate", "fused", "overlap")
+
+
+def _int_field(name: str, value) -> int:
+    """value as an int >= 1 (Python or numpy integers; not bool, not float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 def _choice(name: str, value, choices) -> None:
@@ -73,8 +82,20 @@ class RoutingConfig:
     group_fallback: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        object.__setattr__(self, "top_k", _int_field("top_k", self.top_k))
+        for name in ("num_expert_group", "topk_group"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _int_field(name, getattr(self, name)))
+        for name in ("renormalize", "apply_router_weight_on_input", "group_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        s = self.routed_scaling_factor
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {s!r}")
+        object.__setattr__(self, "routed_scaling_factor", float(s))
+        if self.apply_router_weight_on_input and self.top_k != 1:
+            raise ValueError(f"apply_router_weight_on_input needs top_k == 1 (the input takes one weight), "
+                             f"got top_k={self.top_k}")
         _choice("scoring", self.scoring, SCORINGS)
         _choice("order", self.order, ORDERS)
         _choice("scale_on", self.scale_on, SCALE_PLACES)
@@ -96,8 +117,6 @@ class RoutingConfig:
                 )
             if self.order != "score_then_topk":
                 raise ValueError(f"num_expert_group needs order='score_then_topk', got order={self.order!r}")
-        if not (self.routed_scaling_factor > 0.0):
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
         if self.order != "score_then_topk" and self.scoring != "softmax":
             raise ValueError(
                 f"scoring={self.scoring!r} only applies to order='score_then_topk'; "

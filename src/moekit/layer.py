@@ -138,9 +138,12 @@ class FusedMoE(nn.Module):
         self.router_dtype = router_dtype
         self.layer_name = name or f"moe{next(_layer_ids)}"
         self.shard = None
+        self._split_dtype = None  # split over ranks: the activation dtype every rank sends (checked per call)
         dispatcher = None
         if parallel is not None:
             self.shard, dispatcher = self._split(parallel, routing, activation, bias, shared_experts, dtype, device)
+            if parallel.size > 1:
+                self._split_dtype = dtype or torch.get_default_dtype()
         E_l, I_l = (num_experts, intermediate_size) if self.shard is None else (
             self.shard.local_experts, self.shard.local_intermediate)
         if quant is None:
@@ -278,6 +281,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"x is on {x.device}, expected {self.experts.w13.device} (the layer's device)")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        if self._split_dtype is not None and x.dtype != self._split_dtype:
+            raise TypeError(f"x must be {self._split_dtype} (the layer's dtype) when the layer is split over ranks: "
+                            f"every rank exchanges rows in it, got {x.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)  # [T, H]
         if router_logits is None:
@@ -291,10 +297,10 @@ class FusedMoE(nn.Module):
         else:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
-            if router_logits.shape[-1] != self.num_experts or router_logits.numel() != x2.shape[0] * self.num_experts:
+            if tuple(router_logits.shape) not in (tuple(lead) + (self.num_experts,), (x2.shape[0], self.num_experts)):
                 raise ValueError(
                     f"router_logits must be [.., E={self.num_experts}] with the leading shape of x "
-                    f"{tuple(lead)}, got {tuple(router_logits.shape)}"
+                    f"{tuple(lead)} (or [T={x2.shape[0]}, E]), got {tuple(router_logits.shape)}"
                 )
             router_logits = router_logits.reshape(-1, self.num_experts)
         if self._graphs.usable((x2, router_logits)) and self.runner.dispatcher.graph_safe:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .experts.base import BACKENDS, ExpertsBackend, ExpertsProblem, get_backend
 
-__all__ = ["PRIORITIES", "Choice", "choose_backend", "explain", "available_backends", "precision_of"]
+__all__ = ["PRIORITIES", "Choice", "choose_backend", "explain", "refusal", "available_backends", "precision_of"]
 
 logger = logging.getLogger("moekit")
 
@@ -55,6 +55,11 @@ def _why_not(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
     if reason is None and problem.requires_grad and not getattr(backend, "differentiable", True):
         reason = "does not support autograd (inputs require grad)"
     return reason
+
+
+def refusal(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
+    """Why `backend` cannot run `problem`, or None when it can."""
+    return _why_not(backend, problem)
 
 
 def explain(problem: ExpertsProblem) -> List[Tuple[str, Optional[str]]]:

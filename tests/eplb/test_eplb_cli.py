@@ -50,12 +50,28 @@ def test_plan_plot(tmp_path):
     assert plot.stat().st_size > 1000
 
 
+def test_plan_more_gpus_than_experts_and_unwritable_plot(tmp_path, capsys):
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps([[5, 1, 1, 1]]))
+    out = tmp_path / "placement.json"
+    # 8 slots on 8 GPUs for 4 experts: the static "before" leaves GPUs 4..7 empty
+    assert main(["eplb", "plan", "--load", str(path), "--gpus", "8", "--nodes", "1", "--redundant", "4",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["balancedness"]["overall_before"] == pytest.approx(1 / 8 * 8 / 5)  # mean 1, max 5
+    assert sorted(report["phy2log"][0]).count(0) == 5  # the hot expert on five GPUs
+    assert main(["eplb", "plan", "--load", str(path), "--gpus", "2", "--nodes", "1", "--redundant", "0",
+                 "--out", str(tmp_path / "missing" / "p.json")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content,args,message", [
     ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"], "divisible by num_gpus=2"),
-    ([1, 2, 3], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"\[L, E\] \(2-D\)"),
+    ([1, 2, 3], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"\[L, E\] with L, E >= 1"),
+    ([[]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"with L, E >= 1, got shape \(1, 0\)"),
     ([[1, 2], [3]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "rectangular"),
     ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "divisible by num_nodes=3"),
-], ids=["slots-not-divisible", "one-dimensional", "ragged", "gpus-not-divisible-by-nodes"])
+], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes"])
 def test_plan_errors(tmp_path, capsys, content, args, message):
     path = tmp_path / "load.json"
     path.write_text(json.dumps(content))

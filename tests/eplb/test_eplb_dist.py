@@ -156,6 +156,13 @@ def _check_rearrangement(rank, size):
     for a, b in zip(results["sync"][1], results["async"][1]):
         for name in a:
             assert torch.equal(_bytes(a[name]), _bytes(b[name]))
+    before = state.phy2log.clone()  # the async state: another placement, then shut down at once
+    state.rearrange(load.flip(-1))
+    state.close()  # every rank: commits the layers still in flight, stops the worker
+    assert not state.rearranging and state.rearrangements == 2
+    assert not torch.equal(state.phy2log, before)
+    for i in range(L):
+        assert torch.equal(_output(state, i, locals_[i], x, w, ids), refs[i]), f"after close: layer {i}"
 
 
 def _check_ep_layer(rank, size):
@@ -177,6 +184,8 @@ def _check_ep_layer(rank, size):
     tol = TOL[torch.float32]
     out = layer(x, logits)
     assert rel_err(out, plain(x, logits)) <= tol
+    with pytest.raises(TypeError, match="split over ranks"):  # refused before any exchange, on every rank
+        layer(x.to(torch.bfloat16), logits)
     state.step()
     state.rearrange()  # from the recorded, all-reduced window
     assert state.replica_count[0, 0] >= 2

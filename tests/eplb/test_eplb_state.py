@@ -40,8 +40,10 @@ def test_config_errors():
         EplbConfig(step_interval=0)
     with pytest.raises(ValueError, match="must hold this rank's S=6 slots"):
         EplbState([_weights(5)], 4, EplbConfig(num_redundant=2))
-    with pytest.raises(ValueError, match="num_gpus=1 must be divisible by num_nodes=2"):
+    with pytest.raises(ValueError, match="num_nodes=2 must divide the 1 expert-parallel ranks"):
         EplbState([_weights(7)], 4, EplbConfig(num_redundant=3, num_nodes=2))
+    with pytest.raises(ValueError, match="num_groups=3 must divide the number of experts E=4"):
+        EplbState([_weights(7)], 4, EplbConfig(num_redundant=3, num_groups=3))
 
 
 def _skewed_logits(T, E, hot=(0, 1)):
@@ -106,6 +108,56 @@ def test_recorded_load_matches_routing():
     assert logical.tolist() == torch.bincount(ids[:7].reshape(-1).long(), minlength=E).tolist()
 
 
+def test_num_tokens_holds_for_one_step():
+    E, H = 5, 8
+    layer = moekit.FusedMoE(E, H, 4, moekit.RoutingConfig(top_k=2))
+    state = enable_eplb(layer, EplbConfig(num_redundant=3, step_interval=1000, window_size=4))
+    state.set_num_tokens(2)  # a padded step: 2 real rows of 5
+    layer(torch.randn(5, H), torch.randn(5, E))
+    state.step()
+    layer(torch.randn(6, H), torch.randn(6, E))  # a full step: all 6 rows count
+    state.step()
+    assert state.recorder.window_load().sum().item() == (2 + 6) * 2
+
+
+def test_bad_load_leaves_weights_and_maps_alone():
+    E, H, I = 4, 8, 4
+    layer = moekit.FusedMoE(E, H, I, moekit.RoutingConfig(top_k=2))
+    state = enable_eplb(layer, EplbConfig(num_redundant=2))
+    w13, phy2log = layer.experts.w13.detach().clone(), state.phy2log.clone()
+    for load, error, message in ((torch.ones(1, E - 1), ValueError, r"logical_load must be \[L=1, E=4\]"),
+                                 (torch.ones(1, E + 1), ValueError, r"got \(1, 5\)"),
+                                 (torch.ones(2, E), ValueError, r"got \(2, 4\)"),
+                                 (-torch.ones(1, E), ValueError, "non-negative"),
+                                 ([[1, 2, 3, 4]], TypeError, "must be a torch.Tensor")):
+        with pytest.raises(error, match=message):
+            state.rearrange(load)
+        assert torch.equal(layer.experts.w13, w13) and torch.equal(state.phy2log, phy2log)
+
+
+def test_refused_enable_leaves_layers_alone():
+    routing = moekit.RoutingConfig(top_k=2)
+    layers = [moekit.FusedMoE(4, 8, 4, routing) for _ in range(2)]
+    x, logits = torch.randn(5, 8), torch.randn(5, 4)
+    before = [m(x, logits) for m in layers]
+    with pytest.raises(ValueError, match="num_groups=3"):
+        enable_eplb(layers, EplbConfig(num_redundant=2, num_groups=3))
+    with pytest.raises(ValueError, match="logical_weights has no 'w2'"):  # the second layer's weights lack w2
+        enable_eplb(layers, EplbConfig(num_redundant=2),
+                    logical_weights=[layers[0].experts.expert_weights(), _NoW2(layers[1].experts.expert_weights())])
+    for m, y in zip(layers, before):
+        assert m.experts.w13.shape[0] == 4 and m.runner.eplb is None
+        assert torch.equal(m(x, logits), y)
+
+
+class _NoW2:
+    def __init__(self, w):
+        self.w, self.num_experts = w, w.num_experts
+
+    def per_expert_tensors(self):
+        return [(n, t) for n, t in self.w.per_expert_tensors() if n != "w2"]
+
+
 def test_load_weights_takes_logical_tensors():
     E, H, I = 4, 8, 6
     routing = moekit.RoutingConfig(top_k=2)
@@ -160,6 +212,23 @@ def test_async_mode_gives_the_sync_result():
     assert not torch.equal(results["sync"][0][0], torch.arange(E + 4) % E)  # the placement did move
     for a, b in zip(results["sync"][1], results["async"][1]):
         assert torch.equal(a, b)
+
+
+def test_close_finishes_an_async_rearrangement():
+    E, H, I, L = 8, 16, 8, 2
+    routing = moekit.RoutingConfig(top_k=2)
+    layers = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
+    plain = [_plain_copy(m, E, H, I, routing) for m in layers]
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode="async"))
+    state.rearrange((torch.randn(L, E) * 2).exp().round())
+    assert state.rearranging
+    state.close()
+    assert not state.rearranging and state.rearrangements == 1
+    assert not torch.equal(state.phy2log[0], torch.arange(E + 4) % E)  # every layer committed
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    for m, p in zip(layers, plain):
+        assert rel_err(m(x, logits), p(x, logits)) <= TOL[torch.float32]
+    state.close()  # nothing running: a no-op
 
 
 def test_async_trigger_through_steps():

@@ -98,11 +98,35 @@ else:
         # rows with fewer finite logits than k: the -inf experts fill up in index order
         cfg = RoutingConfig(**kw)
         z = torch.randn(6, 16, generator=gen)
-        z[0, :] = -math.inf
+        z[0, :15] = -math.inf
         z[1, 1:] = -math.inf
         z[2, ::2] = -math.inf
         z[3, :14] = -math.inf
         _same(z, cfg)
+
+    def test_neg_inf_logits_lose_to_any_bias_and_underflow(gen):
+        z = torch.randn(4, 16, generator=gen)
+        z[:, 3] = -math.inf
+        z[1, 5] = -200.0  # softmax score 0, like the -inf expert's: still ahead of it
+        bias = torch.zeros(16)
+        bias[3] = 5.0  # the -inf expert's bias would win the selection
+        for cfg, b in ((RoutingConfig(top_k=4, scoring="sigmoid"), bias), (RoutingConfig(top_k=15), None)):
+            _, ids, _ = triton_route(z, cfg, b, check_nan=False)
+            assert not (ids == 3).any()
+            _same(z, cfg, b)
+
+    def test_bad_logits_and_bias_set_the_flag(gen):
+        cfg = RoutingConfig(top_k=2, scoring="sigmoid")
+        for row in ([math.inf] + [0.0] * 7, [-math.inf] * 8):
+            z = torch.randn(3, 8, generator=gen)
+            z[1] = torch.tensor(row)
+            _, ids, flag = triton_route(z, cfg, None, check_nan=True)
+            assert int(flag) > 0 and ids.min() >= 0 and ids.max() < 8
+        z = torch.randn(3, 8, generator=gen)
+        for bad in (math.nan, math.inf):
+            bias = torch.zeros(8)
+            bias[2] = bad
+            assert int(triton_route(z, cfg, bias, check_nan=True)[2]) > 0
 
     def test_strided_rows_and_fp64_logits(gen):
         cfg = RoutingConfig(top_k=2, scoring="sigmoid")

@@ -168,3 +168,27 @@ def test_neg_inf_logits_are_never_picked(gen):
     z[:, 0] = float("-inf")
     _, ids = route(z, RoutingConfig(top_k=3))
     assert not (ids == 0).any()
+    bias = torch.zeros(8)
+    bias[0] = 5.0  # a correction bias large enough to win, were the logit finite
+    for cfg in (RoutingConfig(top_k=3, scoring="sigmoid"),
+                RoutingConfig(top_k=4, scoring="sigmoid", num_expert_group=4, topk_group=2)):
+        _, ids = route(z, cfg, bias)
+        assert not (ids == 0).any()
+    z[:, 1] = -200.0  # its softmax score underflows to 0 like expert 0's, and still wins
+    _, ids = route(z, RoutingConfig(top_k=7))
+    assert not (ids == 0).any()
+
+
+@pytest.mark.parametrize("row", [[float("inf")] + [0.0] * 7, [float("-inf")] * 8], ids=["+inf", "all--inf"])
+def test_logits_no_expert_can_take_raise(row):
+    z = torch.randn(3, 8)
+    z[1] = torch.tensor(row)
+    with pytest.raises(ValueError, match=r"router_logits contains NaN, \+inf or a row with no finite logit"):
+        route(z, RoutingConfig(top_k=2))
+
+
+def test_non_finite_correction_bias_raises():
+    bias = torch.zeros(8)
+    bias[3] = float("nan")
+    with pytest.raises(ValueError, match="correction_bias must be finite"):
+        route(torch.randn(2, 8), RoutingConfig(top_k=2, scoring="sigmoid"), bias)

@@ -19,11 +19,27 @@ from moekit import RoutingConfig, route
         (dict(top_k=2, group_score="mean"), "group_score"),
         (dict(top_k=2, scale_on="input"), "scale_on"),
         (dict(top_k=2, order="topk_then_sigmoid", scoring="sigmoid"), "scoring"),
+        (dict(top_k=2.0), "top_k must be an int"),
+        (dict(top_k=2, num_expert_group=2.0, topk_group=1), "num_expert_group must be an int"),
+        (dict(top_k=2, num_expert_group=2, topk_group="1"), "topk_group must be an int"),
+        (dict(top_k=2, routed_scaling_factor=float("inf")), "routed_scaling_factor must be a finite number"),
+        (dict(top_k=2, routed_scaling_factor="2"), "routed_scaling_factor must be a finite number"),
+        (dict(top_k=2, order="topk_then_sigmoid", apply_router_weight_on_input=True),
+         "apply_router_weight_on_input needs top_k == 1"),
     ],
 )
 def test_invalid_config_names_field(kw, match):
     with pytest.raises(ValueError, match=match):
         RoutingConfig(**kw)
+
+
+def test_flags_must_be_bools_and_numpy_ints_are_ints():
+    for name in ("renormalize", "apply_router_weight_on_input", "group_fallback"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool"):
+            RoutingConfig(top_k=1, **{name: "no"})
+    np = pytest.importorskip("numpy")
+    cfg = RoutingConfig(top_k=np.int64(2), num_expert_group=np.int32(4), topk_group=np.int64(2))
+    assert type(cfg.top_k) is int and type(cfg.num_expert_group) is int and cfg.topk_group == 2
 
 
 def test_custom_must_be_callable():

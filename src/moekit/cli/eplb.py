@@ -86,8 +86,8 @@ def read_load(path: str) -> torch.Tensor:
             raise ValueError(f"--load: {path} must hold a rectangular list of numbers [L, E]: {err}") from None
     else:
         raise ValueError(f"--load must end in .npy, .pt or .json, got {path!r}")
-    if data.dim() != 2:
-        raise ValueError(f"--load: expected token counts [L, E] (2-D), got shape {tuple(data.shape)}")
+    if data.dim() != 2 or data.shape[0] < 1 or data.shape[1] < 1:
+        raise ValueError(f"--load: expected token counts [L, E] with L, E >= 1, got shape {tuple(data.shape)}")
     if data.dtype == torch.bool or data.is_complex():
         raise ValueError(f"--load: expected real token counts, got {data.dtype}")
     return data.to(torch.float64)
@@ -140,13 +140,17 @@ def run_plan(args) -> int:
     for i, (x, y) in enumerate(zip(b["before"], b["after"])):
         print(f"{i:5d}  {x:.4f} -> {y:.4f}")
     print(f"overall (sum of means / sum of maxima): {b['overall_before']:.4f} -> {b['overall_after']:.4f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-        print(f"placement written to {args.out}")
-    if args.plot:
-        _plot_plan(load, report, args.plot)
-        print(f"plot written to {args.plot}")
+    try:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f)
+            print(f"placement written to {args.out}")
+        if args.plot:
+            _plot_plan(load, report, args.plot)
+            print(f"plot written to {args.plot}")
+    except (OSError, ValueError) as err:
+        print(f"moekit eplb plan: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -208,15 +212,19 @@ def run_simulate(args) -> int:
     for r in rows:
         print(f"{r['redundant']:9d}  {r['slots']:5d}  {r['policy']:12s}  {r['overall_before']:.4f}   "
               f"{r['overall_after']:.4f}  {r['worst_layer_after']:.4f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"dist": args.dist, "sigma": args.sigma, "alpha": args.alpha, "layers": args.layers,
-                       "experts": args.experts, "gpus": args.gpus, "nodes": args.nodes, "groups": args.groups,
-                       "tokens": args.tokens, "seed": args.seed, "results": rows}, f, indent=1)
-        print(f"summary written to {args.out}")
-    if args.plot:
-        _plot_simulate(rows, args.plot)
-        print(f"plot written to {args.plot}")
+    try:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"dist": args.dist, "sigma": args.sigma, "alpha": args.alpha, "layers": args.layers,
+                           "experts": args.experts, "gpus": args.gpus, "nodes": args.nodes, "groups": args.groups,
+                           "tokens": args.tokens, "seed": args.seed, "results": rows}, f, indent=1)
+            print(f"summary written to {args.out}")
+        if args.plot:
+            _plot_simulate(rows, args.plot)
+            print(f"plot written to {args.plot}")
+    except (OSError, ValueError) as err:
+        print(f"moekit eplb simulate: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -14,6 +14,7 @@ Status codes in that all-reduce: -1 failed, 0 busy, 1 a layer is staged, 2 finis
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import nullcontext
 from typing import Optional, Tuple
 
@@ -106,3 +107,9 @@ class AsyncRearranger:
             self.active = False
             self.state.rearrangements += 1
         return False
+
+    def finish(self) -> None:
+        """Main thread, on every rank together: poll until the rearrangement in progress is done."""
+        while self.active:
+            if not self.poll() and self.active:
+                time.sleep(1e-3)  # the workers are transferring: let them

@@ -9,7 +9,7 @@ and records the load. The returned EplbState drives the window and the rearrange
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,29 +19,39 @@ from ..experts.base import ExpertWeights
 from ..layer import FusedMoE
 from ..parallel.base import LocalDispatcher
 from .maps import initial_placement, local_slots
+from .policy import check_policy_args
 from .state import EplbConfig, EplbState
 
 __all__ = ["enable_eplb"]
 
 
-def _resize(experts: nn.Module, logical: ExpertWeights, rows: torch.Tensor) -> None:
-    """Replace each per-expert tensor of `experts` by the logical tensor's `rows` [S]."""
+def _resized(experts: nn.Module, logical: ExpertWeights, rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Each per-expert tensor of `experts` rebuilt from the logical tensor's `rows` [S] (nothing assigned)."""
     given = dict(logical.per_expert_tensors())
+    buffers = dict(experts.named_buffers(recurse=False))
+    new = {}
     for name, current in experts.expert_weights().per_expert_tensors():
         if name not in given:
             raise ValueError(f"logical_weights has no {name!r}, which the layer holds")
+        if not isinstance(current, nn.Parameter) and name not in buffers:
+            raise TypeError(f"{name} is neither a parameter nor a buffer of {type(experts).__name__}; "
+                            "EPLB cannot resize it")
         src = given[name].detach()
         if tuple(src.shape[1:]) != tuple(current.shape[1:]):
             raise ValueError(f"logical {name} must be [E, {', '.join(map(str, current.shape[1:]))}], "
                              f"got {tuple(src.shape)}")
-        data = src.index_select(0, rows.to(src.device)).to(current.device, current.dtype).contiguous()
+        new[name] = src.index_select(0, rows.to(src.device)).to(current.device, current.dtype).contiguous()
+    return new
+
+
+def _assign(experts: nn.Module, new: Dict[str, torch.Tensor]) -> None:
+    """Put the tensors of _resized in place of the layer's per-expert tensors."""
+    for name, data in new.items():
+        current = getattr(experts, name)
         if isinstance(current, nn.Parameter):
             setattr(experts, name, nn.Parameter(data, requires_grad=current.requires_grad))
-        elif name in dict(experts.named_buffers(recurse=False)):
-            experts.register_buffer(name, data)
         else:
-            raise TypeError(f"{name} is neither a parameter nor a buffer of {type(experts).__name__}; "
-                            "EPLB cannot resize it")
+            experts.register_buffer(name, data)
 
 
 def _split_of(layers: List[FusedMoE]):
@@ -101,15 +111,20 @@ def enable_eplb(layers: Union[FusedMoE, Sequence[FusedMoE]], config: EplbConfig,
     group = None if parallel is None else (parallel.group or dist.group.WORLD)
     P = 1 if parallel is None else parallel.ep_size
     rank = 0 if parallel is None else parallel.ep_rank
+    config.check_fits(E, P)
     R = E + config.num_redundant
+    check_policy_args(torch.zeros(len(layers), E), R, config.num_groups, config.num_nodes, P)
     phy2log = initial_placement(len(layers), E, R)
     slots = local_slots(R, P, rank)
+    resized = []  # every layer checked and built before any is changed
     for i, m in enumerate(layers):
         logical = m.experts.expert_weights() if logical_weights is None else logical_weights[i]
         if logical.num_experts != E:
             raise ValueError(f"layer {i}: logical weights must hold E={E} experts, got {logical.num_experts} "
                              "(pass logical_weights for expert-parallel or already resized layers)")
-        _resize(m.experts, logical, phy2log[i, slots.start:slots.stop])
+        resized.append(_resized(m.experts, logical, phy2log[i, slots.start:slots.stop]))
+    for m, new in zip(layers, resized):
+        _assign(m.experts, new)
     state = EplbState([m.experts.expert_weights for m in layers], E, config, group=group, phy2log=phy2log,
                       worker_group=worker_group)
     for i, m in enumerate(layers):

@@ -334,17 +334,16 @@ def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch
 
 
 def static_gpu_loads(load: torch.Tensor, num_gpus: int) -> torch.Tensor:
-    """Per-GPU load without EPLB: E experts in contiguous blocks, the first E % P GPUs one more.
+    """Per-GPU load without EPLB: E experts in contiguous blocks, the first E % P GPUs one more
+    (with P > E, one expert on each of the first E GPUs and none on the rest).
 
     Args:
-        load: [L, E] logical loads.  num_gpus: P <= E.
+        load: [L, E] logical loads.  num_gpus: P.
     Returns:
         [L, P] float64.
     """
     L, E = load.shape
     P = _positive_int("num_gpus", num_gpus)
-    if P > E:
-        raise ValueError(f"num_gpus={P} must be <= the number of experts E={E} for the static placement")
     base, extra = divmod(E, P)
     sizes = torch.tensor([base + (1 if g < extra else 0) for g in range(P)])
     owner = torch.repeat_interleave(torch.arange(P), sizes)  # [E]

@@ -173,7 +173,13 @@ def commit_layer(tensors: Sequence[torch.Tensor], staged: StagedLayer) -> None:
     if staged.slots.numel() == 0:
         return
     for t, rows in zip(tensors, staged.rows):
-        t.index_copy_(0, staged.slots, rows)
+        # As bytes: bit-exact for every dtype, fp8 included (no index_copy_ kernel for fp8 in torch).
+        _as_bytes(t).index_copy_(0, staged.slots, _as_bytes(rows.contiguous()))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t [S, ...] viewed as uint8 [S, ..., element_size] over the same memory."""
+    return t.unsqueeze(-1).view(torch.uint8)
 
 
 def rearrange_layer(tensors: Sequence[torch.Tensor], old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, *,

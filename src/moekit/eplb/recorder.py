@@ -5,7 +5,8 @@ Letters: T tokens, k experts per token, L layers, R physical slots, W window ste
 `record` runs inside the forward pass. It uses tensor ops only, with shapes fixed by the
 call's shapes, so it never synchronises the host and can be captured in a CUDA graph:
 padding rows are excluded by comparing row numbers with `num_real_tokens`, a device tensor
-the caller refreshes before each step (its address never changes). The step's counts go
+the caller sets before each padded step (its address never changes; `end_step` resets it to
+"every row", so a value never carries over into the next step). The step's counts go
 into a fixed buffer; `end_step`, called between steps outside any graph, moves them into
 the window. A dummy step (a warm-up or padding-only batch that every rank must still run)
 records nothing: its counts are discarded and the window does not advance.
@@ -73,11 +74,13 @@ class LoadRecorder:
         self._rows_seen[layer] = start + T
 
     def end_step(self, dummy: bool = False) -> None:
-        """Close a step: keep its counts in the window (unless dummy) and clear the step buffer."""
+        """Close a step: keep its counts in the window (unless dummy), clear the step buffer and
+        forget the step's num_tokens (the next step counts every row unless set again)."""
         if not dummy:
             self.window[:, self._slot].copy_(self.current)
             self._slot = (self._slot + 1) % self.window_size
         self.current.zero_()
+        self.num_real_tokens.fill_(ALL_ROWS)
         self._rows_seen = [0] * self.num_layers
 
     def window_load(self) -> torch.Tensor:

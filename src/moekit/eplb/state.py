@@ -67,6 +67,17 @@ class EplbConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
 
+    def check_fits(self, num_logical: int, num_ranks: int) -> None:
+        """Raise ValueError, naming the field, unless this config fits E experts over P ranks."""
+        E, P, R = num_logical, num_ranks, num_logical + self.num_redundant
+        if E % self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups} must divide the number of experts E={E}")
+        if P % self.num_nodes:
+            raise ValueError(f"num_nodes={self.num_nodes} must divide the {P} expert-parallel ranks")
+        if R % P:
+            raise ValueError(f"the R = E + num_redundant = {E} + {self.num_redundant} = {R} slots must divide "
+                             f"evenly over the {P} expert-parallel ranks (choose num_redundant so {P} divides R)")
+
 
 class EplbLayerHook:
     """The object a MoERunner calls after routing (runner.eplb): logical -> physical ids, load recorded."""
@@ -125,6 +136,7 @@ class EplbState:
         self.num_logical = num_logical
         self.num_physical = num_logical + config.num_redundant
         L, E, R, P = self.num_layers, num_logical, self.num_physical, self.num_ranks
+        config.check_fits(E, P)
         check_policy_args(torch.zeros(L, E), R, config.num_groups, config.num_nodes, P)
         self.slots = local_slots(R, P, self.rank)
         self._weights = list(weights)
@@ -175,7 +187,9 @@ class EplbState:
         return physical_expert_map(self.num_physical, self.num_ranks, self.rank, device=self.phy2log.device)
 
     def set_num_tokens(self, num_tokens) -> None:
-        """Rows >= num_tokens of the coming step are padding (an int or a [1] int tensor)."""
+        """Rows >= num_tokens of the coming step are padding (an int or a [1] int tensor).
+
+        It holds for that one step: step() resets it, so set it before every padded step."""
         self.recorder.set_num_tokens(num_tokens)
 
     # -- the step ----------------------------------------------------------------------
@@ -202,6 +216,7 @@ class EplbState:
 
     def plan(self, logical_load: torch.Tensor) -> torch.Tensor:
         """The new placement [L, R] int64 CPU for a load [L, E] (policy, then preserve slots)."""
+        self._check_load(logical_load)
         c = self.config
         new, _, _ = rebalance_experts(logical_load, self.num_physical, c.num_groups, c.num_nodes, self.num_ranks)
         if c.preserve_slots:
@@ -221,6 +236,8 @@ class EplbState:
         """
         if self.rearranging:
             raise RuntimeError("an asynchronous rearrangement is in progress; let step() finish it first")
+        if logical_load is not None:
+            self._check_load(logical_load)
         load = self.logical_load() if logical_load is None else logical_load
         if self._worker is not None:
             self._worker.start(load)
@@ -236,20 +253,42 @@ class EplbState:
         self.rearrangements += 1
         return changed
 
+    def _check_load(self, logical_load) -> None:
+        """Raise unless logical_load is a real [L, E] tensor of finite non-negative counts."""
+        L, E = self.num_layers, self.num_logical
+        if not isinstance(logical_load, torch.Tensor):
+            raise TypeError(f"logical_load must be a torch.Tensor [L={L}, E={E}], got {type(logical_load).__name__}")
+        if tuple(logical_load.shape) != (L, E):
+            raise ValueError(f"logical_load must be [L={L}, E={E}] (layers, logical experts), "
+                             f"got {tuple(logical_load.shape)}")
+        check_policy_args(logical_load, self.num_physical, self.config.num_groups, self.config.num_nodes,
+                          self.num_ranks)
+
     def exchange(self, layer: int, new_row: torch.Tensor, group=None) -> StagedLayer:
         """Fetch the rows this rank needs for layer `layer` under placement new_row [R] (no writes)."""
         plan = plan_layer(self.phy2log_host[layer].tolist(), new_row.tolist(), self.num_ranks)[self.rank]
         return exchange_layer(self.layer_tensors(layer), plan, group=self.group if group is None else group)
 
     def commit(self, layer: int, new_row: torch.Tensor, staged: StagedLayer) -> None:
-        """Write staged rows and switch layer `layer`'s maps to new_row [R]; forget its window."""
-        commit_layer(self.layer_tensors(layer), staged)
+        """Write staged rows and switch layer `layer`'s maps to new_row [R]; forget its window.
+
+        The maps are built first, so a placement they refuse leaves weights and maps as they were."""
         log2phy, count = maps_from_phy2log(new_row.view(1, -1), self.num_logical, self.log2phy.shape[-1])
+        commit_layer(self.layer_tensors(layer), staged)
         self.phy2log_host[layer].copy_(new_row)
         self.phy2log[layer].copy_(new_row)
         self.log2phy[layer].copy_(log2phy[0])
         self.replica_count[layer].copy_(count[0])
         self.recorder.clear(layer)
+
+    def close(self) -> None:
+        """Finish an asynchronous rearrangement in progress and stop its worker (collective).
+
+        Call it on every rank, at the same step, before the process group is destroyed: a
+        worker left inside a transfer would abort the process at shutdown. The layers still to
+        move are committed as in step(); no-op in "sync" mode or when nothing is running."""
+        if self._worker is not None:
+            self._worker.finish()
 
     @property
     def rearranging(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
@@ -46,6 +47,9 @@ def check_experts_inputs(
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 and w2 must be 3-D, got w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
     E, H2, I = w2.shape
+    if w13.shape[0] != E:
+        raise ValueError(f"w13 and w2 must hold the same number of experts, got w13 {tuple(w13.shape)} "
+                         f"and w2 {tuple(w2.shape)}")
     if weights.quant is not None:  # packed storage: moekit.quant checks shapes, dtypes and scales
         from ..quant.layout import check_quantized_weights  # noqa: PLC0415
 
@@ -60,6 +64,9 @@ def check_experts_inputs(
         raise TypeError(f"w13 and w2 must be float tensors, got {w13.dtype} and {w2.dtype}")
     for name, t in (("w13", w13), ("w2", w2)):
         _same_device(name, t, x.device)
+    for name, b in (("b13", weights.b13), ("b2", weights.b2)):
+        if b is not None and not _tensor(name, b).is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {b.dtype}")
     if weights.b13 is not None:
         _same_device("b13", _tensor("b13", weights.b13), x.device)
         if tuple(weights.b13.shape) != (E, n13):
@@ -70,8 +77,8 @@ def check_experts_inputs(
             raise ValueError(f"b2 must be [E={E}, H={H}], got {tuple(weights.b2.shape)}")
     _tensor("topk_weights", topk_weights)
     _tensor("topk_ids", topk_ids)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [T={T}, k] with k >= 1, got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
@@ -233,14 +240,64 @@ def experts_forward(
     choose_backend = _oracle().choose_backend
     problem = problem_of(x, weights, topk_ids.shape[1], activation,
                          apply_router_weight_on_input, expert_map is not None, topk_weights)
+    if _grad_through_routing_only(problem, x, weights, apply_router_weight_on_input):
+        # A trainable gate over frozen or quantized experts: the experts themselves need no
+        # autograd, only the weighted sum over k does (see _routed_by_slot).
+        one = dataclasses.replace(problem, top_k=1, requires_grad=False)
+        slot_backend = choose_backend(one, backend, owner=owner).backend
+        if _oracle().refusal(slot_backend, problem) is not None:  # it cannot backpropagate itself
+            return _routed_by_slot(slot_backend, x, weights, topk_weights, topk_ids, activation=activation,
+                                   activation_params=activation_params, expert_map=expert_map, out_dtype=out_dtype)
     chosen = choose_backend(problem, backend, owner=owner).backend
     T, H = x.shape
     if T == 0:
-        return x.new_zeros((0, H), dtype=out_dtype)
+        return _in_graph(x.new_zeros((0, H), dtype=out_dtype), problem, x, weights, topk_weights)
     native = {"out_dtype": out_dtype} if getattr(chosen, "native_out_dtype", False) else {}
-    return chosen.apply(
+    out = chosen.apply(
         x.contiguous(), weights, topk_weights.float().contiguous(),
         topk_ids.to(torch.int32).contiguous(), activation=activation,
         activation_params=activation_params or _DEFAULT_PARAMS,
         apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map, **native,
     ).to(out_dtype)
+    return _in_graph(out, problem, x, weights, topk_weights)
+
+
+def _in_graph(out: torch.Tensor, problem: ExpertsProblem, x: torch.Tensor, weights: ExpertWeights,
+              topk_weights: torch.Tensor) -> torch.Tensor:
+    """out, joined to the autograd graph of the inputs that require grad when it is not (no tokens,
+    or none local): their gradients through it are zeros, instead of backward() failing."""
+    if not problem.requires_grad or out.requires_grad:
+        return out
+    link = sum(t.sum() * 0 for t in (x, topk_weights, *(t for _, t in weights.per_expert_tensors()))
+               if t.requires_grad)
+    return out + link.to(out.dtype)
+
+
+def _grad_through_routing_only(problem: ExpertsProblem, x: torch.Tensor, weights: ExpertWeights,
+                               on_input: bool) -> bool:
+    """Whether gradients reach only the routing weights (not x, not the experts' tensors)."""
+    return (problem.requires_grad and not on_input and not x.requires_grad
+            and not any(t.requires_grad for _, t in weights.per_expert_tensors()))
+
+
+def _routed_by_slot(backend, x, weights, topk_weights, topk_ids, *, activation, activation_params, expert_map,
+                    out_dtype) -> torch.Tensor:
+    """The routed output when gradients flow only into topk_weights [T, k], on a backend without autograd.
+
+    The backend runs without autograd on the T k assignments as rows of one expert each (x's
+    row repeated, weight 1), giving each assignment's unweighted output; the weighted sum over
+    k is then taken in fp32 by torch, differentiable in topk_weights. The products are the
+    call's own; only the order of the sum over k may differ."""
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    if T == 0:
+        return x.new_zeros((0, H), dtype=out_dtype) + (topk_weights.sum() * 0).to(out_dtype)
+    with torch.no_grad():
+        rows = backend.apply(
+            x.repeat_interleave(k, 0).contiguous(), weights,
+            torch.ones(T * k, 1, dtype=torch.float32, device=x.device),
+            topk_ids.reshape(T * k, 1).to(torch.int32).contiguous(), activation=activation,
+            activation_params=activation_params or _DEFAULT_PARAMS, apply_router_weight_on_input=False,
+            expert_map=expert_map,
+        ).float()  # [T k, H]
+    return (topk_weights.float().unsqueeze(-1) * rows.view(T, k, H)).sum(1).to(out_dtype)

@@ -58,6 +58,9 @@ class GroupedMMBackend(ExpertsBackend):
         if problem.device == "cpu":
             if problem.dtype not in (torch.float32, torch.bfloat16):
                 return f"torch's CPU grouped_mm takes float32 or bfloat16, got {problem.dtype}"
+            if problem.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+                return "under torch.compile torch's grouped_mm traces for bfloat16 only (its meta kernel refuses " \
+                       f"{problem.dtype})"
         elif problem.device == "cuda":
             if problem.dtype != torch.bfloat16:
                 return f"torch's CUDA grouped_mm takes bfloat16 only, got {problem.dtype}"

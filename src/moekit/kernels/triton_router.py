@@ -13,8 +13,9 @@ The torch path runs a dozen small kernels and one or two sorts a call: on an H20
 of host time eagerly (with the NaN check) and 13-60 us of GPU time in a CUDA graph at one
 decode token, where this one launch takes 51-92 us and 1.4-5.7 us (bench/results/h200-router.json).
 A program routes whole rows of at most EP >= E logits (program_shape), picking the k experts
-one at a time (each pick a max and a min over the row). NaN logits set a flag the caller reads
-(its one host sync) when the check is on; whatever the logits, every id written is in [0, E).
+one at a time (each pick a max and a min over the row). NaN or +inf logits, rows of -inf only
+and a non-finite bias set a flag the caller reads (its one host sync) when the check is on;
+whatever the logits, every id written is in [0, E).
 """
 
 from __future__ import annotations
@@ -86,8 +87,14 @@ def route_kernel(
     live = (rows < T)[:, None] & (cols < E)[None, :]  # [R, EP]
     z = tl.load(z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :], mask=live,
                 other=float("-inf")).to(tl.float32)
-    if CHECK:
-        tl.atomic_max(flag_ptr, tl.sum(tl.where(live & (z != z), 1, 0)))
+    if CHECK:  # NaN or +inf logits, rows of -inf only, a NaN or infinite bias
+        bad = tl.sum(tl.where(live & ((z != z) | (z == float("inf"))), 1, 0))
+        dead = (rows < T) & (tl.max(z, axis=1) == float("-inf"))
+        bad += tl.sum(tl.where(dead, 1, 0))
+        if HAS_BIAS:
+            bv = tl.load(b_ptr + cols, mask=cols < E, other=0.0)
+            bad += tl.sum(tl.where((bv != bv) | (tl.abs(bv) == float("inf")), 1, 0))
+        tl.atomic_max(flag_ptr, bad)
     avail = (cols < E)[None, :] & (rows >= 0)[:, None]  # [R, EP]; padding rows pick too (not stored)
     z = tl.where(avail & ~live, 0.0, z)  # padding rows: finite logits, no NaN scores
     if ORDER == 0:
@@ -101,6 +108,7 @@ def route_kernel(
         c = p
         if HAS_BIAS:
             c = p + tl.load(b_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        c = tl.where(z == float("-inf"), float("-inf"), c)  # -inf logits last, whatever the bias
         if G > 0:  # DeepSeek grouped top-k: keep the TOPG best of G contiguous groups
             gid = cols // (E // G)
             gcols = tl.arange(0, GP)
@@ -181,7 +189,8 @@ def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tenso
                  check_nan: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Route logits z [T, E] (any float dtype, rows contiguous) -> (weights [T, k] fp32, ids [T, k]
     int32, NaN flag [1] int32 or None). The caller validated cfg for E and the bias's shape; the
-    flag, when check_nan, is nonzero if z holds a NaN."""
+    flag, when check_nan, is nonzero if z holds a NaN or +inf or a row of -inf only, or the bias a
+    NaN or inf."""
     T, E = z.shape
     k = cfg.top_k
     w = torch.empty(T, k, dtype=torch.float32, device=z.device)

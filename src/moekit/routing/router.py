@@ -27,11 +27,14 @@ class TopK(NamedTuple):
     ids: torch.Tensor
 
 
-_NAN_MESSAGE = "router_logits contains NaN; routing over NaN scores is undefined"
+_NAN_MESSAGE = ("router_logits contains NaN, +inf or a row with no finite logit (a token that can pick no "
+                "expert); routing over them is undefined")
+_BIAS_MESSAGE = "correction_bias must be finite, got NaN or inf entries"
 
 
 def check_router_logits(router_logits: torch.Tensor, nan: bool = True) -> None:
-    """Type and shape of router_logits; with nan, also that no logit is NaN (see _should_check)."""
+    """Type and shape of router_logits; with nan, also that no logit is NaN or +inf and that every
+    row has a finite logit (see _should_check; -inf alone means "never this expert")."""
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
     if router_logits.dim() != 2:
@@ -40,7 +43,9 @@ def check_router_logits(router_logits: torch.Tensor, nan: bool = True) -> None:
         raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
     # NaN logits: an error, never a silent pick. The check costs a host sync, so it runs on
     # CPU tensors (and on accelerators outside graph capture, see Settings.check_ids).
-    if nan and _should_check(router_logits) and bool(torch.isnan(router_logits).any()):
+    if nan and _should_check(router_logits) and router_logits.numel() and bool(
+            (torch.isnan(router_logits) | torch.isposinf(router_logits)).any()
+            | torch.isneginf(router_logits).all(-1).any()):
         raise ValueError(_NAN_MESSAGE)
 
 
@@ -82,6 +87,8 @@ def _score_then_topk(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.T
     T, E = z.shape
     p = score(z, cfg.scoring)  # [T, E] unbiased scores: they become the weights
     c = p if bias is None else p + bias.float()  # [T, E] selection scores
+    # -inf logits come last whatever the bias (and softmax scores that underflow to 0 do not tie with them)
+    c = c.masked_fill(z == float("-inf"), float("-inf"))
     grouped = cfg.uses_groups(E)
     if grouped:
         c = group_mask(c, cfg.num_expert_group, cfg.topk_group, cfg.group_score_for(bias is not None))
@@ -111,7 +118,7 @@ def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.T
             f"custom routing function returned weights {tuple(w.shape)} and ids {tuple(ids.shape)}, "
             f"expected both [{T}, {cfg.top_k}]"
         )
-    if ids.is_floating_point():
+    if ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"custom routing function returned ids of dtype {ids.dtype}, expected an integer dtype")
     if T and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"custom routing function returned ids outside [0, {E})")
@@ -148,10 +155,13 @@ def route(
         from ..kernels.triton_router import triton_route  # noqa: PLC0415 (triton is optional)
 
         w, ids, nan = triton_route(router_logits, config, correction_bias, check_nan=_should_check(router_logits))
-        if nan is not None and bool(nan):
-            raise ValueError(_NAN_MESSAGE)
+        if nan is not None and bool(nan):  # the kernel's flag covers the bias too
+            raise ValueError(_NAN_MESSAGE if correction_bias is None else f"{_NAN_MESSAGE}, or {_BIAS_MESSAGE}")
         return TopK(w, ids)
     check_router_logits(router_logits)
+    if correction_bias is not None and _should_check(correction_bias) and not bool(
+            torch.isfinite(correction_bias).all()):
+        raise ValueError(_BIAS_MESSAGE)
     return route_torch(router_logits, config, correction_bias, hidden_states=hidden_states)
 
 
