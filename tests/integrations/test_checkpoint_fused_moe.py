@@ -159,3 +159,63 @@ def test_reader_errors(tmp_path, gen):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="needs a 'weight_map'"):
         SafetensorsCheckpoint(tmp_path)
+
+
+QUANT = ["fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a8", "int8_w8a16", "int4_w4a16"]
+QE, QH, QI = 4, 128, 128  # sizes every scheme's groups and blocks fit
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)  # float8 has no torch.equal; bytes compare every dtype
+
+
+@pytest.mark.parametrize("layout", [
+    "per_expert",  # regression: float rows were copied into fp8 storage / refused as not integer for int8 and int4
+    "per_expert_w1w3w2",
+    "per_expert_bias",  # biases stay float parameters beside the quantized storage
+    "stacked",  # regression: int4 expected the packed [E, 2I, H/2] of the checkpoint
+])
+@pytest.mark.parametrize("quant", QUANT)
+def test_float_checkpoint_into_quantized_layer_quantizes_on_load(quant, layout, tmp_path, gen):
+    """Either layout gives bit for bit what load_weights (quantize on load) gives for the stacked tensors."""
+    w13 = torch.randn(QE, 2 * QI, QH, generator=gen) * QH ** -0.5
+    w2 = torch.randn(QE, QH, QI, generator=gen) * QI ** -0.5
+    b13, b2 = torch.randn(QE, 2 * QI, generator=gen), torch.randn(QE, QH, generator=gen)
+    bias = layout == "per_expert_bias"
+    names = ("w1", "w3", "w2") if layout == "per_expert_w1w3w2" else ("gate_proj", "up_proj", "down_proj")
+    tensors = {}
+    for e in range(QE):
+        if layout == "stacked":
+            tensors = {"experts.gate_up_proj": w13, "experts.down_proj": w2}
+            break
+        for name, t, bt in ((names[0], w13[e, :QI], b13[e, :QI]), (names[1], w13[e, QI:], b13[e, QI:]),
+                            (names[2], w2[e], b2[e])):
+            tensors[f"experts.{e}.{name}.weight"] = t.clone()
+            if bias:
+                tensors[f"experts.{e}.{name}.bias"] = bt.clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    routing = RoutingConfig(top_k=2)
+    layer = FusedMoE(QE, QH, QI, routing, bias=bias, quant=quant)
+    want = FusedMoE(QE, QH, QI, routing, bias=bias, quant=quant)
+    want.load_weights(w13, w2, *((b13, b2) if bias else ()))
+    assert sorted(load_fused_moe(layer, tmp_path, MoEKeys(("",)))) == sorted(tensors)
+    got, ref = layer.experts.state_dict(), want.experts.state_dict()
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype and torch.equal(_bits(got[name]), _bits(ref[name])), name
+    if bias:
+        assert layer.experts.b13.dtype == torch.float32 and torch.equal(layer.experts.b13, b13)
+
+
+def test_float_checkpoint_into_quantized_layer_checks_float_shapes(tmp_path, gen):
+    """Shapes are the float ones (int4 packs H / 2 in storage), named per key before anything loads."""
+    tensors = {f"experts.{e}.{n}.weight": torch.randn(QI, QH // 2, generator=gen)
+               for e in range(QE) for n in ("gate_proj", "up_proj")}
+    tensors.update({f"experts.{e}.down_proj.weight": torch.randn(QH, QI, generator=gen) for e in range(QE)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    layer = FusedMoE(QE, QH, QI, RoutingConfig(top_k=2), quant="int4_w4a16")
+    before = _bits(layer.experts.w13).clone()
+    with pytest.raises(CheckpointError, match=r"tensor 'experts\.0\.gate_proj\.weight' has shape \[128, 64\], "
+                                              r"expected \[128, 128\]"):
+        load_fused_moe(layer, tmp_path, MoEKeys(("",)))
+    assert torch.equal(_bits(layer.experts.w13), before)

@@ -70,6 +70,20 @@ def test_saving_unquantized_or_malformed_weights_is_an_error(tmp_path, gen):
         save_quantized(tmp_path / "x.safetensors", bad)
 
 
+@pytest.mark.parametrize("b13, b2, error, match", [
+    (torch.zeros(2, 3), None, ValueError, r"b13 must have shape \[2, 256\], got \[2, 3\]"),
+    (None, torch.zeros(2, 128, dtype=torch.int64), TypeError, r"b2 must be a float tensor, got torch.int64"),
+], ids=["b13-wrong-shape", "b2-int64"])
+def test_saving_malformed_biases_is_an_error(b13, b2, error, match, tmp_path, gen):
+    """Regression: save_quantized wrote biases of the wrong shape or dtype (refused only when run)."""
+    from moekit.experts.base import ExpertWeights
+
+    w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), "int8_w8a8")
+    with pytest.raises(error, match=match):
+        save_quantized(tmp_path / "x.safetensors", ExpertWeights(w.w13, w.w2, b13, b2, scales=w.scales, quant=w.quant))
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 def test_a_file_with_a_bad_tensor_is_rejected_on_load(tmp_path, gen):
     w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), "int8_w8a8")
     path = tmp_path / "x.safetensors"
@@ -162,6 +176,16 @@ def test_deepseek_loader_errors_name_the_tensor(gen):
         load_deepseek_fp8(bad, p, 2)
     with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
         load_deepseek_fp8(tensors, p, 0)
+
+
+def test_deepseek_loader_refuses_more_experts_than_num_experts(tmp_path, gen):
+    """Regression: num_experts below the checkpoint's expert count silently dropped the extra experts."""
+    tensors, _ = _deepseek_layer(gen, E=3)
+    save_file(tensors, str(tmp_path / "layer.safetensors"))
+    for source in (tensors, tmp_path):
+        with pytest.raises(ValueError, match=r"holds 3 experts under 'model.layers.3.mlp.experts' \(ids up to 2\), "
+                                             r"but num_experts=2"):
+            load_deepseek_fp8(source, "model.layers.3.mlp.experts", 2)
 
 
 def test_deepseek_loader_rejects_sizes_that_break_the_blocks():

@@ -9,6 +9,7 @@ from moekit import fused_experts, native, quantize_experts
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 from moekit.experts import cpu_weight_only
+from moekit.experts.cpu_int8 import CPUInt8Backend
 from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend, int4_kernel_available
 from moekit.quant import TOLERANCE, get_scheme
 
@@ -112,6 +113,29 @@ def test_backend_matches_the_emulated_reference(case, gen):
     err = rel_err(out, ref)
     assert err <= TOLERANCE[get_scheme(name).precision]  # PERF.md
     assert err <= TIGHT[_path(backend, x, w, ids, name, opts)]
+
+
+@pytest.mark.parametrize("H, I, activation", [
+    (1, 16, "silu"),  # GEMM1 with K = H = 1
+    (16, 1, "silu"),  # GEMM2 with K = I = 1
+    (8, 1, "silu_no_mul"),  # GEMM1 with N = I = 1 (torch._int_mm swapped) and GEMM2 with K = 1
+    (1, 1, "silu_no_mul"),  # every dim of both GEMMs 1
+])
+@pytest.mark.parametrize("T", [40, 150])  # up to and past cpu_int8.SWAP_ROWS rows an expert
+def test_int8_products_with_a_size_one_dim_are_exact(H, I, activation, T, gen):
+    """Regression: torch._int_mm gave garbage (errors of 1e4 and more) for H = 1 or I = 1 from
+    about 32 rows an expert; the torch path (native products off) must match the reference."""
+    rows = 2 * I if activation in GATED else I
+    w = quantize_experts(torch.randn(2, rows, H, generator=gen), torch.randn(2, H, I, generator=gen), "int8_w8a8")
+    x = torch.randn(T, H, generator=gen)
+    ids = (torch.arange(T) % 2).to(torch.int32)[:, None]  # T / 2 rows for each expert
+    tw = torch.rand(T, 1, generator=gen)
+    kw = dict(activation=activation, activation_params=ActivationParams(), apply_router_weight_on_input=False,
+              expert_map=None)
+    plain = CPUInt8Backend()
+    plain.native_products = False
+    ref = BACKENDS["reference"].apply(x, w, tw, ids, **kw)
+    assert rel_err(plain.apply(x, w, tw, ids, **kw), ref) <= TIGHT["cpu_int8"]
 
 
 def test_rows_of_remote_experts_and_empty_experts_are_zero(gen):

@@ -1,5 +1,7 @@
 """FusedMoE(quant=...): quantize on load, pre-quantized loads, output against the bf16 layer."""
 
+import copy
+
 import pytest
 import torch
 
@@ -120,6 +122,40 @@ def test_state_dict_and_per_expert_tensors_hold_every_scale():
     assert set(tensors) == {"w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero"}
     assert all(t.shape[0] == E for t in tensors.values())
     assert isinstance(q.experts, QuantizedRoutedExperts)
+
+
+@pytest.mark.parametrize("name, opts", [("fp8_w8a8", {}), ("fp8_w8a8_block128", {}), ("int8_w8a8", {}),
+                                         ("int4_w4a16", dict(group_size=64, symmetric=False))],
+                         ids=["fp8", "fp8-block", "int8", "int4-zero-points"])
+@pytest.mark.parametrize("cast, dtype", [("to", torch.bfloat16), ("half", torch.float16), ("float", torch.float32)],
+                         ids=["to-bf16", "half", "float"])
+def test_dtype_casts_keep_the_quantized_storage_and_scales(name, opts, cast, dtype, gen):
+    """Regression: .to(torch.bfloat16) / .half() cast fp8 storage and fp32 scales (fp8 then ran
+    on rounded scales, int8 and int4 failed in forward). Only the float parameters follow a cast."""
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), activation="swigluoai", bias=True, gate=True,
+                 quant=get_scheme(name, **opts))
+    q.load_weights(torch.randn(4, 256, 128, generator=gen) * 0.1, torch.randn(4, 128, 128, generator=gen) * 0.1,
+                   torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen))
+    x, logits = torch.randn(5, 128, generator=gen), torch.randn(5, 4, generator=gen)
+    stored = {n: b.clone() for n, b in q.experts.named_buffers()}
+    rounded = copy.deepcopy(q)  # what the cast may change: the biases, rounded to dtype
+    with torch.no_grad():
+        for b in (rounded.experts.b13, rounded.experts.b2):
+            b.copy_(b.to(dtype))
+        want = rounded(x, logits)
+        assert (q.to(dtype) if cast == "to" else getattr(q, cast)()) is q
+        out = q(x, logits)
+    for n, b in q.experts.named_buffers():
+        assert b.dtype == stored[n].dtype and torch.equal(b.view(torch.uint8), stored[n].view(torch.uint8)), n
+    assert q.experts.b13.dtype == q.experts.b2.dtype == q.gate.weight.dtype == dtype
+    assert torch.equal(out, want)
+
+
+def test_device_moves_still_apply_to_the_quantized_buffers():
+    q = _layer("int8_w8a8")
+    q.to("meta")
+    assert all(b.device.type == "meta" for b in q.experts.buffers())
+    assert q.experts.w13.dtype == torch.int8 and q.experts.w13_scale.dtype == torch.float32
 
 
 def test_an_explicit_backend_that_cannot_run_the_scheme_says_why(gen):

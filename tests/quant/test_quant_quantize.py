@@ -205,3 +205,15 @@ def test_bad_weights_are_errors():
         quantize_experts(torch.randn(2, 48, 32), w2, "int8_w8a8")
     with pytest.raises(ValueError, match="quant must be one of"):
         quantize_experts(w13, w2, "int2")
+
+
+@pytest.mark.parametrize("bias, error, match", [
+    (dict(b13=torch.zeros(2, 3)), ValueError, r"b13 must have shape \[2, 64\], got \[2, 3\]"),
+    (dict(b13=torch.zeros(2, 32)), ValueError, r"b13 must have shape \[2, 64\], got \[2, 32\]"),
+    (dict(b2=torch.zeros(2, 32, dtype=torch.int64)), TypeError, r"b2 must be a float tensor, got torch.int64"),
+    (dict(b2=[0.0] * 32), TypeError, r"b2 must be a torch.Tensor, got list"),
+], ids=["b13-wrong-shape", "b13-I-rows-for-gated-w13", "b2-int64", "b2-not-a-tensor"])
+def test_bad_biases_are_errors_before_quantizing(bias, error, match):
+    """Regression: biases were kept unchecked and refused only at the first call."""
+    with pytest.raises(error, match=match):
+        quantize_experts(torch.randn(2, 64, 32), torch.randn(2, 32, 32), "int8_w8a8", **bias)

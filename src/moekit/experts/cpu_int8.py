@@ -99,8 +99,13 @@ def _int8_gemm(rows: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, sr_span
                              trusted=True)
     acc = torch.empty((rows.shape[0], q_w.shape[1]), dtype=torch.int32, device=rows.device)
     q_x, s_x = quantize_activation(rows, _SCHEME)  # [n, K] int8, [n, 1]: all rows at once
+    N, K = q_w.shape[1:]
     for e, a, b in sr_spans:  # exact int32
-        if b - a <= SWAP_ROWS:
+        if min(K, N) == 1:
+            # torch._int_mm on CPU returns garbage with a size-1 dim (K = 1 in either operand
+            # order, N = 1 in the swapped one); an int32 matmul is exact and these GEMMs are tiny.
+            acc[a:b] = q_x[a:b].int() @ q_w[e].int().t()
+        elif b - a <= SWAP_ROWS:
             acc[a:b] = torch._int_mm(q_w[e], q_x[a:b].t().contiguous()).t()
         else:
             torch._int_mm(q_x[a:b], q_w[e].t(), out=acc[a:b])

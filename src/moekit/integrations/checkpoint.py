@@ -15,7 +15,9 @@ beside the router ({router}.weight [E, H], {router}.bias [E],
 {shared_gate}.weight [1, H]). Everything is checked against the layer's shapes from the file
 headers before a byte is copied: a missing, unexpected or mis-shaped tensor raises
 CheckpointError naming the key and the expected shape, and nothing is loaded. Tensors are
-converted to the canonical layout once, here, and copied into the layer's parameters.
+converted to the canonical layout once, here, and copied into the layer's parameters; a
+quantized layer (FusedMoE(quant=...)) takes its float experts, in either layout, stacked
+through FusedMoE.load_weights, which quantizes them on load.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "SafetensorsCheckpoint",
     "MoEKeys",
     "canonical_layout",
+    "deinterleave_gate_up",
+    "interleave_gate_up",
     "load_fused_moe",
     "load_model_checkpoint",
 ]
@@ -71,12 +75,27 @@ def canonical_layout(up: torch.Tensor, down: torch.Tensor, up_bias: Optional[tor
     w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
     b13 = up_bias
     if interleaved:
-        w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)  # gate rows, then up rows
+        w13 = deinterleave_gate_up(w13)
         if up_bias is not None:
-            b13 = torch.cat((up_bias[:, 0::2], up_bias[:, 1::2]), dim=1)
+            b13 = deinterleave_gate_up(up_bias)
     if transposed:
         w13, w2 = w13.contiguous(), w2.contiguous()
     return ExpertWeights(w13, w2, b13, down_bias)
+
+
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Gate and up alternating along dim 1 (gate even, up odd) -> gate rows, then up rows.
+
+    Args:
+        t: [E, 2I, ...] (w13 [E, 2I, H] or b13 [E, 2I]).
+    """
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of deinterleave_gate_up: [E, 2I, ...] gate rows then up rows -> alternating."""
+    gate, up = t.chunk(2, dim=1)  # [E, I, ...] each
+    return torch.stack((gate, up), dim=2).flatten(1, 2)
 
 
 def _shape(s: Sequence[int]) -> str:
@@ -192,8 +211,10 @@ class MoEKeys:
 
 
 # A load plan: key -> (expected shape, writer or None, whether a float dtype is expected).
-# Writers copy into the model's tensors; None marks stacked tensors converted together.
+# Writers copy into the model's tensors; None marks expert tensors converted together.
 _Plan = Dict[str, Tuple[Tuple[int, ...], Optional[Callable[[torch.Tensor], None]], bool]]
+# A group of expert tensors read together: (their keys, tensors by key -> canonical ExpertWeights).
+_Group = Tuple[List[str], Callable[[Dict[str, torch.Tensor]], ExpertWeights]]
 
 
 def _entry(shape, dst: torch.Tensor):
@@ -211,10 +232,34 @@ def _block_prefix(ckpt: SafetensorsCheckpoint, keys: MoEKeys, example: str, exam
     return present[0]
 
 
-def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes: list) -> None:
+def _float_shapes(layer) -> Tuple[int, int, int, int]:
+    """(E, rows, H, I) of the experts the layer holds, as float tensors: rows = 2I (gated) or I.
+
+    Quantized storage packs its last dim (int4: H/2), so its float shapes come from shape13/shape2.
+    """
     ex = layer.experts
-    E, rows, H = ex.w13.shape
-    I = ex.w2.shape[2]
+    E, rows, H = ex.w13.shape if layer.quant is None else ex.shape13
+    I = (ex.w2.shape if layer.quant is None else ex.shape2)[2]
+    return E, rows, H, I
+
+
+def _per_expert_stack(parts: Dict[str, List[Tuple[str, ...]]]):
+    """Per-expert tensors -> canonical ExpertWeights stacked over E.
+
+    Args:
+        parts: "w13", "w2" (and "b13", "b2" with biases) -> per expert e, the keys whose
+            tensors are concatenated into row block e (w13: gate then up, or up alone).
+    """
+    def stack(tensors: Dict[str, torch.Tensor]) -> ExpertWeights:
+        out = {name: torch.stack([torch.cat([tensors[k] for k in ks]) for ks in per_expert])
+               for name, per_expert in parts.items()}  # w13 [E, 2I or I, H], w2 [E, H, I], b13, b2
+        return ExpertWeights(out["w13"], out["w2"], out.get("b13"), out.get("b2"))
+    return stack
+
+
+def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, groups: List[_Group]) -> None:
+    ex = layer.experts
+    E, rows, H, I = _float_shapes(layer)
     gated = is_gated(layer.activation)
     has_bias = ex.b13 is not None
     up_name = "gate_up_proj" if gated else "up_proj"
@@ -227,7 +272,9 @@ def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes
             names += [(base + up_name + "_bias", (E, rows)), (base + "down_proj_bias", (E, H))]
         for key, shape in names:
             plan[key] = (shape, None, True)  # converted together below
-        stacked_writes.append([key for key, _ in names])
+        order = [key for key, _ in names]
+        groups.append((order, lambda tensors: canonical_layout(
+            *[tensors[k] for k in order], transposed=keys.transposed, interleaved=keys.interleaved)))
         return
     packed = [k for k in ckpt.keys() if k.startswith(base) and k.endswith(("_blocks", "_scales"))]
     if packed:
@@ -236,6 +283,23 @@ def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes
             f"expected {base + up_name!r} in a float dtype")
     legacy = next((n for n in LEGACY_EXPERT_NAMES if f"{base}0.{n[2]}.weight" in ckpt), LEGACY_EXPERT_NAMES[0])
     g, u, d = legacy
+    if layer.quant is not None:
+        # Quantized storage cannot take one expert's float rows: stack all experts in float
+        # and quantize on load (the same numbers as loading the stacked layout).
+        ups = (g, u) if gated else (u,)
+        parts = {"w13": [tuple(f"{base}{e}.{n}.weight" for n in ups) for e in range(E)],
+                 "w2": [(f"{base}{e}.{d}.weight",) for e in range(E)]}
+        shapes = {"w13": (I, H), "w2": (H, I)}
+        if has_bias:
+            parts.update(b13=[tuple(f"{base}{e}.{n}.bias" for n in ups) for e in range(E)],
+                         b2=[(f"{base}{e}.{d}.bias",) for e in range(E)])
+            shapes.update(b13=(I,), b2=(H,))
+        for name, per_expert in parts.items():
+            for key in (k for ks in per_expert for k in ks):
+                plan[key] = (shapes[name], None, True)  # converted together below
+        groups.append(([k for per_expert in parts.values() for ks in per_expert for k in ks],
+                       _per_expert_stack(parts)))
+        return
     for e in range(E):
         if gated:
             plan[f"{base}{e}.{g}.weight"] = _entry((I, H), ex.w13.data[e, :I])
@@ -253,20 +317,20 @@ def _expert_plan(layer, ckpt, p: str, keys: MoEKeys, plan: _Plan, stacked_writes
 
 
 def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
-    """Plan the load of one FusedMoE; returns (prefix, plan, stacked groups)."""
+    """Plan the load of one FusedMoE; returns (prefix, plan, expert groups loaded through load_weights)."""
     E, H = layer.num_experts, layer.hidden_size
     router_w = f"{keys.router}.weight"
     p = _block_prefix(ckpt, keys, router_w if layer.gate is not None else f"{keys.experts}.0.gate_proj.weight",
                       (E, H) if layer.gate is not None else (layer.intermediate_size, H))
     plan: _Plan = {}
-    stacked: list = []
+    groups: List[_Group] = []
     if layer.gate is not None:
         plan[p + router_w] = _entry((E, H), layer.gate.weight.data)
         if layer.gate.bias is not None:
             plan[f"{p}{keys.router}.bias"] = _entry((E,), layer.gate.bias.data)
     if layer.e_score_correction_bias is not None:
         plan[f"{p}{keys.router}.e_score_correction_bias"] = _entry((E,), layer.e_score_correction_bias)
-    _expert_plan(layer, ckpt, p, keys, plan, stacked)
+    _expert_plan(layer, ckpt, p, keys, plan, groups)
     if layer.shared is not None:
         if keys.shared is None:
             raise CheckpointError(f"the layer has shared experts but MoEKeys.shared names none (block {p!r})")
@@ -284,15 +348,7 @@ def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
                 raise CheckpointError(
                     f"the layer's shared experts are gated but MoEKeys.shared_gate names none (block {p!r})")
             plan[f"{p}{keys.shared_gate}.weight"] = _entry((1, H), sh.gate.data)
-    return p, plan, stacked
-
-
-def _stacked_writer(layer, keys: MoEKeys, names: List[str]) -> Callable[[Dict[str, torch.Tensor]], None]:
-    def write(tensors: Dict[str, torch.Tensor]) -> None:
-        parts = [tensors[n] for n in names] + [None] * (4 - len(names))
-        w = canonical_layout(*parts, transposed=keys.transposed, interleaved=keys.interleaved)
-        layer.load_weights(w.w13, w.w2, w.b13, w.b2)
-    return write
+    return p, plan, groups
 
 
 def _check(ckpt: SafetensorsCheckpoint, plan: _Plan, problems: List[str]) -> None:
@@ -351,7 +407,7 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
     ckpt = _open(checkpoint)
     problems: List[str] = []
     plan: _Plan = {}
-    stacked: List[Tuple[Callable, List[str]]] = []
+    expert_groups: List[Tuple[nn.Module, _Group]] = []
     for _, (layer, keys) in moe_layers.items():
         try:
             p, moe_plan, groups = _moe_plan(layer, ckpt, keys)
@@ -362,7 +418,7 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
             if key.startswith(p) and key not in moe_plan:
                 problems.append(f"unexpected tensor {key!r} under MoE block {p[:-1]!r}")
         plan.update(moe_plan)
-        stacked += [(_stacked_writer(layer, keys, names), names) for names in groups]
+        expert_groups += [(layer, group) for group in groups]
     if model is not None:
         _named_plan(model, ckpt, [n for n in moe_layers if n], plan)
     _check(ckpt, plan, problems)
@@ -373,8 +429,9 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
     for key, (_, write, _) in plan.items():
         if write is not None:
             write(ckpt.get(key))
-    for write, names in stacked:
-        write({n: ckpt.get(n) for n in names})
+    for layer, (names, convert) in expert_groups:
+        w = convert({n: ckpt.get(n) for n in names})
+        layer.load_weights(w.w13, w.w2, w.b13, w.b2)  # quantizes on load for a quantized layer
     return sorted(plan)
 
 

@@ -17,6 +17,10 @@ experts in fp32 and casts once at the end, where transformers rounds routing wei
 (Qwen, OLMoE) and partial sums to the model dtype; in bf16 the two agree within 2e-2.
 `output_router_logits` is not available on patched models (the router modules that
 transformers' output recorder hooks are gone), so a model configured with it is refused.
+
+A patched model's state_dict, and so save_pretrained, keeps the replaced blocks' transformers
+names and layout, and load_state_dict takes them (moekit.integrations.transformers_state):
+transformers and moekit.hf.from_pretrained both read the saved folder back.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..layer import FusedMoE
 from ..routing import route
 from .checkpoint import MoEKeys, canonical_layout
 from .transformers import ExpertsLayout, activation_name, experts_layout, source_signature
+from .transformers_state import load_post_hook, load_pre_hook, save_hook
 
 __all__ = ["BlockFamily", "FAMILIES", "MoEBlock", "family_of", "patch_model", "moe_blocks"]
 
@@ -159,7 +164,9 @@ class MoEBlock(nn.Module):
     """A transformers sparse-MoE block replaced by a FusedMoE; same call and return contract.
 
     forward(hidden_states [B, S, H]) -> [B, S, H], or (that, router_scores [B*S, k]) for the
-    families whose block returns the scores (gpt-oss).
+    families whose block returns the scores (gpt-oss). state_dict (and so save_pretrained) and
+    load_state_dict use the replaced block's transformers names and layout
+    (moekit.integrations.transformers_state).
     """
 
     def __init__(self, moe: FusedMoE, family: BlockFamily, layout: ExpertsLayout, jitter_noise: float = 0.0) -> None:
@@ -168,6 +175,10 @@ class MoEBlock(nn.Module):
         self.family = family
         self.layout = layout
         self.jitter_noise = jitter_noise
+        self._missing_names: Dict[str, Tuple[str, ...]] = {}  # load_pre_hook -> load_post_hook
+        self.register_state_dict_post_hook(save_hook)
+        self.register_load_state_dict_pre_hook(load_pre_hook)
+        self.register_load_state_dict_post_hook(load_post_hook)
 
     def checkpoint_keys(self, name: str) -> MoEKeys:
         """Where this block's tensors live in a transformers checkpoint, given its module name."""

@@ -22,7 +22,7 @@ up_proj, and down_proj [H, I] with [H/128, I/128]. `load_deepseek_fp8` stacks th
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Iterable, Mapping, Optional, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -118,10 +118,10 @@ def load_quantized(path: Union[str, os.PathLike], prefix: str = "", device=None)
     return w
 
 
-def _getter(source: Source) -> Callable[[str], Optional[torch.Tensor]]:
-    """key -> tensor (or None if absent) over a dict, a safetensors file, a folder or a list of files."""
+def _getter(source: Source) -> Tuple[Callable[[str], Optional[torch.Tensor]], List[str]]:
+    """(key -> tensor or None if absent, every key) over a dict, a safetensors file, a folder or a list of files."""
     if isinstance(source, Mapping):
-        return source.get
+        return source.get, list(source.keys())
     _, safe_open = _safetensors()
     if isinstance(source, (str, os.PathLike)):
         p = os.fspath(source)
@@ -147,7 +147,7 @@ def _getter(source: Source) -> Callable[[str], Optional[torch.Tensor]]:
         with safe_open(where[key], framework="pt", device="cpu") as f:
             return f.get_tensor(key)
 
-    return get
+    return get, list(where)
 
 
 def load_deepseek_fp8(source: Source, prefix: str, num_experts: int, device=None) -> ExpertWeights:
@@ -156,7 +156,7 @@ def load_deepseek_fp8(source: Source, prefix: str, num_experts: int, device=None
     Args:
         source: {name: tensor}, a .safetensors file, a folder of them, or a list of files.
         prefix: the experts' name prefix, e.g. "model.layers.3.mlp.experts".
-        num_experts: E; experts 0..E-1 must all be present.
+        num_experts: E; experts 0..E-1 must all be present, and no other.
         device: where to put the result (default CPU).
     Returns:
         ExpertWeights: w13 [E, 2I, H] and w2 [E, H, I] float8_e4m3fn, scales w13_scale
@@ -164,7 +164,12 @@ def load_deepseek_fp8(source: Source, prefix: str, num_experts: int, device=None
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-    get = _getter(source)
+    get, keys = _getter(source)
+    ids = (k[len(prefix) + 1:].split(".", 1)[0] for k in keys if k.startswith(prefix + "."))
+    held = sorted({int(e) for e in ids if e.isdigit()})  # the expert ids under prefix
+    if held and held[-1] >= num_experts:
+        raise ValueError(f"the checkpoint holds {len(held)} experts under {prefix!r} (ids up to {held[-1]}), "
+                         f"but num_experts={num_experts}; pass the layer's expert count (none is dropped)")
     w13, w2, s13, s2 = [], [], [], []
     for e in range(num_experts):
         parts = {}

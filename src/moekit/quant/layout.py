@@ -12,6 +12,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..activations import is_gated
+from ..checks import check_float_tensor
 from ..experts.base import ExpertWeights, cached_for
 from .quantize import check_fits
 from .schemes import QuantScheme, get_scheme
@@ -70,7 +71,7 @@ def expected_scales(scheme: QuantScheme, E: int, H: int, I: int,
 
 
 def check_quantized_weights(weights: ExpertWeights, hidden_size: int, activation: str) -> int:
-    """Raise ValueError/TypeError naming the tensor for any malformed quantized storage.
+    """Raise ValueError/TypeError naming the tensor for any malformed quantized storage or float bias.
 
     Args:
         weights: ExpertWeights with quant set.  hidden_size: H of the activations.
@@ -95,6 +96,11 @@ def check_quantized_weights(weights: ExpertWeights, hidden_size: int, activation
         raise ValueError(f"w13 must be [E={E}, {n13}, {H // scheme.pack}] for quant={scheme.name!r} and activation "
                          f"{activation!r}, got {tuple(w13.shape)}")
     check_fits(scheme, H, I)
+    for name, t, shape in (("b13", weights.b13, (E, n13)), ("b2", weights.b2, (E, H))):
+        if t is not None:
+            check_float_tensor(name, t, shape)
+            if t.device != w13.device:
+                raise ValueError(f"{name} is on {t.device}, expected {w13.device} (the device of w13)")
     expected = expected_scales(scheme, E, H, I, n13)
     if scheme.activation_granularity == "tensor":
         for name in ("a13_scale", "a2_scale"):

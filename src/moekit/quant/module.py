@@ -3,8 +3,10 @@
 Same interface as moekit.layer.RoutedExperts (`expert_weights()`, `load_weights(...)`):
 `load_weights` takes a float checkpoint and quantizes it on load; `load_quantized` takes
 pre-quantized ExpertWeights (moekit.quant.checkpoint's loaders). The stored weights,
-scales and zero points are buffers (so they follow .to() and state_dict) with E first;
-optional biases stay float parameters.
+scales and zero points are buffers (so they follow device moves and state_dict) with E
+first; optional biases stay float parameters. A dtype cast of the module (`.to(torch.bfloat16)`,
+`.half()`, `.float()`) casts only the biases: the stored dtypes are the scheme's, and an fp32
+scale rounded to bf16 would change every dequantized weight.
 """
 
 from __future__ import annotations
@@ -72,6 +74,24 @@ class QuantizedRoutedExperts(nn.Module):
         self._scale_names = sorted(q.scales)
         for name in self._scale_names:
             self.register_buffer(name, q.scales[name])
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's .to() / .cuda() / .half() / ... with the buffers kept in their dtypes.
+
+        Each buffer gets `fn` when `fn` keeps its dtype (device moves, to_empty, share_memory),
+        else only `fn`'s device (found on an empty tensor of the buffer's dtype).
+        """
+        stored = dict(self._buffers)
+        self._buffers.clear()
+        try:
+            super()._apply(fn, recurse)  # the float parameters (biases) follow fn as they are
+        finally:
+            self._buffers.update(stored)
+        for name, buf in stored.items():
+            if buf is not None:
+                probe = fn(buf.new_empty(0))
+                self._buffers[name] = fn(buf) if probe.dtype == buf.dtype else buf.to(probe.device)
+        return self
 
     def expert_weights(self) -> ExpertWeights:
         names = self._scale_names

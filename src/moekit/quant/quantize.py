@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ..checks import check_float_tensor
 from ..experts.base import ExpertWeights
 from .schemes import FP8_MAX, GROUP_SIZES, QuantScheme, get_scheme
 
@@ -270,7 +271,8 @@ def quantize_experts(
         w13: [E, 2I, H] (gated) or [E, I, H] float.  w2: [E, H, I] float.
         scheme: a scheme name ("fp8_w8a8", "int4_w4a16", ...) or a QuantScheme.
         group_size: 32, 64 or 128 (weight-only schemes).  symmetric: False adds zero points.
-        b13: [E, 2I] or [E, I], b2: [E, H]: optional float biases, kept as they are.
+        b13: [E, 2I] or [E, I], b2: [E, H]: optional float biases, kept as they are (shape and
+            dtype checked).
         a13_scale, a2_scale: [E] fp32 static activation scales ("fp8_w8a8" only; without
             them the activation scale is computed per call).
     Returns:
@@ -286,6 +288,9 @@ def quantize_experts(
         raise ValueError(f"w13 must be [E={E}, 2I={2 * I} or I={I}, H={H}] to match w2 {tuple(w2.shape)}, "
                          f"got {tuple(w13.shape)}")
     check_fits(s, H, I)
+    for name, t, shape in (("b13", b13, (E, w13.shape[1])), ("b2", b2, (E, H))):
+        if t is not None:  # kept float beside the quantized weights: checked here, not at the first call
+            check_float_tensor(name, t, shape)
     q13, q2 = quantize_weight(w13, s), quantize_weight(w2, s)
     scales = {"w13_scale": q13.scale, "w2_scale": q2.scale}
     if q13.zero is not None:
