@@ -29,7 +29,8 @@ from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_quant import cpu_name, write_json  # noqa: E402
+from cpu_quant import write_json  # noqa: E402
+from moekit.benchmarks.cpu import cpu_model  # noqa: E402
 
 E, K_TOP, H, I = 64, 8, 1024, 512
 SCHEMES = {"bf16": (None, "cpu"), "int8_w8a8": ("int8_w8a8", "cpu_int8"), "int4_w4a16": ("int4_w4a16", "cpu_wo")}
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         "benchmark": "cpu_layer_decode",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "moekit": moekit.__version__, "python": platform.python_version(),
         "shape": {"E": E, "k": K_TOP, "H": H, "I": I, "activation": "silu", "x": "bf16", "gate": "owned, bf16"},
         "rounds": args.rounds,

@@ -38,6 +38,7 @@ import torch
 import moekit
 import moekit.native
 from moekit import quantize_experts
+from moekit.benchmarks.cpu import cpu_model
 from moekit.config import ActivationParams
 from moekit.experts.base import BACKENDS, ExpertWeights
 from moekit.experts.cpu import CPUBackend, native_dtypes
@@ -45,21 +46,6 @@ from moekit.experts.cpu_int8 import CPUInt8Backend
 from moekit.experts.cpu_weight_only import CPUWeightOnlyBackend
 
 E, K_TOP, H, I = 64, 8, 1024, 512
-
-
-def cpu_name() -> str:
-    """Model name, family and model from /proc/cpuinfo (e.g. "AMD EPYC (family 26, model 2)")."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    if "model name" not in info:
-        return platform.processor() or platform.machine()
-    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 def cpu_flags() -> list:
@@ -234,7 +220,7 @@ def main(argv=None) -> int:
         "benchmark": "cpu_quant",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "moekit": moekit.__version__, "python": platform.python_version(),
         "shape": {"E": E, "k": K_TOP, "H": H, "I": I, "activation": "silu"},
         "dram_read_GB_per_s": round(dram / 1e9, 1),

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from moekit.benchmarks.cpu import cpu_model
 from moekit.cli.eplb import synthetic_load
 from moekit.eplb.policy import (balancedness, gpu_loads, rebalance_experts, rebalance_experts_loop,
                                 static_gpu_loads)
@@ -39,17 +40,6 @@ SETUPS = [
     ("EP8, no redundant", 8, 1, 1, 0),
     ("EP8, 32 redundant", 8, 1, 1, 32),
 ]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _median_time(fn, reps: int) -> float:
@@ -120,7 +110,7 @@ def main(argv=None) -> int:
         result = {
             "benchmark": "eplb_plan",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": _cpu_name(),
+            "device": cpu_model(),
             "cpu_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),

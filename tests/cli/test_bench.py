@@ -18,6 +18,10 @@ from moekit.cli.main import main
     (["--shapes", "mixtral-8x7b"], "--shapes on cpu must be among"),
     (["--device", "cuda", "--shapes", "E64-k8-H1024-I512"], "--shapes on cuda must be among"),
     (["--device", "cuda", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--M", "16", "0"], "--M takes token counts >= 1"),
+    (["--impls", "moekit_auto", "bogus"], "--impls on cpu must be among"),
+    (["--device", "cuda", "--impls", "hf_eager"], "--impls on cuda must be among"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, message):
     with pytest.raises(SystemExit) as err:

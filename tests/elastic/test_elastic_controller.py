@@ -65,6 +65,14 @@ def test_batches_complete_exactly_once_in_order_of_resubmission():
         q.submit(torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         q.submit([[0.0] * 4])
+    with pytest.raises(ValueError, match="x must be finite"):  # it would fail on every world
+        q.submit(torch.tensor([[0.0, 1.0, float("nan"), 2.0]]))
+    with pytest.raises(ValueError, match="with data"):
+        q.submit(torch.empty(2, 4, device="meta"))
+    x = torch.ones(2, 4)
+    bid = q.submit(x)
+    x.zero_()  # the caller reuses its tensor: the queued batch is a copy
+    assert q._inputs[bid].sum() == 8
 
 
 class _StandInPool:

@@ -4,6 +4,7 @@ GEMM layer, same bf16 weights, same inputs, same process; fresh routing per repe
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -77,6 +78,28 @@ def measure_cpu_ceilings(dtype: torch.dtype = torch.bfloat16) -> Ceilings:
     return Ceilings(f"measured {dtype}", 2 * 1024 * 2048 * 2048 / mm, big.numel() * 2 / read)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, family and model from /proc/cpuinfo, else what platform knows."""
+    info: Dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if "model name" not in info:
+        return f"cpu {platform.processor() or platform.machine()}"
+    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def run_cpu_bench(
     shapes: Sequence = CPU_SHAPES,
     Ms: Sequence[int] = (1, 32, 512),
@@ -126,8 +149,9 @@ def run_cpu_bench(
     return {
         "benchmark": "experts-cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "device": f"{cpu_model()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
+        "transformers": _version("transformers"),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "isa_caps": {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ},
         "moekit": moekit.__version__,

@@ -30,6 +30,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# The implementations each device's benchmark times (moekit's, then the peers).
+_IMPLS = {
+    "cpu": ("moekit_auto", "moekit_grouped_mm", "torch_grouped_gemm", "hf_eager", "hf_grouped_mm"),
+    "cuda": ("moekit_triton", "moekit_grouped_mm", "torch_grouped_gemm", "hf_grouped_mm"),
+}
+
+
 def _check_args(args) -> None:
     if args.device != "cuda":
         for flag, value in (("--quant", args.quant), ("--static-scales", args.static_scales),
@@ -57,6 +64,15 @@ def _check_args(args) -> None:
         unknown = [n for n in args.shapes if n not in names]
         if unknown:
             raise SystemExit(f"moekit bench: --shapes on {args.device} must be among {names}, got {unknown}")
+    if args.reps < 1 or args.budget <= 0:
+        raise SystemExit(f"moekit bench: --reps must be >= 1 and --budget > 0, got {args.reps} and {args.budget}")
+    if args.M is not None and min(args.M) < 1:
+        raise SystemExit(f"moekit bench: --M takes token counts >= 1, got {args.M}")
+    if args.impls:
+        known = _IMPLS[args.device]
+        unknown = [n for n in args.impls if n not in known]
+        if unknown:
+            raise SystemExit(f"moekit bench: --impls on {args.device} must be among {list(known)}, got {unknown}")
     if args.rounds < 1 or args.warm_ms < 0:
         raise SystemExit(f"moekit bench: --rounds must be >= 1 and --warm-ms >= 0, got {args.rounds} and "
                          f"{args.warm_ms}")

@@ -34,16 +34,20 @@ class BatchQueue:
         self.interrupted = 0
 
     def submit(self, x: torch.Tensor) -> int:
-        """Queue x [T, H]; returns its id."""
+        """Queue a copy of x [T, H] (finite floats; the caller may reuse x at once); returns its id."""
         H = self.hidden_size
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [T, H], got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != H or not x.is_floating_point():
-            raise ValueError(f"x must be a float tensor [T, H={H}], got {x.dtype} {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != H or not x.is_floating_point() or x.device.type == "meta":
+            raise ValueError(f"x must be a float tensor [T, H={H}] with data, got {x.dtype} {tuple(x.shape)} "
+                             f"on {x.device}")
+        x = x.detach().to("cpu", copy=True)
+        if not bool(torch.isfinite(x).all()):  # it would fail on every world it ran on
+            raise ValueError("x must be finite, got NaN or inf entries")
         with self._lock:
             bid = self._next_id
             self._next_id += 1
-            self._inputs[bid] = x.detach().cpu()
+            self._inputs[bid] = x
             self.attempts[bid] = 0
             self._queue.append(bid)
         return bid

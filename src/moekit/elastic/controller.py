@@ -132,7 +132,11 @@ class ElasticController:
         return self.pool.pid(worker)
 
     def submit(self, x: torch.Tensor) -> int:
-        """Queue a batch x [T, H] (from any thread); returns its id. serve() runs it."""
+        """Queue a copy of the batch x [T, H] (from any thread); returns its id. serve() runs it.
+
+        Raises ElasticError once the deployment cannot serve (shut down, or given up)."""
+        if self._broken is not None:
+            raise ElasticError(f"cannot take batches: {self._broken}")
         return self.batches.submit(x)
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -202,7 +206,9 @@ class ElasticController:
     def serve(self, until: Optional[Callable[[], bool]] = None, timeout_s: float = 600.0) -> None:
         """Run queued batches until `until()` is true (default: until none is queued), recovering from faults.
 
-        Raises TimeoutError after timeout_s, ElasticError when the deployment cannot serve.
+        Raises TimeoutError once timeout_s has passed, ElasticError when the deployment cannot
+        serve. The deadline is checked between batches: a batch in flight runs to its end, or to
+        ElasticConfig.command_timeout_s and the rebuild after it, first.
         """
         deadline = time.monotonic() + timeout_s
         while True:
