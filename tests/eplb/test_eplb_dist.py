@@ -163,6 +163,10 @@ def _check_rearrangement(rank, size):
     assert not torch.equal(state.phy2log, before)
     for i in range(L):
         assert torch.equal(_output(state, i, locals_[i], x, w, ids), refs[i]), f"after close: layer {i}"
+    # No process group outlives destroy_process_group() through the state: gloo's worker threads
+    # would run into interpreter shutdown and abort the process.
+    held = [v for obj in (state, state._worker) for v in vars(obj).values()]
+    assert not any(isinstance(v, dist.ProcessGroup) for v in held)
 
 
 def _check_ep_layer(rank, size):

@@ -41,6 +41,7 @@ class AsyncRearranger:
         self.state = state
         self.group = group
         self.active = False
+        self.closed = False  # EplbState.close() released the group
         self._status = BUSY
         self._error: Optional[BaseException] = None
         self._staged: Optional[Tuple[int, torch.Tensor, StagedLayer]] = None
@@ -52,6 +53,8 @@ class AsyncRearranger:
         """Begin a rearrangement for a load [L, E] (identical on every rank)."""
         if self.active:
             raise RuntimeError("a rearrangement is already in progress")
+        if self.closed:
+            raise RuntimeError("EplbState.close() has stopped the asynchronous worker; no rearrangement can start")
         self.active = True
         self._status, self._error, self._staged = BUSY, None, None
         self._release.clear()

@@ -129,7 +129,12 @@ class EplbState:
         if len(weights) < 1:
             raise ValueError("weights must list at least one layer, got none")
         self.config = config
-        self.group = group
+        # The default group is looked up at each use, never held: a reference kept past
+        # destroy_process_group() keeps the gloo backend (and its worker threads) alive into
+        # interpreter shutdown, where a worker dropping a finished collective's tensors aborts
+        # the process ("terminate called without an active exception").
+        self._world = group is not None and group is dist.group.WORLD
+        self._group = None if self._world else group
         self.num_ranks = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.num_layers = len(weights)
@@ -164,9 +169,20 @@ class EplbState:
         if config.mode == "async":
             from .async_worker import AsyncRearranger  # noqa: PLC0415 (threads only when asked for)
 
-            if group is not None and worker_group is None:
+            self._owns_worker_group = group is not None and worker_group is None
+            if self._owns_worker_group:
                 worker_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
             self._worker = AsyncRearranger(self, worker_group)
+
+    @property
+    def group(self):
+        """The process group of the P ranks (None: a single process)."""
+        if not self._world:
+            return self._group
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("EplbState: the default process group has been destroyed")
+        return world
 
     # -- per layer ---------------------------------------------------------------------
     def hook(self, layer: int) -> EplbLayerHook:
@@ -286,9 +302,19 @@ class EplbState:
 
         Call it on every rank, at the same step, before the process group is destroyed: a
         worker left inside a transfer would abort the process at shutdown. The layers still to
-        move are committed as in step(); no-op in "sync" mode or when nothing is running."""
-        if self._worker is not None:
-            self._worker.finish()
+        move are committed as in step(); no-op in "sync" mode or when nothing is running.
+
+        The worker's process group is released (destroyed when enable_eplb/EplbState created
+        it), so no gloo worker threads outlive destroy_process_group(); asynchronous
+        rearrangements cannot start after close()."""
+        if self._worker is None:
+            return
+        self._worker.finish()
+        worker_group, self._worker.group = self._worker.group, None
+        if worker_group is not None:
+            self._worker.closed = True
+            if self._owns_worker_group:
+                dist.destroy_process_group(worker_group)
 
     @property
     def rearranging(self) -> bool:
