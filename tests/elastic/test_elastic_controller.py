@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from moekit.elastic import ElasticConfig, ElasticController, ElasticError, ModelSpec, write_checkpoint
+from moekit.elastic import BatchFailed, ElasticConfig, ElasticController, ElasticError, ModelSpec, write_checkpoint
 from moekit.elastic.batches import BatchQueue
+from moekit.elastic.worker import Reply
 
 
 @pytest.fixture
@@ -101,6 +102,45 @@ def test_impossible_rebuilds_are_clear_errors(config, tmp_path):
     (tmp_path / "m.safetensors").unlink()
     with pytest.raises(ElasticError, match="no surviving copy and the checkpoint .* cannot be read"):
         ctl._rebuild(0, "recover", ["a", "b"], "d failed")
+
+
+class _ReplyingPool:
+    """Members that stay alive and answer every Run: an error for batches holding a 7, else 2 x."""
+
+    def __init__(self, members):
+        self.running, self.failed, self.holdings = tuple(members), {}, {}
+        self._seq = 0
+
+    def next_seq(self):
+        self._seq += 1
+        return self._seq
+
+    def check(self, members):
+        pass
+
+    def exchange(self, commands, timeout_s):
+        replies = {}
+        for w, cmd in commands.items():
+            bad = (cmd.x == 7).any()
+            replies[w] = Reply(w, cmd.seq, not bad, None if bad else cmd.x * 2, "ValueError: a 7" if bad else "", ())
+        return replies, {}
+
+
+def test_a_batch_that_always_fails_is_dropped_and_serving_goes_on(config):
+    ctl = ElasticController(config)
+    ctl.pool = _ReplyingPool(["a", "b"])
+    ctl.members, ctl.generation = ("a", "b"), 1
+    rebuilds = []
+    ctl._recover = rebuilds.append  # the world rebuilt after each failed run (stand-in)
+    good, bad, after = torch.ones(3, 16), torch.full((2, 16), 7.0), torch.ones(1, 16)
+    ids = [ctl.submit(t) for t in (good, bad, after)]
+    with pytest.raises(BatchFailed, match=r"batch 1 failed on every one of its runs.*last: a: ValueError: a 7"):
+        ctl.serve(timeout_s=30)
+    assert len(rebuilds) == config.max_attempts
+    assert list(ctl.batch_errors) == [1] and "ValueError: a 7" in ctl.batch_errors[1]
+    ctl.serve(timeout_s=30)  # the deployment still serves the batches after it
+    assert sorted(ctl.results) == [ids[0], ids[2]] and ctl.pending == 0
+    assert torch.equal(ctl.results[ids[2]], after * 2)
 
 
 def test_requests_need_a_serving_world(config):

@@ -8,13 +8,14 @@ rearrangement along a transition plan (plan.py); experts whose holders died are 
 from the checkpoint (model.py). Settings and records: config.py.
 """
 
-from .config import ElasticConfig, ElasticError, StageEvent, TransitionReport
+from .config import BatchFailed, ElasticConfig, ElasticError, StageEvent, TransitionReport
 from .controller import ElasticController
 from .model import ModelSpec, ReferenceModel, read_experts, write_checkpoint
 from .plan import (TransitionPlan, WorkerPlan, apply_plan, assign_packs, check_world, num_slots, place,
                    plan_transition, smallest_world, validate_request, world_problem)
 
 __all__ = [
+    "BatchFailed",
     "ElasticConfig",
     "ElasticController",
     "ElasticError",

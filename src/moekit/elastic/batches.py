@@ -31,6 +31,7 @@ class BatchQueue:
         self.results: Dict[int, torch.Tensor] = {}
         self.completion_log: List[int] = []
         self.attempts: Dict[int, int] = {}
+        self.errors: Dict[int, str] = {}  # batches given up on: id -> the last failure
         self.interrupted = 0
 
     def submit(self, x: torch.Tensor) -> int:
@@ -75,6 +76,15 @@ class BatchQueue:
         with self._lock:
             self._queue.appendleft(bid)
         self.interrupted += 1
+        self.in_flight = None
+
+    def give_up(self, bid: int, why: str) -> None:
+        """Drop the in-flight batch bid from the queue for good, recording why (no result will come)."""
+        with self._lock:
+            if bid in self._queue:
+                self._queue.remove(bid)
+            del self._inputs[bid]
+        self.errors[bid] = why
         self.in_flight = None
 
     def complete(self, bid: int, out: torch.Tensor) -> None:

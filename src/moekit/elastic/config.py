@@ -15,6 +15,17 @@ class ElasticError(RuntimeError):
     """The deployment cannot serve any more; the message names why."""
 
 
+class BatchFailed(RuntimeError):
+    """One batch failed max_attempts runs and left the queue; the deployment serves on.
+
+    Attributes: batch (its id) and why (the last run's failure)."""
+
+    def __init__(self, batch: int, why: str) -> None:
+        super().__init__(f"batch {batch} failed on every one of its runs and was dropped from the queue "
+                         f"(controller.batch_errors[{batch}]); last: {why}")
+        self.batch, self.why = batch, why
+
+
 @dataclass(frozen=True)
 class ElasticConfig:
     """How an elastic expert-parallel deployment runs.

@@ -8,8 +8,8 @@ queued batches one at a time: the batch is split over the members in rank order 
 slices; a member may get 0 tokens and still joins the layers' collectives), each member
 runs its slice through all layers, and the slices are put back together. A batch completes
 exactly once; one interrupted by a failure goes back to the front of the queue and runs
-again on the rebuilt world; after max_attempts failed runs serve() gives up with
-ElasticError instead of looping.
+again on the rebuilt world; after max_attempts failed runs the batch leaves the queue
+(`batch_errors`) and serve() raises BatchFailed, the world rebuilt to serve the rest.
 
 A planned transition (`transition`, `scale_down`, `scale_up`) has four stages, each recorded
 as a StageEvent in `events` (and logged on the "moekit.elastic" logger):
@@ -54,7 +54,7 @@ import torch
 
 from ..parallel.placement import split_sizes
 from .batches import BatchQueue
-from .config import ElasticConfig, ElasticError, StageEvent, TransitionReport
+from .config import BatchFailed, ElasticConfig, ElasticError, StageEvent, TransitionReport
 from .groups import MEMBERS_KEY, host_store, target_key
 from .plan import TransitionPlan, place, plan_transition, validate_request, world_problem
 from .pool import POLL_S, WorkerPool, failures
@@ -124,6 +124,11 @@ class ElasticController:
         return self.pool.failed
 
     @property
+    def batch_errors(self) -> Dict[int, str]:
+        """Batches dropped after max_attempts failed runs: id -> the last failure."""
+        return self.batches.errors
+
+    @property
     def workers(self) -> Tuple[str, ...]:
         """Ids of every running worker process (members, joiners, leavers not yet stopped)."""
         return self.pool.running
@@ -187,9 +192,12 @@ class ElasticController:
         if not why:
             self.batches.complete(bid, torch.cat([torch.from_numpy(replies[w].value) for w in members]).to(x.dtype))
             return
-        self.batches.requeue(bid)
         if self.batches.attempts[bid] >= self.config.max_attempts:
-            self._fail(f"batch {bid} failed {self.batches.attempts[bid]} times; last: {why}")
+            # The batch, not the world, is the likely cause: drop it, rebuild, serve the rest.
+            self.batches.give_up(bid, why)
+            self._recover(f"batch {bid} failed {self.batches.attempts[bid]} times ({why})")
+            raise BatchFailed(bid, why)
+        self.batches.requeue(bid)
         self._recover(f"batch {bid} interrupted ({why})")
 
     def _tick(self) -> bool:
@@ -207,7 +215,8 @@ class ElasticController:
         """Run queued batches until `until()` is true (default: until none is queued), recovering from faults.
 
         Raises TimeoutError once timeout_s has passed, ElasticError when the deployment cannot
-        serve. The deadline is checked between batches: a batch in flight runs to its end, or to
+        serve, BatchFailed when a batch failed max_attempts runs (it is dropped; call serve()
+        again for the rest). The deadline is checked between batches: a batch in flight runs to its end, or to
         ElasticConfig.command_timeout_s and the rebuild after it, first.
         """
         deadline = time.monotonic() + timeout_s
