@@ -10,6 +10,7 @@ from conftest import TOL, rel_err, random_expert_map
 
 pytest.importorskip("triton")
 
+import moekit  # noqa: E402
 from moekit import FusedMoE, RoutingConfig, fused_experts  # noqa: E402
 from moekit.activations import ACTIVATIONS, is_gated  # noqa: E402
 from moekit.config import settings  # noqa: E402
@@ -182,3 +183,23 @@ def test_torch_compile_of_the_layer(cuda_gen):
         eager = layer(x, logits)
         compiled = torch.compile(layer)(x, logits)
     assert rel_err(compiled, eager) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_trainable_gate_over_frozen_experts(T, cuda_gen):
+    # Only the routing weights need gradients: the Triton experts run each assignment without
+    # autograd and torch takes the weighted sum over k (experts.api._routed_by_slot).
+    layer = FusedMoE(16, 256, 128, RoutingConfig(top_k=4), dtype=torch.bfloat16, device="cuda", gate=True)
+    layer.experts.requires_grad_(False)
+    x = torch.randn(T, 256, device="cuda", generator=cuda_gen).bfloat16()
+    y = layer(x)
+    assert y.requires_grad
+    with torch.inference_mode():
+        assert rel_err(y.detach(), layer(x)) <= TOL[torch.bfloat16]
+    g = torch.randn(T, 256, device="cuda", generator=cuda_gen)
+    (y.float() * g).sum().backward()
+    gate_w = layer.gate.weight.detach().clone().requires_grad_()
+    w, ids = moekit.route(torch.nn.functional.linear(x, gate_w), layer.routing)
+    ref = fused_experts(x, layer.experts.w13, layer.experts.w2, w, ids, backend="reference")
+    (ref.float() * g).sum().backward()
+    assert rel_err(layer.gate.weight.grad.float(), gate_w.grad.float()) <= 5e-2
