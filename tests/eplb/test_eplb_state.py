@@ -201,6 +201,7 @@ def test_async_mode_gives_the_sync_result():
     base = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
     results = {}
     load = (torch.randn(L, E) * 2).exp().round()
+    load[:, -2:] += 1000  # the last experts get the replicas: the placement must move
     for mode in ("sync", "async"):
         layers = [_plain_copy(m, E, H, I, routing) for m in base]
         state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode=mode))
@@ -220,7 +221,9 @@ def test_close_finishes_an_async_rearrangement():
     layers = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
     plain = [_plain_copy(m, E, H, I, routing) for m in layers]
     state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode="async"))
-    state.rearrange((torch.randn(L, E) * 2).exp().round())
+    load = (torch.randn(L, E) * 2).exp().round()
+    load[:, -2:] += 1000  # the last experts get the replicas: the placement must move
+    state.rearrange(load)
     assert state.rearranging
     state.close()
     assert not state.rearranging and state.rearrangements == 1
