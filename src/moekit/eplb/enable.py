@@ -19,7 +19,6 @@ from ..experts.base import ExpertWeights
 from ..layer import FusedMoE
 from ..parallel.base import LocalDispatcher
 from .maps import initial_placement, local_slots
-from .policy import check_policy_args
 from .state import EplbConfig, EplbState
 
 __all__ = ["enable_eplb"]
@@ -113,7 +112,6 @@ def enable_eplb(layers: Union[FusedMoE, Sequence[FusedMoE]], config: EplbConfig,
     rank = 0 if parallel is None else parallel.ep_rank
     config.check_fits(E, P)
     R = E + config.num_redundant
-    check_policy_args(torch.zeros(len(layers), E), R, config.num_groups, config.num_nodes, P)
     phy2log = initial_placement(len(layers), E, R)
     slots = local_slots(R, P, rank)
     resized = []  # every layer checked and built before any is changed

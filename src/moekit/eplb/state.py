@@ -68,7 +68,8 @@ class EplbConfig:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
 
     def check_fits(self, num_logical: int, num_ranks: int) -> None:
-        """Raise ValueError, naming the field, unless this config fits E experts over P ranks."""
+        """Raise ValueError, naming the field, unless this config fits E experts over P ranks
+        (then the policy's own preconditions, so nothing later refuses the config)."""
         E, P, R = num_logical, num_ranks, num_logical + self.num_redundant
         if E % self.num_groups:
             raise ValueError(f"num_groups={self.num_groups} must divide the number of experts E={E}")
@@ -77,6 +78,7 @@ class EplbConfig:
         if R % P:
             raise ValueError(f"the R = E + num_redundant = {E} + {self.num_redundant} = {R} slots must divide "
                              f"evenly over the {P} expert-parallel ranks (choose num_redundant so {P} divides R)")
+        check_policy_args(torch.zeros(1, E), R, self.num_groups, self.num_nodes, P)
 
 
 class EplbLayerHook:
@@ -142,7 +144,6 @@ class EplbState:
         self.num_physical = num_logical + config.num_redundant
         L, E, R, P = self.num_layers, num_logical, self.num_physical, self.num_ranks
         config.check_fits(E, P)
-        check_policy_args(torch.zeros(L, E), R, config.num_groups, config.num_nodes, P)
         self.slots = local_slots(R, P, self.rank)
         self._weights = list(weights)
         for i in range(L):

@@ -246,7 +246,7 @@ def experts_forward(
         one = dataclasses.replace(problem, top_k=1, requires_grad=False)
         slot_backend = choose_backend(one, backend, owner=owner).backend
         if _oracle().refusal(slot_backend, problem) is not None:  # it cannot backpropagate itself
-            return _routed_by_slot(slot_backend, x, weights, topk_weights, topk_ids, activation=activation,
+            return _routed_by_slot(slot_backend, x, weights, topk_weights, topk_ids, problem, activation=activation,
                                    activation_params=activation_params, expert_map=expert_map, out_dtype=out_dtype)
     chosen = choose_backend(problem, backend, owner=owner).backend
     T, H = x.shape
@@ -280,8 +280,8 @@ def _grad_through_routing_only(problem: ExpertsProblem, x: torch.Tensor, weights
             and not any(t.requires_grad for _, t in weights.per_expert_tensors()))
 
 
-def _routed_by_slot(backend, x, weights, topk_weights, topk_ids, *, activation, activation_params, expert_map,
-                    out_dtype) -> torch.Tensor:
+def _routed_by_slot(backend, x, weights, topk_weights, topk_ids, problem, *, activation, activation_params,
+                    expert_map, out_dtype) -> torch.Tensor:
     """The routed output when gradients flow only into topk_weights [T, k], on a backend without autograd.
 
     The backend runs without autograd on the T k assignments as rows of one expert each (x's
@@ -291,7 +291,7 @@ def _routed_by_slot(backend, x, weights, topk_weights, topk_ids, *, activation, 
     T, k = topk_ids.shape
     H = x.shape[1]
     if T == 0:
-        return x.new_zeros((0, H), dtype=out_dtype) + (topk_weights.sum() * 0).to(out_dtype)
+        return _in_graph(x.new_zeros((0, H), dtype=out_dtype), problem, x, weights, topk_weights)
     with torch.no_grad():
         rows = backend.apply(
             x.repeat_interleave(k, 0).contiguous(), weights,
