@@ -38,6 +38,16 @@ def test_parse_engine_style_file_uses_one_config_for_both_gemms():
     assert table[64].block_m == 32
 
 
+def test_engine_file_with_its_triton_version_loads():
+    """The engines' tuners write the Triton version beside the entries; it is not a token count."""
+    text = json.dumps({"triton_version": "3.4.0", "1": ENTRY, "64": dict(ENTRY, BLOCK_SIZE_M=32)})
+    assert sorted(parse_configs(text, "f.json")) == [1, 64]
+    with pytest.raises(ValueError, match="non-empty"):  # the version alone is no table
+        parse_configs(json.dumps({"triton_version": "3.4.0"}), "f.json")
+    with pytest.raises(ValueError, match="keys must be token counts"):  # only as a version string
+        parse_configs(json.dumps({"triton_version": ENTRY, "1": ENTRY}), "f.json")
+
+
 def test_parse_moekit_file_with_own_gemm2_tiles_round_trips():
     cfg = MoEConfig(TileConfig(64, 128, 64, 8, 8, 3), TileConfig(64, 256, 64, 8, 8, 4))
     assert parse_configs(json.dumps({"4096": cfg.to_json()}), "f.json")[4096] == cfg

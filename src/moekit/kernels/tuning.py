@@ -338,11 +338,16 @@ def config_file_name(E: int, N: int, device: str, dtype: Optional[str] = None,
 
 
 def parse_table(text: str, where: str, parse_entry) -> Dict[int, object]:
-    """A tuned file's text -> {M: parse_entry(entry, "where[M]")}; raises ValueError naming the file and key."""
+    """A tuned file's text -> {M: parse_entry(entry, "where[M]")}; raises ValueError naming the file and key.
+
+    A top-level "triton_version" string (the large engines' tuners record the Triton that timed the
+    file) is metadata, not an entry: skipped, so their files load as written."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON: {err}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("triton_version"), str):
+        raw = {key: entry for key, entry in raw.items() if key != "triton_version"}
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{where} must be a non-empty object mapping M to a config")
     out = {}
