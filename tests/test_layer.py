@@ -166,3 +166,21 @@ def test_decode_follows_in_place_weight_and_bias_writes(dtype, tokens, gen):
         layer.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I), torch.randn(E, H))
         assert rel_err(layer(x, logits), expected(layer, x, logits)) <= TOL[dtype]
     assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_layer_built_under_inference_mode(tokens, gen):
+    """Parameters made under torch.inference_mode have no version counter: the fused shared
+    weights and the decode path's bias tables were keyed on it and raised RuntimeError. They
+    are built afresh instead, so in-place writes there still show in the next call."""
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    with torch.inference_mode():
+        layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True,
+                         shared_experts=SharedExpertsConfig(2 * I, mode="fused"))
+        layer.experts.b13.normal_()
+        layer.experts.b2.normal_()
+        x, logits = torch.randn(tokens, H), torch.randn(tokens, E)
+        assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5
+        layer.shared.down.mul_(-2.0)
+        layer.experts.b2.normal_()
+        assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5

@@ -11,7 +11,7 @@ import torch.nn as nn
 from .activations import check_activation, is_gated
 from .checks import check_float_tensor, copy_biases
 from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
-from .experts.base import ExpertWeights, held_weights
+from .experts.base import ExpertWeights, held_weights, version_of
 from .graphs import EagerGraphs
 from .parallel.config import ParallelConfig
 from .runner import MoERunner
@@ -248,7 +248,7 @@ class FusedMoE(nn.Module):
         for b in (self.experts.b13, self.experts.b2):
             if b is not None:
                 params.append(b)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        key = tuple((p.data_ptr(), version_of(p), p.dtype, p.device) for p in params)
         # Under autograd the concatenation is rebuilt per call so gradients reach the routed
         # and shared weights; the (detached) cache serves calls without autograd only.
         track = torch.is_grad_enabled() and any(p.requires_grad for p in params)
