@@ -184,3 +184,15 @@ def test_layer_built_under_inference_mode(tokens, gen):
         layer.shared.down.mul_(-2.0)
         layer.experts.b2.normal_()
         assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5
+
+
+def test_refused_load_weights_writes_nothing():
+    """b13 used to be copied before b2 was checked: a refused call left the layer half loaded."""
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    good = (torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I))
+    for b2, exc, match in ((torch.randn(E, H + 1), ValueError, r"b2 must have shape \[8, 48\], got \[8, 49\]"),
+                           (torch.zeros(E, H, dtype=torch.int64), TypeError, "b2 must be a float tensor")):
+        with pytest.raises(exc, match=match):
+            layer.load_weights(*good, b2)
+        assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
