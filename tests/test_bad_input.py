@@ -110,6 +110,19 @@ def test_device_mismatch_meta(ok):
         (dict(backend="nope"), ValueError, "backend must be 'auto'"),
         (dict(shared_experts=SharedExpertsConfig(12, mode="fused")), ValueError, "multiple of 8"),
         (dict(shared_experts=16), TypeError, "shared_experts must be a SharedExpertsConfig"),
+        # accepted before: a truthy string built a gate, bad dtypes failed in torch or in forward
+        (dict(gate="no"), TypeError, "gate must be a bool, got 'no'"),
+        (dict(bias=1), TypeError, "bias must be a bool, got 1"),
+        (dict(correction_bias="yes"), TypeError, "correction_bias must be a bool"),
+        (dict(gate_bias=True), ValueError, "gate_bias=True needs gate=True"),
+        (dict(dtype=torch.float64), TypeError, r"dtype must be None or one of .*got torch.float64"),
+        (dict(dtype=torch.int32), TypeError, r"dtype must be None or one of .*got torch.int32"),
+        (dict(gate=True, router_dtype="float32"), TypeError, r"router_dtype must be None or one of .*got 'float32'"),
+        (dict(activation="swigluoai", activation_params=dict(alpha=1.0)), TypeError,
+         "activation_params must be an ActivationParams or None, got dict"),
+        (dict(routing=RoutingConfig(top_k=1, apply_router_weight_on_input=True),
+              shared_experts=SharedExpertsConfig(8, mode="fused")), ValueError,
+         "shared_experts mode 'fused' cannot be combined with routing.apply_router_weight_on_input"),
     ],
 )
 def test_layer_construction_errors(kw, exc, match):

@@ -20,6 +20,7 @@ from .shared_experts import SharedMLP, fused_shared_weights
 __all__ = ["FusedMoE", "RoutedExperts"]
 
 _layer_ids = itertools.count()
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class RoutedExperts(nn.Module):
@@ -116,8 +117,22 @@ class FusedMoE(nn.Module):
             raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
         routing.validate_for(num_experts)
         check_activation(activation)
+        for arg, v in (("bias", bias), ("gate", gate), ("gate_bias", gate_bias), ("correction_bias", correction_bias)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{arg} must be a bool, got {v!r}")
+        if gate_bias and not gate:
+            raise ValueError("gate_bias=True needs gate=True (the bias belongs to the layer's own gate)")
+        for arg, v in (("dtype", dtype), ("router_dtype", router_dtype)):
+            if v is not None and v not in _FLOAT_DTYPES:
+                raise TypeError(f"{arg} must be None or one of {[str(d) for d in _FLOAT_DTYPES]}, got {v!r}")
+        if activation_params is not None and not isinstance(activation_params, ActivationParams):
+            raise TypeError(f"activation_params must be an ActivationParams or None, got {type(activation_params).__name__}")
         if shared_experts is not None and not isinstance(shared_experts, SharedExpertsConfig):
             raise TypeError(f"shared_experts must be a SharedExpertsConfig or None, got {type(shared_experts).__name__}")
+        if shared_experts is not None and shared_experts.mode == "fused" and routing.apply_router_weight_on_input:
+            raise ValueError("shared_experts mode 'fused' cannot be combined with routing.apply_router_weight_on_input "
+                             "(a weight on the input allows one expert per token; the fused shared experts would add more); "
+                             "use mode 'separate' or 'overlap'")
         if backend != "auto":
             from .experts.base import get_backend  # noqa: PLC0415
 
