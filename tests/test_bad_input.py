@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, fused_experts
+from moekit import ActivationParams, FusedMoE, RoutingConfig, SharedExpertsConfig, fused_experts
 
 E, H, I, k, T = 4, 16, 8, 2, 5
 
@@ -142,3 +142,27 @@ def test_layer_forward_errors():
         layer(torch.randn(3, H), torch.randn(4, E))
     with pytest.raises(ValueError, match="router_logits contains NaN"):
         layer(torch.randn(2, H), torch.tensor([[float("nan")] * E] * 2))
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [  # each was accepted before: bool or string flags, an activation failing only in the layer,
+       # swigluoai clamps that silently produced garbage (a limit <= 0 clamps up with min > max)
+        (lambda: SharedExpertsConfig(True), ValueError, "intermediate_size must be an int >= 1, got True"),
+        (lambda: SharedExpertsConfig(8, gated="yes"), TypeError, "gated must be a bool, got 'yes'"),
+        (lambda: SharedExpertsConfig(8, activation="tanh"), ValueError, "activation must be one of"),
+        (lambda: ActivationParams(alpha=float("nan")), ValueError, "alpha must be a finite number, got nan"),
+        (lambda: ActivationParams(limit=-1.0), ValueError, r"limit must be a number > 0 \(inf: no clamp\), got -1.0"),
+        (lambda: ActivationParams(limit=float("nan")), ValueError, "limit must be a number > 0"),
+        (lambda: ActivationParams(alpha="1.7"), ValueError, "alpha must be a finite number, got '1.7'"),
+    ],
+)
+def test_config_errors(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_config_accepts_numpy_and_int_numbers():
+    np = pytest.importorskip("numpy")
+    assert SharedExpertsConfig(np.int64(16)).intermediate_size == 16
+    assert ActivationParams(alpha=2, limit=float("inf")) == ActivationParams(alpha=2.0, limit=float("inf"))
