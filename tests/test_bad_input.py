@@ -142,6 +142,9 @@ def test_layer_forward_errors():
         layer(torch.randn(3, H), torch.randn(4, E))
     with pytest.raises(ValueError, match="router_logits contains NaN"):
         layer(torch.randn(2, H), torch.tensor([[float("nan")] * E] * 2))
+    # logits on another device than x reached the router and the backend unchecked
+    with pytest.raises(ValueError, match="router_logits is on meta, expected cpu"):
+        layer(torch.randn(3, H), torch.randn(3, E, device="meta"))
 
 
 @pytest.mark.parametrize(

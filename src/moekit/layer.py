@@ -312,6 +312,8 @@ class FusedMoE(nn.Module):
         else:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+            if router_logits.device != x.device:
+                raise ValueError(f"router_logits is on {router_logits.device}, expected {x.device} (the device of x)")
             if tuple(router_logits.shape) not in (tuple(lead) + (self.num_experts,), (x2.shape[0], self.num_experts)):
                 raise ValueError(
                     f"router_logits must be [.., E={self.num_experts}] with the leading shape of x "
