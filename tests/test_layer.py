@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, route
+from moekit import ActivationParams, FusedMoE, RoutingConfig, SharedExpertsConfig, route
 from moekit.experts.reference import reference_experts
 
 from conftest import TOL, rel_err
@@ -196,3 +196,26 @@ def test_refused_load_weights_writes_nothing():
         with pytest.raises(exc, match=match):
             layer.load_weights(*good, b2)
         assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+
+
+def test_shared_modes_agree_with_activation_params(gen):
+    """The separate / overlap shared MLP ran swigluoai with the default alpha and limit, while
+    mode "fused" (the experts backend) took the layer's activation_params: the modes differed."""
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    params = ActivationParams(alpha=0.8, limit=0.75)  # a limit the inputs below exceed
+    layers = {mode: FusedMoE(E, H, I, RoutingConfig(top_k=2), activation="swigluoai", activation_params=params,
+                             shared_experts=SharedExpertsConfig(2 * I, gated=True, mode=mode))
+              for mode in ("separate", "overlap", "fused")}
+    for layer in layers.values():
+        layer.load_state_dict(layers["fused"].state_dict())
+    x, logits = 3 * torch.randn(7, H), torch.randn(7, E)
+    with torch.no_grad():
+        s = layers["separate"].shared
+        h = x @ s.gate_up.t()
+        g, u = h[:, :2 * I].clamp(max=params.limit), h[:, 2 * I:].clamp(-params.limit, params.limit)
+        shared = (g * torch.sigmoid(params.alpha * g) * (u + 1)) @ s.down.t() * torch.sigmoid(x @ s.gate.t())
+        w, ids = route(logits, layers["fused"].routing)
+        ref = reference_experts(x, layers["fused"].experts.expert_weights(), w, ids,
+                                activation="swigluoai", activation_params=params) + shared
+        for mode, layer in layers.items():
+            assert rel_err(layer(x, logits), ref) <= 1e-5, mode

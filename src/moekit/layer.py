@@ -171,7 +171,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", emap, persistent=False)
         self.shared = None
         if shared_experts is not None:
-            self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device)
+            self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device,
+                                    activation_params=activation_params)
             if shared_experts.mode == "fused":
                 if (self.shared.activation != activation) or shared_experts.intermediate_size % intermediate_size:
                     raise ValueError(
