@@ -200,8 +200,10 @@ class FusedMoE(nn.Module):
     def _graph_storage(self) -> tuple:
         """What a captured step reads besides its inputs: tensors' addresses, dispatcher, backend, EPLB hook."""
         r = self.runner
+        # Mode "fused" reads a concatenated copy of the weights: in-place writes must drop the graphs.
+        fused = self._fused_key() if r.shared_mode == "fused" and self.shared is not None else None
         return (tuple(t.data_ptr() for t in self.parameters()), tuple(t.data_ptr() for t in self.buffers()),
-                id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode)
+                id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode, fused)
 
     def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device):
         """Check the parallel config (on every rank, against every rank) -> (Shard, Dispatcher)."""
@@ -258,13 +260,19 @@ class FusedMoE(nn.Module):
     def correction_bias_or_none(self) -> Optional[torch.Tensor]:
         return self.e_score_correction_bias
 
+    def _fused_sources(self) -> list:
+        """The tensors fused_expert_weights concatenates."""
+        params = [self.experts.w13, self.experts.w2, self.shared.gate_up, self.shared.down]
+        return params + [b for b in (self.experts.b13, self.experts.b2) if b is not None]
+
+    def _fused_key(self) -> tuple:
+        """Where the fused copy's sources lie and their versions (an in-place write changes it)."""
+        return tuple((p.data_ptr(), version_of(p), p.dtype, p.device) for p in self._fused_sources())
+
     def fused_expert_weights(self) -> ExpertWeights:
         """Routed experts followed by the shared MLP's I-slices; rebuilt only when a weight changes."""
-        params = [self.experts.w13, self.experts.w2, self.shared.gate_up, self.shared.down]
-        for b in (self.experts.b13, self.experts.b2):
-            if b is not None:
-                params.append(b)
-        key = tuple((p.data_ptr(), version_of(p), p.dtype, p.device) for p in params)
+        params = self._fused_sources()
+        key = self._fused_key()
         # Under autograd the concatenation is rebuilt per call so gradients reach the routed
         # and shared weights; the (detached) cache serves calls without autograd only.
         track = torch.is_grad_enabled() and any(p.requires_grad for p in params)
