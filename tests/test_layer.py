@@ -219,3 +219,22 @@ def test_shared_modes_agree_with_activation_params(gen):
                                 activation="swigluoai", activation_params=params) + shared
         for mode, layer in layers.items():
             assert rel_err(layer(x, logits), ref) <= 1e-5, mode
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "to"])
+def test_correction_bias_stays_fp32_through_dtype_casts(convert, gen):
+    """.half() / .to(bf16) rounded the fp32 correction bias to 16 bits: other experts were picked
+    than in fp32, and update_correction_bias's steps of 1e-3 vanished at |bias| >= 0.5 in bf16."""
+    from moekit.balance import update_correction_bias
+
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2, scoring="sigmoid"), correction_bias=True)
+    bias = 0.5 + torch.rand(E, generator=gen)  # values 16 bits cannot hold
+    layer.e_score_correction_bias.copy_(bias)
+    layer = {"half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
+             "to": lambda m: m.to("cpu", torch.bfloat16)}[convert](layer)
+    assert layer.experts.w13.dtype != torch.float32
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(layer.e_score_correction_bias, bias)
+    ids = torch.randint(0, E, (64, 2), generator=gen, dtype=torch.int32)
+    update_correction_bias(layer.e_score_correction_bias, ids, gamma=1e-3)
+    assert not torch.equal(layer.e_score_correction_bias, bias)

@@ -74,7 +74,8 @@ class FusedMoE(nn.Module):
         gate: own a router gate Linear(H, E) used when forward gets no router_logits.
         gate_bias: the gate has a bias (gpt-oss).
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
-        correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3).
+        correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3; it stays fp32
+            through .half() or .to(dtype)).
         name: used in logs; defaults to "moe<N>".
         parallel: ParallelConfig splitting the layer over a process group (expert or tensor
             parallelism); the layer then holds only this rank's experts (or I-slices), keeps
@@ -288,6 +289,18 @@ class FusedMoE(nn.Module):
             fused = ExpertWeights(*(None if t is None else t.detach() for t in tensors))
             self._fused_cache = (key, fused)
         return self._fused_cache[1]
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's .to() / .half() / ... with the correction bias kept in its dtype (fp32): a
+        selection-only bias rounded to 16 bits picks other experts, and small updates
+        (moekit.balance.update_correction_bias) vanish in it. It takes only fn's device then."""
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            probe = fn(bias.new_empty(0))
+            if probe.dtype != bias.dtype:
+                self.e_score_correction_bias = bias.to(probe.device)
+        return self
 
     def side_stream(self):
         if self._side_stream is None:
