@@ -291,15 +291,15 @@ class FusedMoE(nn.Module):
         return self._fused_cache[1]
 
     def _apply(self, fn, recurse=True):
-        """nn.Module's .to() / .half() / ... with the correction bias kept in its dtype (fp32): a
-        selection-only bias rounded to 16 bits picks other experts, and small updates
+        """nn.Module's .to() / .half() / ... with the correction bias in fp32 whatever dtype fn casts
+        to: a selection-only bias rounded to 16 bits picks other experts, and small updates
         (moekit.balance.update_correction_bias) vanish in it. It takes only fn's device then."""
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
         if bias is not None:
             probe = fn(bias.new_empty(0))
             if probe.dtype != bias.dtype:
-                self.e_score_correction_bias = bias.to(probe.device)
+                self.e_score_correction_bias = bias.to(probe.device, torch.float32)
         return self
 
     def side_stream(self):
