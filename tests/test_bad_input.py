@@ -132,6 +132,16 @@ def test_layer_construction_errors(kw, exc, match):
         FusedMoE(**args)
 
 
+def test_layer_takes_numpy_integer_sizes():
+    np = pytest.importorskip("numpy")  # refused before, where RoutingConfig took them
+    layer = FusedMoE(np.int64(E), np.int32(H), np.int64(I), RoutingConfig(top_k=np.int64(2)))
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+    assert type(layer.num_experts) is int and layer(torch.randn(3, H), torch.randn(3, E)).shape == (3, H)
+    for bad in (True, 4.0, 0):
+        with pytest.raises(ValueError, match=f"num_experts must be an int >= 1, got {bad!r}"):
+            FusedMoE(bad, H, I, RoutingConfig(top_k=1))
+
+
 def test_layer_forward_errors():
     layer = FusedMoE(E, H, I, RoutingConfig(top_k=2))
     with pytest.raises(ValueError, match="router_logits is required"):

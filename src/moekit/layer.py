@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .activations import check_activation, is_gated
 from .checks import check_float_tensor, copy_biases
-from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
+from .config import ActivationParams, RoutingConfig, SharedExpertsConfig, _int_field
 from .experts.base import ExpertWeights, held_weights, version_of
 from .graphs import EagerGraphs
 from .parallel.config import ParallelConfig
@@ -111,9 +111,9 @@ class FusedMoE(nn.Module):
         eager_graphs: int = 0,
     ) -> None:
         super().__init__()
-        for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+        num_experts, hidden_size, intermediate_size = (  # Python or numpy integers, as RoutingConfig takes them
+            _int_field(arg, v) for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                                              ("intermediate_size", intermediate_size)))
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
         routing.validate_for(num_experts)
