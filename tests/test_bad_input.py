@@ -38,6 +38,9 @@ def call(args, **kw):
         ("w13", [1, 2], "w13 must be a torch.Tensor"),
         ("w2", torch.randn(E - 1, H, I), "w13 and w2 must hold the same number of experts"),
         ("topk_ids", torch.zeros(T, 0, dtype=torch.int32), r"topk_ids must be \[T=5, k\] with k >= 1"),
+        # float64 is a float dtype: the message said "must be float tensors, got torch.float64"
+        ("w2", torch.randn(E, H, I, dtype=torch.float64), "w13 and w2 must be float32, bfloat16 or float16, got "
+         "torch.float32 and torch.float64"),
     ],
 )
 def test_fused_experts_rejects(ok, field, value, match):
