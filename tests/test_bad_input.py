@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, fused_experts
+from moekit import ActivationParams, FusedMoE, RoutingConfig, SharedExpertsConfig, fused_experts
 
 E, H, I, k, T = 4, 16, 8, 2, 5
 
@@ -38,6 +38,9 @@ def call(args, **kw):
         ("w13", [1, 2], "w13 must be a torch.Tensor"),
         ("w2", torch.randn(E - 1, H, I), "w13 and w2 must hold the same number of experts"),
         ("topk_ids", torch.zeros(T, 0, dtype=torch.int32), r"topk_ids must be \[T=5, k\] with k >= 1"),
+        # float64 is a float dtype: the message said "must be float tensors, got torch.float64"
+        ("w2", torch.randn(E, H, I, dtype=torch.float64), "w13 and w2 must be float32, bfloat16 or float16, got "
+         "torch.float32 and torch.float64"),
     ],
 )
 def test_fused_experts_rejects(ok, field, value, match):
@@ -110,6 +113,19 @@ def test_device_mismatch_meta(ok):
         (dict(backend="nope"), ValueError, "backend must be 'auto'"),
         (dict(shared_experts=SharedExpertsConfig(12, mode="fused")), ValueError, "multiple of 8"),
         (dict(shared_experts=16), TypeError, "shared_experts must be a SharedExpertsConfig"),
+        # accepted before: a truthy string built a gate, bad dtypes failed in torch or in forward
+        (dict(gate="no"), TypeError, "gate must be a bool, got 'no'"),
+        (dict(bias=1), TypeError, "bias must be a bool, got 1"),
+        (dict(correction_bias="yes"), TypeError, "correction_bias must be a bool"),
+        (dict(gate_bias=True), ValueError, "gate_bias=True needs gate=True"),
+        (dict(dtype=torch.float64), TypeError, r"dtype must be None or one of .*got torch.float64"),
+        (dict(dtype=torch.int32), TypeError, r"dtype must be None or one of .*got torch.int32"),
+        (dict(gate=True, router_dtype="float32"), TypeError, r"router_dtype must be None or one of .*got 'float32'"),
+        (dict(activation="swigluoai", activation_params=dict(alpha=1.0)), TypeError,
+         "activation_params must be an ActivationParams or None, got dict"),
+        (dict(routing=RoutingConfig(top_k=1, apply_router_weight_on_input=True),
+              shared_experts=SharedExpertsConfig(8, mode="fused")), ValueError,
+         "shared_experts mode 'fused' cannot be combined with routing.apply_router_weight_on_input"),
     ],
 )
 def test_layer_construction_errors(kw, exc, match):
@@ -117,6 +133,16 @@ def test_layer_construction_errors(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         FusedMoE(**args)
+
+
+def test_layer_takes_numpy_integer_sizes():
+    np = pytest.importorskip("numpy")  # refused before, where RoutingConfig took them
+    layer = FusedMoE(np.int64(E), np.int32(H), np.int64(I), RoutingConfig(top_k=np.int64(2)))
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+    assert type(layer.num_experts) is int and layer(torch.randn(3, H), torch.randn(3, E)).shape == (3, H)
+    for bad in (True, 4.0, 0):
+        with pytest.raises(ValueError, match=f"num_experts must be an int >= 1, got {bad!r}"):
+            FusedMoE(bad, H, I, RoutingConfig(top_k=1))
 
 
 def test_layer_forward_errors():
@@ -129,3 +155,30 @@ def test_layer_forward_errors():
         layer(torch.randn(3, H), torch.randn(4, E))
     with pytest.raises(ValueError, match="router_logits contains NaN"):
         layer(torch.randn(2, H), torch.tensor([[float("nan")] * E] * 2))
+    # logits on another device than x reached the router and the backend unchecked
+    with pytest.raises(ValueError, match="router_logits is on meta, expected cpu"):
+        layer(torch.randn(3, H), torch.randn(3, E, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [  # each was accepted before: bool or string flags, an activation failing only in the layer,
+       # swigluoai clamps that silently produced garbage (a limit <= 0 clamps up with min > max)
+        (lambda: SharedExpertsConfig(True), ValueError, "intermediate_size must be an int >= 1, got True"),
+        (lambda: SharedExpertsConfig(8, gated="yes"), TypeError, "gated must be a bool, got 'yes'"),
+        (lambda: SharedExpertsConfig(8, activation="tanh"), ValueError, "activation must be one of"),
+        (lambda: ActivationParams(alpha=float("nan")), ValueError, "alpha must be a finite number, got nan"),
+        (lambda: ActivationParams(limit=-1.0), ValueError, r"limit must be a number > 0 \(inf: no clamp\), got -1.0"),
+        (lambda: ActivationParams(limit=float("nan")), ValueError, "limit must be a number > 0"),
+        (lambda: ActivationParams(alpha="1.7"), ValueError, "alpha must be a finite number, got '1.7'"),
+    ],
+)
+def test_config_errors(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_config_accepts_numpy_and_int_numbers():
+    np = pytest.importorskip("numpy")
+    assert SharedExpertsConfig(np.int64(16)).intermediate_size == 16
+    assert ActivationParams(alpha=2, limit=float("inf")) == ActivationParams(alpha=2.0, limit=float("inf"))

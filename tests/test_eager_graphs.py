@@ -33,6 +33,18 @@ def test_argument_is_checked_and_cpu_calls_run_directly():
     assert again._graphs.max_graphs == 4 and len(again._graphs) == 0
 
 
+def test_fused_shared_storage_follows_in_place_writes():
+    """What a captured step reads (FusedMoE._graph_storage) includes, in mode "fused", the
+    versions of the weights behind the concatenated copy, so an in-place write drops the graphs
+    (the GPU test below replays); other modes read the weights themselves and keep theirs."""
+    for mode, changes in (("fused", True), ("separate", False)):
+        layer = FusedMoE(8, 32, 16, RoutingConfig(top_k=2), shared_experts=SharedExpertsConfig(16, mode=mode))
+        before = layer._graph_storage()
+        with torch.no_grad():
+            layer.shared.down.mul_(2.0)
+        assert (layer._graph_storage() != before) == changes, mode
+
+
 def _pair(**kw):
     torch.manual_seed(0)
     base = FusedMoE(16, 256, 128, RoutingConfig(top_k=4), dtype=torch.bfloat16, device="cuda", **kw)
@@ -68,3 +80,26 @@ def test_replays_equal_direct_calls(shared):
         assert torch.equal(graphed(x, logits), base(x, logits)) and len(graphed._graphs) == 0
     # autograd on: direct calls only
     assert torch.equal(graphed(x, logits).detach(), base(x, logits).detach()) and len(graphed._graphs) == 0
+
+
+@pytest.mark.gpu
+def test_fused_shared_replays_follow_in_place_updates():
+    """Mode "fused" runs on a concatenated copy of the routed and shared weights; a replay read
+    the copy taken at capture, so in-place writes (load_weights, the shared MLP's weights) did not
+    reach it. They now drop the graphs, and the next calls capture again."""
+    base, graphed = _pair(shared_experts=SharedExpertsConfig(128, gated=True, mode="fused"))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(3, 256, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(3, 16, device="cuda", generator=gen)
+    with torch.no_grad():
+        for _ in range(3):  # run, capture, replay
+            assert torch.equal(graphed(x, logits), base(x, logits))
+        assert len(graphed._graphs) == 1
+        w13 = torch.randn(16, 256, 256, device="cuda", generator=gen) * 0.05
+        w2 = torch.randn(16, 256, 128, device="cuda", generator=gen) * 0.05
+        for layer in (base, graphed):
+            layer.load_weights(w13, w2)
+            layer.shared.down.mul_(-2.0)
+        for _ in range(3):
+            assert torch.equal(graphed(x, logits), base(x, logits))
+        assert len(graphed._graphs) == 1

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig, route
+from moekit import ActivationParams, FusedMoE, RoutingConfig, SharedExpertsConfig, route
 from moekit.experts.reference import reference_experts
 
 from conftest import TOL, rel_err
@@ -166,3 +166,75 @@ def test_decode_follows_in_place_weight_and_bias_writes(dtype, tokens, gen):
         layer.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I), torch.randn(E, H))
         assert rel_err(layer(x, logits), expected(layer, x, logits)) <= TOL[dtype]
     assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_layer_built_under_inference_mode(tokens, gen):
+    """Parameters made under torch.inference_mode have no version counter: the fused shared
+    weights and the decode path's bias tables were keyed on it and raised RuntimeError. They
+    are built afresh instead, so in-place writes there still show in the next call."""
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    with torch.inference_mode():
+        layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True,
+                         shared_experts=SharedExpertsConfig(2 * I, mode="fused"))
+        layer.experts.b13.normal_()
+        layer.experts.b2.normal_()
+        x, logits = torch.randn(tokens, H), torch.randn(tokens, E)
+        assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5
+        layer.shared.down.mul_(-2.0)
+        layer.experts.b2.normal_()
+        assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5
+
+
+def test_refused_load_weights_writes_nothing():
+    """b13 used to be copied before b2 was checked: a refused call left the layer half loaded."""
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    good = (torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I))
+    for b2, exc, match in ((torch.randn(E, H + 1), ValueError, r"b2 must have shape \[8, 48\], got \[8, 49\]"),
+                           (torch.zeros(E, H, dtype=torch.int64), TypeError, "b2 must be a float tensor")):
+        with pytest.raises(exc, match=match):
+            layer.load_weights(*good, b2)
+        assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+
+
+def test_shared_modes_agree_with_activation_params(gen):
+    """The separate / overlap shared MLP ran swigluoai with the default alpha and limit, while
+    mode "fused" (the experts backend) took the layer's activation_params: the modes differed."""
+    torch.manual_seed(int(torch.randint(0, 2**30, (1,), generator=gen)))
+    params = ActivationParams(alpha=0.8, limit=0.75)  # a limit the inputs below exceed
+    layers = {mode: FusedMoE(E, H, I, RoutingConfig(top_k=2), activation="swigluoai", activation_params=params,
+                             shared_experts=SharedExpertsConfig(2 * I, gated=True, mode=mode))
+              for mode in ("separate", "overlap", "fused")}
+    for layer in layers.values():
+        layer.load_state_dict(layers["fused"].state_dict())
+    x, logits = 3 * torch.randn(7, H), torch.randn(7, E)
+    with torch.no_grad():
+        s = layers["separate"].shared
+        h = x @ s.gate_up.t()
+        g, u = h[:, :2 * I].clamp(max=params.limit), h[:, 2 * I:].clamp(-params.limit, params.limit)
+        shared = (g * torch.sigmoid(params.alpha * g) * (u + 1)) @ s.down.t() * torch.sigmoid(x @ s.gate.t())
+        w, ids = route(logits, layers["fused"].routing)
+        ref = reference_experts(x, layers["fused"].experts.expert_weights(), w, ids,
+                                activation="swigluoai", activation_params=params) + shared
+        for mode, layer in layers.items():
+            assert rel_err(layer(x, logits), ref) <= 1e-5, mode
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "to"])
+def test_correction_bias_stays_fp32_through_dtype_casts(convert, gen):
+    """.half() / .to(bf16) rounded the fp32 correction bias to 16 bits: other experts were picked
+    than in fp32, and update_correction_bias's steps of 1e-3 vanished at |bias| >= 0.5 in bf16."""
+    from moekit.balance import update_correction_bias
+
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2, scoring="sigmoid"), correction_bias=True)
+    bias = 0.5 + torch.rand(E, generator=gen)  # values 16 bits cannot hold
+    layer.e_score_correction_bias.copy_(bias)
+    layer = {"half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
+             "to": lambda m: m.to("cpu", torch.bfloat16)}[convert](layer)
+    assert layer.experts.w13.dtype != torch.float32
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(layer.e_score_correction_bias, bias)
+    ids = torch.randint(0, E, (64, 2), generator=gen, dtype=torch.int32)
+    update_correction_bias(layer.e_score_correction_bias, ids, gamma=1e-3)
+    assert not torch.equal(layer.e_score_correction_bias, bias)

@@ -19,12 +19,13 @@ def check_float_tensor(name: str, t, shape) -> None:
 
 @torch.no_grad()
 def copy_biases(module, b13=None, b2=None) -> None:
-    """Copy given biases into module.b13 / module.b2 (shapes checked); None leaves one as it is."""
-    for name, given in (("b13", b13), ("b2", b2)):
-        if given is None:
-            continue
+    """Copy given biases into module.b13 / module.b2 (shapes checked); None leaves one as it is.
+    Both are checked before either is written, so a refused call changes nothing."""
+    given = [(name, t) for name, t in (("b13", b13), ("b2", b2)) if t is not None]
+    for name, t in given:
         param = getattr(module, name)
         if param is None:
             raise ValueError(f"{name} was given but the layer was built with bias=False")
-        check_float_tensor(name, given, param.shape)
-        param.copy_(given)
+        check_float_tensor(name, t, param.shape)
+    for name, t in given:
+        getattr(module, name).copy_(t)

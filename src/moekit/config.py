@@ -175,6 +175,15 @@ class ActivationParams:
     alpha: float = 1.702
     limit: float = 7.0
 
+    def __post_init__(self) -> None:
+        a, lim = self.alpha, self.limit
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not math.isfinite(a):
+            raise ValueError(f"alpha must be a finite number, got {a!r}")
+        if isinstance(lim, bool) or not isinstance(lim, numbers.Real) or not lim > 0:
+            raise ValueError(f"limit must be a number > 0 (inf: no clamp), got {lim!r}")
+        object.__setattr__(self, "alpha", float(a))
+        object.__setattr__(self, "limit", float(lim))
+
 
 @dataclass(frozen=True)
 class SharedExpertsConfig:
@@ -195,9 +204,14 @@ class SharedExpertsConfig:
     activation: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be an int >= 1, got {self.intermediate_size!r}")
+        from .activations import check_activation  # noqa: PLC0415 (activations imports this module)
+
+        object.__setattr__(self, "intermediate_size", _int_field("intermediate_size", self.intermediate_size))
+        if not isinstance(self.gated, bool):
+            raise TypeError(f"gated must be a bool, got {self.gated!r}")
         _choice("mode", self.mode, SHARED_MODES)
+        if self.activation is not None:
+            check_activation(self.activation)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from .activations import check_activation, is_gated
 from .checks import check_float_tensor, copy_biases
-from .config import ActivationParams, RoutingConfig, SharedExpertsConfig
-from .experts.base import ExpertWeights, held_weights
+from .config import ActivationParams, RoutingConfig, SharedExpertsConfig, _int_field
+from .experts.base import ExpertWeights, held_weights, version_of
 from .graphs import EagerGraphs
 from .parallel.config import ParallelConfig
 from .runner import MoERunner
@@ -20,6 +20,7 @@ from .shared_experts import SharedMLP, fused_shared_weights
 __all__ = ["FusedMoE", "RoutedExperts"]
 
 _layer_ids = itertools.count()
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class RoutedExperts(nn.Module):
@@ -73,7 +74,8 @@ class FusedMoE(nn.Module):
         gate: own a router gate Linear(H, E) used when forward gets no router_logits.
         gate_bias: the gate has a bias (gpt-oss).
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
-        correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3).
+        correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3; it stays fp32
+            through .half() or .to(dtype)).
         name: used in logs; defaults to "moe<N>".
         parallel: ParallelConfig splitting the layer over a process group (expert or tensor
             parallelism); the layer then holds only this rank's experts (or I-slices), keeps
@@ -109,15 +111,29 @@ class FusedMoE(nn.Module):
         eager_graphs: int = 0,
     ) -> None:
         super().__init__()
-        for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+        num_experts, hidden_size, intermediate_size = (  # Python or numpy integers, as RoutingConfig takes them
+            _int_field(arg, v) for arg, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                                              ("intermediate_size", intermediate_size)))
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
         routing.validate_for(num_experts)
         check_activation(activation)
+        for arg, v in (("bias", bias), ("gate", gate), ("gate_bias", gate_bias), ("correction_bias", correction_bias)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{arg} must be a bool, got {v!r}")
+        if gate_bias and not gate:
+            raise ValueError("gate_bias=True needs gate=True (the bias belongs to the layer's own gate)")
+        for arg, v in (("dtype", dtype), ("router_dtype", router_dtype)):
+            if v is not None and v not in _FLOAT_DTYPES:
+                raise TypeError(f"{arg} must be None or one of {[str(d) for d in _FLOAT_DTYPES]}, got {v!r}")
+        if activation_params is not None and not isinstance(activation_params, ActivationParams):
+            raise TypeError(f"activation_params must be an ActivationParams or None, got {type(activation_params).__name__}")
         if shared_experts is not None and not isinstance(shared_experts, SharedExpertsConfig):
             raise TypeError(f"shared_experts must be a SharedExpertsConfig or None, got {type(shared_experts).__name__}")
+        if shared_experts is not None and shared_experts.mode == "fused" and routing.apply_router_weight_on_input:
+            raise ValueError("shared_experts mode 'fused' cannot be combined with routing.apply_router_weight_on_input "
+                             "(a weight on the input allows one expert per token; the fused shared experts would add more); "
+                             "use mode 'separate' or 'overlap'")
         if backend != "auto":
             from .experts.base import get_backend  # noqa: PLC0415
 
@@ -156,7 +172,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", emap, persistent=False)
         self.shared = None
         if shared_experts is not None:
-            self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device)
+            self.shared = SharedMLP(hidden_size, shared_experts, activation, dtype=dtype, device=device,
+                                    activation_params=activation_params)
             if shared_experts.mode == "fused":
                 if (self.shared.activation != activation) or shared_experts.intermediate_size % intermediate_size:
                     raise ValueError(
@@ -184,8 +201,10 @@ class FusedMoE(nn.Module):
     def _graph_storage(self) -> tuple:
         """What a captured step reads besides its inputs: tensors' addresses, dispatcher, backend, EPLB hook."""
         r = self.runner
+        # Mode "fused" reads a concatenated copy of the weights: in-place writes must drop the graphs.
+        fused = self._fused_key() if r.shared_mode == "fused" and self.shared is not None else None
         return (tuple(t.data_ptr() for t in self.parameters()), tuple(t.data_ptr() for t in self.buffers()),
-                id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode)
+                id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode, fused)
 
     def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device):
         """Check the parallel config (on every rank, against every rank) -> (Shard, Dispatcher)."""
@@ -242,13 +261,19 @@ class FusedMoE(nn.Module):
     def correction_bias_or_none(self) -> Optional[torch.Tensor]:
         return self.e_score_correction_bias
 
+    def _fused_sources(self) -> list:
+        """The tensors fused_expert_weights concatenates."""
+        params = [self.experts.w13, self.experts.w2, self.shared.gate_up, self.shared.down]
+        return params + [b for b in (self.experts.b13, self.experts.b2) if b is not None]
+
+    def _fused_key(self) -> tuple:
+        """Where the fused copy's sources lie and their versions (an in-place write changes it)."""
+        return tuple((p.data_ptr(), version_of(p), p.dtype, p.device) for p in self._fused_sources())
+
     def fused_expert_weights(self) -> ExpertWeights:
         """Routed experts followed by the shared MLP's I-slices; rebuilt only when a weight changes."""
-        params = [self.experts.w13, self.experts.w2, self.shared.gate_up, self.shared.down]
-        for b in (self.experts.b13, self.experts.b2):
-            if b is not None:
-                params.append(b)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        params = self._fused_sources()
+        key = self._fused_key()
         # Under autograd the concatenation is rebuilt per call so gradients reach the routed
         # and shared weights; the (detached) cache serves calls without autograd only.
         track = torch.is_grad_enabled() and any(p.requires_grad for p in params)
@@ -264,6 +289,18 @@ class FusedMoE(nn.Module):
             fused = ExpertWeights(*(None if t is None else t.detach() for t in tensors))
             self._fused_cache = (key, fused)
         return self._fused_cache[1]
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's .to() / .half() / ... with the correction bias in fp32 whatever dtype fn casts
+        to: a selection-only bias rounded to 16 bits picks other experts, and small updates
+        (moekit.balance.update_correction_bias) vanish in it. It takes only fn's device then."""
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            probe = fn(bias.new_empty(0))
+            if probe.dtype != bias.dtype:
+                self.e_score_correction_bias = bias.to(probe.device, torch.float32)
+        return self
 
     def side_stream(self):
         if self._side_stream is None:
@@ -297,6 +334,8 @@ class FusedMoE(nn.Module):
         else:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+            if router_logits.device != x.device:
+                raise ValueError(f"router_logits is on {router_logits.device}, expected {x.device} (the device of x)")
             if tuple(router_logits.shape) not in (tuple(lead) + (self.num_experts,), (x2.shape[0], self.num_experts)):
                 raise ValueError(
                     f"router_logits must be [.., E={self.num_experts}] with the leading shape of x "

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .activations import apply_activation, is_gated
-from .config import SharedExpertsConfig
+from .config import ActivationParams, SharedExpertsConfig
 
 __all__ = ["SharedMLP", "fused_shared_weights"]
 
@@ -28,10 +28,13 @@ class SharedMLP(nn.Module):
     """
 
     def __init__(self, hidden_size: int, config: SharedExpertsConfig, activation: str,
-                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+                 dtype: Optional[torch.dtype] = None, device=None,
+                 activation_params: Optional[ActivationParams] = None) -> None:
         super().__init__()
         self.config = config
         self.activation = config.activation or activation
+        # the layer's (swigluoai alpha / limit): mode "fused" runs the shared MLP with them too
+        self.activation_params = activation_params
         I_s = config.intermediate_size
         rows = 2 * I_s if is_gated(self.activation) else I_s
         kw = dict(dtype=dtype, device=device)
@@ -51,7 +54,7 @@ class SharedMLP(nn.Module):
         """x [T, H] -> [T, H] fp32. Computed in fp32 (CPU bf16 GEMMs are slow; fp32 is exact)."""
         x32 = x.float()
         h = x32 @ self.gate_up.float().t()  # [T, 2I_s]
-        y = apply_activation(h, self.activation) @ self.down.float().t()  # [T, H]
+        y = apply_activation(h, self.activation, self.activation_params) @ self.down.float().t()  # [T, H]
         g = self.gate_values(x)
         return y if g is None else y * g
 

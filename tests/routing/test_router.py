@@ -156,6 +156,25 @@ def test_custom_routing_bad_output_is_reported():
         route(torch.randn(3, 8), RoutingConfig(top_k=2, custom=bad))
 
 
+@pytest.mark.parametrize("returned,exc,match", [
+    # each reached the experts before: NaN / inf weights gave NaN outputs, the others an AttributeError
+    (lambda T, k: (torch.full((T, k), float("nan")), torch.zeros(T, k, dtype=torch.long)), ValueError,
+     "returned NaN or infinite weights"),
+    (lambda T, k: (torch.full((T, k), float("inf")), torch.zeros(T, k, dtype=torch.long)), ValueError,
+     "returned NaN or infinite weights"),
+    (lambda T, k: (1.0, torch.zeros(T, k, dtype=torch.long)), TypeError, "must return tensors .* got float and Tensor"),
+    (lambda T, k: (torch.ones(T, k), torch.zeros(T, k, dtype=torch.long).numpy()), TypeError, "got Tensor and ndarray"),
+    (lambda T, k: (torch.ones(T, k, dtype=torch.long), torch.zeros(T, k, dtype=torch.long)), TypeError,
+     "weights of dtype torch.int64, expected a float dtype"),
+    (lambda T, k: (torch.ones(T, k, device="meta"), torch.zeros(T, k, dtype=torch.long)), ValueError,
+     "weights on meta and ids on cpu, expected both on cpu"),
+], ids=["nan-weights", "inf-weights", "float-weights", "numpy-ids", "int-weights", "weights-on-meta"])
+def test_custom_routing_bad_return_types_are_reported(returned, exc, match):
+    cfg = RoutingConfig(top_k=2, custom=lambda hidden, logits, k: returned(logits.shape[0], k))
+    with pytest.raises(exc, match=match):
+        route(torch.randn(3, 8), cfg)
+
+
 def test_nan_logits_raise():
     z = torch.randn(4, 8)
     z[2, 3] = float("nan")

@@ -61,7 +61,7 @@ def check_experts_inputs(
         kind = "gated" if is_gated(activation) else "non-gated"
         raise ValueError(f"w13 must be [E={E}, {n13}, H={H}] for {kind} activation {activation!r}, got {tuple(w13.shape)}")
     if weights.quant is None and (w13.dtype not in _FLOAT or w2.dtype not in _FLOAT):
-        raise TypeError(f"w13 and w2 must be float tensors, got {w13.dtype} and {w2.dtype}")
+        raise TypeError(f"w13 and w2 must be float32, bfloat16 or float16, got {w13.dtype} and {w2.dtype}")
     for name, t in (("w13", w13), ("w2", w2)):
         _same_device(name, t, x.device)
     for name, b in (("b13", weights.b13), ("b2", weights.b2)):

@@ -29,6 +29,7 @@ __all__ = [
     "get_backend",
     "cached_for",
     "held_weights",
+    "version_of",
 ]
 
 
@@ -57,6 +58,16 @@ def cached_for(obj: Any, purpose: str, key: tuple, compute: Callable[[], Any]) -
     value = compute()
     entry[1][purpose] = (key, value)
     return value
+
+
+def version_of(t: torch.Tensor) -> object:
+    """t's version counter (bumped by in-place writes), for keys of what is derived from t.
+
+    Inference tensors (made under torch.inference_mode) have none: a fresh object stands in,
+    so a key holding it never matches and what derives from t is built again on every call
+    (in-place writes to them could not be seen otherwise).
+    """
+    return object() if t.is_inference() else t._version
 
 
 def held_weights(holder: Any, tensors: tuple, build: Callable[[], "ExpertWeights"]) -> "ExpertWeights":

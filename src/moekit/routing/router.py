@@ -113,6 +113,12 @@ def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.T
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError("custom routing function must return (weights [T, k], ids [T, k])")
     w, ids = out
+    if not (isinstance(w, torch.Tensor) and isinstance(ids, torch.Tensor)):
+        raise TypeError(f"custom routing function must return tensors (weights [T, k], ids [T, k]), "
+                        f"got {type(w).__name__} and {type(ids).__name__}")
+    if w.device != z.device or ids.device != z.device:
+        raise ValueError(f"custom routing function returned weights on {w.device} and ids on {ids.device}, "
+                         f"expected both on {z.device} (the device of router_logits)")
     if tuple(w.shape) != (T, cfg.top_k) or tuple(ids.shape) != (T, cfg.top_k):
         raise ValueError(
             f"custom routing function returned weights {tuple(w.shape)} and ids {tuple(ids.shape)}, "
@@ -122,6 +128,10 @@ def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.T
         raise TypeError(f"custom routing function returned ids of dtype {ids.dtype}, expected an integer dtype")
     if T and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"custom routing function returned ids outside [0, {E})")
+    if not w.is_floating_point():
+        raise TypeError(f"custom routing function returned weights of dtype {w.dtype}, expected a float dtype")
+    if T and _should_check(w) and not bool(torch.isfinite(w).all()):
+        raise ValueError("custom routing function returned NaN or infinite weights")
     return TopK(w.float(), ids)
 
 
