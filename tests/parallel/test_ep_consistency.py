@@ -69,6 +69,17 @@ def _check(rank, size):
     except ValueError as exc:
         if "inference-only" not in str(exc):
             failures.append(f"rank {rank}: unexpected error {exc}")
+    # A trainable gate over frozen experts: only the routing weights require grad (their gradient
+    # used to be dropped silently).
+    gated = FusedMoE(8, 16, 8, RoutingConfig(top_k=2), gate=True,
+                     parallel=ParallelConfig(ep_size=2, ep_rank=rank, timeout_s=20))
+    gated.experts.requires_grad_(False)
+    try:
+        gated(torch.randn(3, 16))
+        failures.append(f"rank {rank}: a trainable gate's forward under autograd was not refused")
+    except ValueError as exc:
+        if "topk_weights" not in str(exc) or "inference-only" not in str(exc):
+            failures.append(f"rank {rank}: unexpected error {exc}")
     with torch.no_grad():
         out = layer(torch.randn(3, 16), torch.randn(3, 8))
     if out.shape != (3, 16) or not torch.isfinite(out).all():
