@@ -151,3 +151,41 @@ def test_requests_need_a_serving_world(config):
         ctl.start(1)
     with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
         ctl.start(0)
+
+
+class _SpawnRecordingPool(_ReplyingPool):
+    """Records spawn() calls: a refused request must start no process."""
+
+    def __init__(self, members):
+        super().__init__(members)
+        self.spawned = []
+
+    def spawn(self):
+        self.spawned.append(f"w{len(self.spawned) + 10}")
+        return self.spawned[-1]
+
+
+@pytest.mark.parametrize("value", [-1, 0, "5", True, float("nan")])
+def test_bad_join_timeout_is_refused_before_anything_starts(config, value):
+    """Regression: join_timeout_s=-1 started a joiner and failed the prepare stage; "5" failed with a
+    bare TypeError from the clock arithmetic after the joiner had started."""
+    ctl = ElasticController(config)
+    ctl.pool = _SpawnRecordingPool(["a", "b"])
+    ctl.members, ctl.generation = ("a", "b"), 1
+    with pytest.raises(ValueError, match=r"join_timeout_s must be a number of seconds > 0, got"):
+        ctl.scale_up(1, join_timeout_s=value)
+    assert ctl.pool.spawned == [] and ctl.events == [] and ctl.members == ("a", "b")
+
+
+def test_bad_serve_arguments_are_refused(config):
+    ctl = ElasticController(config)
+    ctl.pool = _ReplyingPool(["a", "b"])
+    ctl.members, ctl.generation = ("a", "b"), 1
+    ctl.submit(torch.ones(2, 16))
+    with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds > 0, got -1"):
+        ctl.serve(timeout_s=-1)  # was a TimeoutError "not done after -1 s"
+    with pytest.raises(TypeError, match=r"until must be a callable returning bool, or None, got 'x'"):
+        ctl.serve(until="x")
+    assert ctl.pending == 1
+    ctl.serve(timeout_s=30)
+    assert ctl.pending == 0
