@@ -87,6 +87,8 @@ def test_placement_errors(args, match):
     (dict(ep_size=2, max_tokens_per_rank=0), "max_tokens_per_rank must be an int >= 1, got 0"),
     (dict(ep_size=True), "ep_size must be an int >= 1, got True"),
     (dict(ep_size=2, timeout_s=0), "timeout_s must be a number > 0"),
+    (dict(ep_size=2, timeout_s=True), "timeout_s must be a number > 0, got True"),  # a bool was taken as 1 s
+    (dict(dispatcher="static_all_to_all"), "needs max_tokens_per_rank"),  # one rank: same rule as P ranks
 ])
 def test_parallel_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -99,6 +101,27 @@ def test_parallel_config_defaults():
     assert ParallelConfig(tp_size=2, tp_rank=1).dispatcher_name == "all_reduce"
     p = ParallelConfig(tp_size=3, tp_rank=2)
     assert (p.size, p.rank) == (3, 2)
+
+
+@pytest.mark.parametrize("dispatcher, max_tokens", [("all_to_all", None), ("allgather_reducescatter", None),
+                                                    ("static_all_to_all", 4), ("p2p_all_to_all", 4)])
+def test_a_group_of_one_rank_runs_every_expert_locally(dispatcher, max_tokens):
+    """Regression: ParallelConfig.expert_parallel(dispatcher=...) in a world of one process (torchrun
+    --nproc-per-node 1) built the named dispatcher, which refused ep_size=1: a script written for P ranks
+    failed on one. Every expert is local there: the layer matches the single-process layer."""
+    from moekit import FusedMoE, RoutingConfig
+
+    parallel = ParallelConfig(dispatcher=dispatcher, max_tokens_per_rank=max_tokens)
+    assert parallel.dispatcher_name == "local"
+    E, H, I = 6, 16, 8
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.3, torch.randn(E, H, I) * 0.3
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    single = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference")
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference", parallel=parallel)
+    single.load_weights(w13, w2)
+    layer.load_weights(w13, w2)
+    with torch.no_grad():
+        assert torch.equal(layer(x, logits), single(x, logits))
 
 
 def test_parallel_layer_needs_torch_distributed():

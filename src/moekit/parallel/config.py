@@ -49,7 +49,8 @@ class ParallelConfig:
         dispatcher: EP: "all_to_all" (default), "allgather_reducescatter" or
             "static_all_to_all" (fixed capacity, no host sync, CUDA-graph capturable) or
             "p2p_all_to_all" (the same through peer-mapped GPU memory: one host, CUDA, Triton);
-            TP: "all_reduce" (default). None picks the default of the mode.
+            TP: "all_reduce" (default). None picks the default of the mode. With one rank
+            (ep_size == tp_size == 1) every expert is local and no dispatcher runs.
         max_tokens_per_rank: the most tokens one rank passes to one forward. Required by
             the capacity dispatchers (it sizes the buffers); with the dynamic dispatchers it
             is optional and, when set, lets every forward skip the agreement on the
@@ -93,10 +94,10 @@ class ParallelConfig:
             raise ValueError(f"dispatcher for {mode} must be one of {list(allowed)}, got {self.dispatcher!r}")
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
-        if self.dispatcher_name in CAPACITY_DISPATCHERS and self.max_tokens_per_rank is None:
+        if self.dispatcher in CAPACITY_DISPATCHERS and self.max_tokens_per_rank is None:
             raise ValueError(
-                f"dispatcher {self.dispatcher_name!r} needs max_tokens_per_rank (it sizes the buffers), got None")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+                f"dispatcher {self.dispatcher!r} needs max_tokens_per_rank (it sizes the buffers), got None")
+        if isinstance(self.timeout_s, bool) or not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
         if self.peer_memory not in PEER_MEMORY:
             raise ValueError(f"peer_memory must be one of {list(PEER_MEMORY)}, got {self.peer_memory!r}")
@@ -129,12 +130,13 @@ class ParallelConfig:
 
     @property
     def dispatcher_name(self) -> str:
-        """The dispatcher this config selects ("local" when the layer is not split)."""
+        """The dispatcher this config selects: "local" when the layer is not split (a group of one
+        rank holds every expert, so a script written for P ranks also runs on one)."""
+        if self.size == 1:
+            return "local"
         if self.dispatcher is not None:
             return self.dispatcher
-        if self.tp_size > 1:
-            return "all_reduce"
-        return "all_to_all" if self.ep_size > 1 else "local"
+        return "all_reduce" if self.tp_size > 1 else "all_to_all"
 
     def check_group(self) -> None:
         """Raise ValueError unless torch.distributed is set up and the group matches size and rank."""
