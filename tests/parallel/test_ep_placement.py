@@ -290,3 +290,25 @@ def test_shard_select_global_or_local(gen):
     assert torch.equal(b, w2[:, :, 3:]) and not d.any()  # b2 is added by rank 0 only
     with pytest.raises(ValueError, match="intermediate_size must be >= tp_size=8"):
         make_shard(ParallelConfig(tp_size=8, tp_rank=0), 10, 6)
+
+
+def test_shard_select_checks_the_tensors_it_cuts(gen):
+    """Regression: with a full w13 the other tensors were cut by index unchecked (w2 with E + 2 experts
+    was accepted, a local w2 failed with a bare IndexError), and under TP a w13 with extra rows was cut
+    by row ranges into a tensor of the right local shape."""
+    E, H, I = 10, 8, 6
+    ep = make_shard(ParallelConfig(ep_size=4, ep_rank=1, placement="round_robin"), E, I)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
+    for bad in (dict(w2=torch.randn(E + 2, H, I)), dict(w2=w2[:3]), dict(b13=torch.randn(3, 2 * I)),
+                dict(b2=torch.randn(E + 1, H))):
+        name = next(iter(bad))
+        args = dict(w13=w13, w2=w2, b13=None, b2=None)
+        args.update(bad)
+        with pytest.raises(ValueError, match=rf"{name} must hold all E=10 experts \(dim 0\), as w13 does, got shape"):
+            ep.select(gated=True, **args)
+    tp = make_shard(ParallelConfig(tp_size=2, tp_rank=1), E, I)
+    with pytest.raises(ValueError, match=r"w13 must hold 2I=12 rows \(dim 1\) for the full I=6 that w2 holds, "
+                                         r"got shape \(10, 14, 8\)"):
+        tp.select(torch.randn(E, 2 * I + 2, H), w2, gated=True)
+    with pytest.raises(ValueError, match=r"b13 must hold I=6 rows"):
+        tp.select(torch.randn(E, I, H), w2, torch.randn(E, 2 * I), None, gated=False)
