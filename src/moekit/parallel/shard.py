@@ -135,7 +135,7 @@ def fingerprint_fields(parallel: ParallelConfig, *, num_experts: int, hidden_siz
         ("intermediate_size", intermediate_size),
         ("activation", activation),
         ("bias", bias),
-        ("dtype", str(dtype)),
+        ("dtype", str(dtype or torch.get_default_dtype())),  # the layer's dtype: None is the default dtype
         ("shared_experts", repr(shared)),
         ("routing", routing_key),
     ]
