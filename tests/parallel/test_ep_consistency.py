@@ -42,6 +42,16 @@ MISMATCHES = [
 
 def _check(rank, size):
     failures = []
+    # Regression: a process outside the group was told "ep_size must be an int >= 1, got -1".
+    only_rank0 = torch.distributed.new_group([0])
+    if rank == 1:
+        for make in (ParallelConfig.expert_parallel, ParallelConfig.tensor_parallel):
+            try:
+                make(group=only_rank0)
+                failures.append(f"[not a member] rank {rank}: {make.__name__} gave no error")
+            except ValueError as exc:
+                if "group must contain this process (global rank 1)" not in str(exc):
+                    failures.append(f"[not a member] rank {rank}: message {exc!s}")
     for what, kw0, kw1, pattern in MISMATCHES:
         try:
             _layer(rank, **(kw0 if rank == 0 else kw1))

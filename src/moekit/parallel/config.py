@@ -107,7 +107,7 @@ class ParallelConfig:
         """EP over `group` (None: the world group), ep_size and ep_rank read from it."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        _require_initialized()
+        _require_member(group)
         return cls(ep_size=dist.get_world_size(group), ep_rank=dist.get_rank(group), group=group, **fields)
 
     @classmethod
@@ -115,7 +115,7 @@ class ParallelConfig:
         """Sharding of I over `group` (None: the world group), tp_size and tp_rank read from it."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        _require_initialized()
+        _require_member(group)
         return cls(tp_size=dist.get_world_size(group), tp_rank=dist.get_rank(group), group=group, **fields)
 
     @property
@@ -161,4 +161,16 @@ def _require_initialized() -> None:
         raise ValueError(
             "parallel layers need torch.distributed initialised first (torch.distributed.init_process_group), "
             "got an uninitialised default group"
+        )
+
+
+def _require_member(group) -> None:
+    """torch.distributed is set up and this process belongs to `group` (None: the world group)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    _require_initialized()
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"group must contain this process (global rank {dist.get_rank()}), got a group it is not a member of; "
+            "build the layer only on the group's ranks"
         )
