@@ -44,6 +44,10 @@ def test_model_spec_errors():
         ModelSpec(8, 16, 8, 2, num_layers=0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelSpec(8, 16, 8, 2, dtype=torch.int8)
+    # Regression: an unknown backend was accepted and failed later, in every worker's first switch.
+    with pytest.raises(ValueError, match=r"backend must be 'auto' or one of \[.*\], got 'cuda'"):
+        ModelSpec(8, 16, 8, 2, backend="cuda")
+    assert ModelSpec(8, 16, 8, 2, backend="reference").backend == "reference"
 
 
 def test_batches_complete_exactly_once_in_order_of_resubmission():

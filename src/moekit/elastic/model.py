@@ -67,6 +67,10 @@ class ModelSpec:
         check_activation(self.activation)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {self.dtype!r}")
+        if self.backend != "auto":
+            from ..experts.base import get_backend  # noqa: PLC0415
+
+            get_backend(self.backend)  # unknown names fail here, not in every worker's first switch
         self.routing.validate_for(self.num_experts)
 
     @property
