@@ -193,3 +193,19 @@ def test_bad_serve_arguments_are_refused(config):
     assert ctl.pending == 1
     ctl.serve(timeout_s=30)
     assert ctl.pending == 0
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2_no_mul"])
+def test_reference_model_loads_the_checkpoint_workers_read(tmp_path, activation):
+    """Regression: a non-gated model's checkpoint stored its [E, I, H] experts as experts.gate_up_proj,
+    which the single-process ReferenceModel (load_fused_moe, transformers' names) refused: non-gated
+    stacked experts are experts.up_proj there."""
+    from moekit.elastic import ReferenceModel, read_experts
+
+    spec = ModelSpec(4, 16, 8, 2, num_layers=2, activation=activation)
+    path = write_checkpoint(spec, tmp_path / "m.safetensors", seed=3)
+    model = ReferenceModel(spec, path, backend="reference")
+    for i, layer in enumerate(model.layers):
+        rows = read_experts(path, spec, i, range(4))  # what the workers load
+        assert torch.equal(layer.experts.w13, rows["w13"]) and torch.equal(layer.experts.w2, rows["w2"])
+    assert model(torch.randn(3, 16)).shape == (3, 16)
