@@ -104,11 +104,13 @@ def test_parallel_config_defaults():
 
 
 @pytest.mark.parametrize("dispatcher, max_tokens", [("all_to_all", None), ("allgather_reducescatter", None),
-                                                    ("static_all_to_all", 4), ("p2p_all_to_all", 4)])
+                                                    ("static_all_to_all", 4), ("p2p_all_to_all", 4),
+                                                    ("all_reduce", None)])
 def test_a_group_of_one_rank_runs_every_expert_locally(dispatcher, max_tokens):
     """Regression: ParallelConfig.expert_parallel(dispatcher=...) in a world of one process (torchrun
     --nproc-per-node 1) built the named dispatcher, which refused ep_size=1: a script written for P ranks
-    failed on one. Every expert is local there: the layer matches the single-process layer."""
+    failed on one (tensor_parallel(dispatcher="all_reduce") was told it is not an expert-parallel
+    dispatcher). Every expert is local there: the layer matches the single-process layer."""
     from moekit import FusedMoE, RoutingConfig
 
     parallel = ParallelConfig(dispatcher=dispatcher, max_tokens_per_rank=max_tokens)

@@ -88,9 +88,12 @@ class ParallelConfig:
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
-        allowed = TP_DISPATCHERS if self.tp_size > 1 else EP_DISPATCHERS
+        # one rank (tensor_parallel() or expert_parallel() of a world of one) takes either mode's names
+        allowed = TP_DISPATCHERS if self.tp_size > 1 else EP_DISPATCHERS if self.ep_size > 1 else (
+            EP_DISPATCHERS + TP_DISPATCHERS)
         if self.dispatcher is not None and self.dispatcher not in allowed:
-            mode = "tensor parallelism (tp_size > 1)" if self.tp_size > 1 else "expert parallelism"
+            mode = ("tensor parallelism (tp_size > 1)" if self.tp_size > 1 else "expert parallelism"
+                    if self.ep_size > 1 else "one rank")
             raise ValueError(f"dispatcher for {mode} must be one of {list(allowed)}, got {self.dispatcher!r}")
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
