@@ -44,6 +44,10 @@ def test_model_spec_errors():
         ModelSpec(8, 16, 8, 2, num_layers=0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelSpec(8, 16, 8, 2, dtype=torch.int8)
+    # Regression: an unknown backend was accepted and failed later, in every worker's first switch.
+    with pytest.raises(ValueError, match=r"backend must be 'auto' or one of \[.*\], got 'cuda'"):
+        ModelSpec(8, 16, 8, 2, backend="cuda")
+    assert ModelSpec(8, 16, 8, 2, backend="reference").backend == "reference"
 
 
 def test_batches_complete_exactly_once_in_order_of_resubmission():
@@ -151,3 +155,57 @@ def test_requests_need_a_serving_world(config):
         ctl.start(1)
     with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
         ctl.start(0)
+
+
+class _SpawnRecordingPool(_ReplyingPool):
+    """Records spawn() calls: a refused request must start no process."""
+
+    def __init__(self, members):
+        super().__init__(members)
+        self.spawned = []
+
+    def spawn(self):
+        self.spawned.append(f"w{len(self.spawned) + 10}")
+        return self.spawned[-1]
+
+
+@pytest.mark.parametrize("value", [-1, 0, "5", True, float("nan")])
+def test_bad_join_timeout_is_refused_before_anything_starts(config, value):
+    """Regression: join_timeout_s=-1 started a joiner and failed the prepare stage; "5" failed with a
+    bare TypeError from the clock arithmetic after the joiner had started."""
+    ctl = ElasticController(config)
+    ctl.pool = _SpawnRecordingPool(["a", "b"])
+    ctl.members, ctl.generation = ("a", "b"), 1
+    with pytest.raises(ValueError, match=r"join_timeout_s must be a number of seconds > 0, got"):
+        ctl.scale_up(1, join_timeout_s=value)
+    assert ctl.pool.spawned == [] and ctl.events == [] and ctl.members == ("a", "b")
+
+
+def test_bad_serve_arguments_are_refused(config):
+    ctl = ElasticController(config)
+    ctl.pool = _ReplyingPool(["a", "b"])
+    ctl.members, ctl.generation = ("a", "b"), 1
+    ctl.submit(torch.ones(2, 16))
+    with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds > 0, got -1"):
+        ctl.serve(timeout_s=-1)  # was a TimeoutError "not done after -1 s"
+    with pytest.raises(TypeError, match=r"until must be a callable returning bool, or None, got 'x'"):
+        ctl.serve(until="x")
+    assert ctl.pending == 1
+    ctl.serve(timeout_s=30)
+    assert ctl.pending == 0
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2_no_mul"])
+def test_reference_model_loads_the_checkpoint_workers_read(tmp_path, activation):
+    """Regression: a non-gated model's checkpoint stored its [E, I, H] experts as experts.gate_up_proj,
+    which the single-process ReferenceModel (load_fused_moe, transformers' names) refused: non-gated
+    stacked experts are experts.up_proj there."""
+    from moekit.elastic import ReferenceModel, read_experts
+
+    spec = ModelSpec(4, 16, 8, 2, num_layers=2, activation=activation)
+    path = write_checkpoint(spec, tmp_path / "m.safetensors", seed=3)
+    model = ReferenceModel(spec, path, backend="reference")
+    for i, layer in enumerate(model.layers):
+        rows = read_experts(path, spec, i, range(4))  # what the workers load
+        assert torch.equal(layer.experts.w13, rows["w13"]) and torch.equal(layer.experts.w2, rows["w2"])
+    assert model(torch.randn(3, 16)).shape == (3, 16)

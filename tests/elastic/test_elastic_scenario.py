@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from moekit.elastic import ElasticError
-from moekit.elastic.model import EXPERT_KEYS, layer_prefix
+from moekit.elastic.model import layer_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +39,13 @@ class Observer:
     """Called as observe(step, controller) by the example after each step."""
 
     def __init__(self):
-        self.checkpoint = None
+        self.checkpoint, self.spec = None, None
         self.snapshots, self.generations, self.failed = {}, {}, {}
         self.invalid, self.impossible = {}, None
 
     def __call__(self, step, ctl):
         if self.checkpoint is None:
-            self.checkpoint = load_file(ctl.config.checkpoint)
+            self.checkpoint, self.spec = load_file(ctl.config.checkpoint), ctl.config.spec
         self.snapshots[step] = (ctl.members, ctl.phy2log, ctl.inspect())
         self.generations[step] = ctl.generation
         self.failed[step] = dict(ctl.failed)
@@ -131,9 +131,9 @@ def test_every_batch_completes_once_and_matches(scenario):
     assert s["submitted_during_transitions"] >= 1
 
 
-def _checkpoint_rows(ckpt, layer, expert):
+def _checkpoint_rows(ckpt, spec, layer, expert):
     return {name: ckpt[layer_prefix(layer) + key][expert].contiguous().view(torch.uint8).reshape(-1)
-            for name, key in EXPERT_KEYS.items()}
+            for name, key in spec.expert_keys().items()}
 
 
 def test_every_rank_holds_the_checkpoint_bytes_of_its_experts(scenario):
@@ -151,7 +151,7 @@ def test_every_rank_holds_the_checkpoint_bytes_of_its_experts(scenario):
             assert info["holdings"] == tuple(tuple(row[r * S:(r + 1) * S]) for row in phy2log), f"{step}: {w}"
             for layer, tensors in enumerate(info["tensors"]):
                 for slot, e in enumerate(info["holdings"][layer]):
-                    want = _checkpoint_rows(obs.checkpoint, layer, e)
+                    want = _checkpoint_rows(obs.checkpoint, obs.spec, layer, e)
                     for name, got in tensors.items():
                         assert torch.equal(torch.from_numpy(got[slot]), want[name]), \
                             f"{step}: {w} layer {layer} slot {slot} (expert {e}) {name} differs from the checkpoint"

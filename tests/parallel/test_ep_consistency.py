@@ -14,10 +14,10 @@ from moekit.parallel import ParallelConfig
 from dist_harness import run_world
 
 
-def _layer(rank, *, E=8, H=16, I=8, k=2, activation="silu", shared=None, **parallel):
+def _layer(rank, *, E=8, H=16, I=8, k=2, activation="silu", shared=None, dtype=None, **parallel):
     fields = dict(ep_size=2, ep_rank=rank, timeout_s=20)
     fields.update(parallel)
-    return FusedMoE(E, H, I, RoutingConfig(top_k=k), activation=activation, shared_experts=shared,
+    return FusedMoE(E, H, I, RoutingConfig(top_k=k), activation=activation, shared_experts=shared, dtype=dtype,
                     parallel=ParallelConfig(**fields))
 
 
@@ -42,6 +42,16 @@ MISMATCHES = [
 
 def _check(rank, size):
     failures = []
+    # Regression: a process outside the group was told "ep_size must be an int >= 1, got -1".
+    only_rank0 = torch.distributed.new_group([0])
+    if rank == 1:
+        for make in (ParallelConfig.expert_parallel, ParallelConfig.tensor_parallel):
+            try:
+                make(group=only_rank0)
+                failures.append(f"[not a member] rank {rank}: {make.__name__} gave no error")
+            except ValueError as exc:
+                if "group must contain this process (global rank 1)" not in str(exc):
+                    failures.append(f"[not a member] rank {rank}: message {exc!s}")
     for what, kw0, kw1, pattern in MISMATCHES:
         try:
             _layer(rank, **(kw0 if rank == 0 else kw1))
@@ -49,6 +59,22 @@ def _check(rank, size):
         except ValueError as exc:
             if not re.search(pattern, str(exc)):
                 failures.append(f"[{what}] rank {rank}: message {exc!s} does not match {pattern!r}")
+    # Regression: the fingerprint compared the dtype argument, not the layer's dtype: None and the
+    # default dtype were reported as different, and dtype=None under different default dtypes was
+    # not (the ranks then exchanged rows of different sizes and gloo aborted the process).
+    try:
+        _layer(rank, dtype=None if rank == 0 else torch.float32)
+    except ValueError as exc:
+        failures.append(f"[dtype None vs float32] rank {rank}: {exc}")
+    torch.set_default_dtype(torch.bfloat16 if rank == 1 else torch.float32)
+    try:
+        _layer(rank)
+        failures.append(f"[default dtype] rank {rank}: no error")
+    except ValueError as exc:
+        if "dtype differs" not in str(exc):
+            failures.append(f"[default dtype] rank {rank}: message {exc!s}")
+    finally:
+        torch.set_default_dtype(torch.float32)
     # E=7 over 2 ranks: linear gives rank 0 experts 0..3 and rank 1 experts 4..6;
     # round robin gives rank 0 experts 0 2 4 6 and rank 1 experts 1 3 5.
     expect = {
@@ -68,6 +94,17 @@ def _check(rank, size):
         failures.append(f"rank {rank}: a forward recording gradients was not refused")
     except ValueError as exc:
         if "inference-only" not in str(exc):
+            failures.append(f"rank {rank}: unexpected error {exc}")
+    # A trainable gate over frozen experts: only the routing weights require grad (their gradient
+    # used to be dropped silently).
+    gated = FusedMoE(8, 16, 8, RoutingConfig(top_k=2), gate=True,
+                     parallel=ParallelConfig(ep_size=2, ep_rank=rank, timeout_s=20))
+    gated.experts.requires_grad_(False)
+    try:
+        gated(torch.randn(3, 16))
+        failures.append(f"rank {rank}: a trainable gate's forward under autograd was not refused")
+    except ValueError as exc:
+        if "topk_weights" not in str(exc) or "inference-only" not in str(exc):
             failures.append(f"rank {rank}: unexpected error {exc}")
     with torch.no_grad():
         out = layer(torch.randn(3, 16), torch.randn(3, 8))

@@ -234,3 +234,19 @@ def test_chunk_rounds_are_agreed_in_the_count_exchange():
     results = run_world(3, check_rounds_agreed_in_dispatch, base_seed, timeout_s=120, gloo_timeout_s=30)
     failures = [f for r in sorted(results) for f in results[r]]
     assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", ["all_to_all", "allgather_reducescatter", "static_all_to_all"])
+def test_routing_weights_that_require_grad_are_refused_before_any_collective(name):
+    """Regression: a trainable gate over frozen experts (only the routing weights require grad)
+    was dispatched as bytes, so the gate's gradient was dropped without a word. No process group
+    exists here: the refusal must come before the first collective."""
+    from moekit.parallel.registry import DISPATCHERS
+
+    parallel = ParallelConfig(ep_size=2, ep_rank=0, dispatcher=name, max_tokens_per_rank=4)
+    disp = DISPATCHERS[name](parallel, 4, 2)
+    x = torch.randn(3, 8)
+    weights = torch.rand(3, 2, requires_grad=True)
+    ids = torch.randint(0, 4, (3, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"topk_weights \(the routing weights.*\) requires grad.*inference-only"):
+        disp.dispatch(x, weights * 1.0, ids)

@@ -87,6 +87,8 @@ def test_placement_errors(args, match):
     (dict(ep_size=2, max_tokens_per_rank=0), "max_tokens_per_rank must be an int >= 1, got 0"),
     (dict(ep_size=True), "ep_size must be an int >= 1, got True"),
     (dict(ep_size=2, timeout_s=0), "timeout_s must be a number > 0"),
+    (dict(ep_size=2, timeout_s=True), "timeout_s must be a number > 0, got True"),  # a bool was taken as 1 s
+    (dict(dispatcher="static_all_to_all"), "needs max_tokens_per_rank"),  # one rank: same rule as P ranks
 ])
 def test_parallel_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -99,6 +101,29 @@ def test_parallel_config_defaults():
     assert ParallelConfig(tp_size=2, tp_rank=1).dispatcher_name == "all_reduce"
     p = ParallelConfig(tp_size=3, tp_rank=2)
     assert (p.size, p.rank) == (3, 2)
+
+
+@pytest.mark.parametrize("dispatcher, max_tokens", [("all_to_all", None), ("allgather_reducescatter", None),
+                                                    ("static_all_to_all", 4), ("p2p_all_to_all", 4),
+                                                    ("all_reduce", None)])
+def test_a_group_of_one_rank_runs_every_expert_locally(dispatcher, max_tokens):
+    """Regression: ParallelConfig.expert_parallel(dispatcher=...) in a world of one process (torchrun
+    --nproc-per-node 1) built the named dispatcher, which refused ep_size=1: a script written for P ranks
+    failed on one (tensor_parallel(dispatcher="all_reduce") was told it is not an expert-parallel
+    dispatcher). Every expert is local there: the layer matches the single-process layer."""
+    from moekit import FusedMoE, RoutingConfig
+
+    parallel = ParallelConfig(dispatcher=dispatcher, max_tokens_per_rank=max_tokens)
+    assert parallel.dispatcher_name == "local"
+    E, H, I = 6, 16, 8
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.3, torch.randn(E, H, I) * 0.3
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    single = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference")
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference", parallel=parallel)
+    single.load_weights(w13, w2)
+    layer.load_weights(w13, w2)
+    with torch.no_grad():
+        assert torch.equal(layer(x, logits), single(x, logits))
 
 
 def test_parallel_layer_needs_torch_distributed():
@@ -267,3 +292,25 @@ def test_shard_select_global_or_local(gen):
     assert torch.equal(b, w2[:, :, 3:]) and not d.any()  # b2 is added by rank 0 only
     with pytest.raises(ValueError, match="intermediate_size must be >= tp_size=8"):
         make_shard(ParallelConfig(tp_size=8, tp_rank=0), 10, 6)
+
+
+def test_shard_select_checks_the_tensors_it_cuts(gen):
+    """Regression: with a full w13 the other tensors were cut by index unchecked (w2 with E + 2 experts
+    was accepted, a local w2 failed with a bare IndexError), and under TP a w13 with extra rows was cut
+    by row ranges into a tensor of the right local shape."""
+    E, H, I = 10, 8, 6
+    ep = make_shard(ParallelConfig(ep_size=4, ep_rank=1, placement="round_robin"), E, I)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
+    for bad in (dict(w2=torch.randn(E + 2, H, I)), dict(w2=w2[:3]), dict(b13=torch.randn(3, 2 * I)),
+                dict(b2=torch.randn(E + 1, H))):
+        name = next(iter(bad))
+        args = dict(w13=w13, w2=w2, b13=None, b2=None)
+        args.update(bad)
+        with pytest.raises(ValueError, match=rf"{name} must hold all E=10 experts \(dim 0\), as w13 does, got shape"):
+            ep.select(gated=True, **args)
+    tp = make_shard(ParallelConfig(tp_size=2, tp_rank=1), E, I)
+    with pytest.raises(ValueError, match=r"w13 must hold 2I=12 rows \(dim 1\) for the full I=6 that w2 holds, "
+                                         r"got shape \(10, 14, 8\)"):
+        tp.select(torch.randn(E, 2 * I + 2, H), w2, gated=True)
+    with pytest.raises(ValueError, match=r"b13 must hold I=6 rows"):
+        tp.select(torch.randn(E, I, H), w2, torch.randn(E, 2 * I), None, gated=False)

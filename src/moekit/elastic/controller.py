@@ -65,6 +65,11 @@ __all__ = ["ElasticController"]
 log = logging.getLogger("moekit.elastic")
 
 
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
 class ElasticController:
     """Runs an elastic expert-parallel deployment from the driver process (see the module docstring).
 
@@ -219,6 +224,9 @@ class ElasticController:
         again for the rest). The deadline is checked between batches: a batch in flight runs to its end, or to
         ElasticConfig.command_timeout_s and the rebuild after it, first.
         """
+        if until is not None and not callable(until):
+            raise TypeError(f"until must be a callable returning bool, or None, got {until!r}")
+        _check_seconds("timeout_s", timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             self._require_serving()
@@ -370,6 +378,8 @@ class ElasticController:
         c = self.config
         keep = validate_request(self.members, keep, add, num_experts=c.spec.num_experts,
                                 num_redundant=c.num_redundant, max_slots_per_rank=c.max_slots_per_rank)
+        if join_timeout_s is not None:
+            _check_seconds("join_timeout_s", join_timeout_s)
         P = len(keep) + add
         kind = "scale_up" if P > len(self.members) else "scale_down" if P < len(self.members) else "replace"
         tid, t0, before = self._new_transition(), time.monotonic(), self.members

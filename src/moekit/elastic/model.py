@@ -9,7 +9,7 @@ reference loads it with moekit.integrations.checkpoint.load_fused_moe and worker
 the expert rows they need (safetensors slices; no other expert is read):
 
     layers.{l}.mlp.gate.weight            [E, H]
-    layers.{l}.mlp.experts.gate_up_proj   [E, 2I, H]   (I rows for a non-gated activation)
+    layers.{l}.mlp.experts.gate_up_proj   [E, 2I, H]   (experts.up_proj [E, I, H] for a non-gated activation)
     layers.{l}.mlp.experts.down_proj      [E, H, I]
 """
 
@@ -26,11 +26,9 @@ from ..activations import check_activation, is_gated
 from ..config import RoutingConfig
 from ..layer import FusedMoE
 
-__all__ = ["ModelSpec", "EXPERT_KEYS", "layer_prefix", "write_checkpoint", "read_experts", "read_gate",
+__all__ = ["ModelSpec", "layer_prefix", "write_checkpoint", "read_experts", "read_gate",
            "build_layers", "stack_forward", "ReferenceModel"]
 
-# per-expert tensor of RoutedExperts -> checkpoint key under a layer's prefix
-EXPERT_KEYS = {"w13": "experts.gate_up_proj", "w2": "experts.down_proj"}
 GATE_KEY = "gate.weight"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,6 +65,10 @@ class ModelSpec:
         check_activation(self.activation)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {self.dtype!r}")
+        if self.backend != "auto":
+            from ..experts.base import get_backend  # noqa: PLC0415
+
+            get_backend(self.backend)  # unknown names fail here, not in every worker's first switch
         self.routing.validate_for(self.num_experts)
 
     @property
@@ -77,6 +79,11 @@ class ModelSpec:
         """Shape of one expert's row of each per-expert tensor (w13 [2I, H], w2 [H, I])."""
         rows = 2 * self.intermediate_size if is_gated(self.activation) else self.intermediate_size
         return {"w13": (rows, self.hidden_size), "w2": (self.hidden_size, self.intermediate_size)}
+
+    def expert_keys(self) -> Dict[str, str]:
+        """Checkpoint key of each per-expert tensor under a layer's prefix (transformers' stacked names)."""
+        return {"w13": "experts.gate_up_proj" if is_gated(self.activation) else "experts.up_proj",
+                "w2": "experts.down_proj"}
 
 
 def layer_prefix(layer: int) -> str:
@@ -89,13 +96,13 @@ def write_checkpoint(spec: ModelSpec, path: Union[str, Path], *, seed: int = 0) 
 
     gen = torch.Generator().manual_seed(seed)
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    shapes = spec.expert_shapes()
+    shapes, keys = spec.expert_shapes(), spec.expert_keys()
     tensors = {}
     for layer in range(spec.num_layers):
         p = layer_prefix(layer)
         tensors[p + GATE_KEY] = torch.randn(E, H, generator=gen) * H ** -0.5
-        tensors[p + EXPERT_KEYS["w13"]] = torch.randn(E, *shapes["w13"], generator=gen) * H ** -0.5
-        tensors[p + EXPERT_KEYS["w2"]] = torch.randn(E, *shapes["w2"], generator=gen) * I ** -0.5
+        tensors[p + keys["w13"]] = torch.randn(E, *shapes["w13"], generator=gen) * H ** -0.5
+        tensors[p + keys["w2"]] = torch.randn(E, *shapes["w2"], generator=gen) * I ** -0.5
     path = Path(path)
     save_file({k: v.to(spec.dtype).contiguous() for k, v in tensors.items()}, str(path))
     return path
@@ -118,7 +125,7 @@ def read_experts(path: Union[str, Path], spec: ModelSpec, layer: int,
         raise ValueError(f"experts must lie in [0, E={spec.num_experts}), got {bad}")
     out = {}
     with _open(path) as f:
-        for name, key in EXPERT_KEYS.items():
+        for name, key in spec.expert_keys().items():
             full = layer_prefix(layer) + key
             expected = (spec.num_experts,) + spec.expert_shapes()[name]
             stored = f.get_slice(full)

@@ -67,6 +67,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         more: this rank has tokens after these (Dispatched.more_rounds tells whether any rank has).
         """
         check_no_grad(x, "x")
+        check_no_grad(topk_weights, "topk_weights (the routing weights: a trainable gate or router)")
         T, H = x.shape
         k, P, E = topk_ids.shape[1], self.size, self.num_experts
         if T * k >= MORE_ROUNDS:

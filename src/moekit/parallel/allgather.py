@@ -50,6 +50,7 @@ class AllGatherReduceScatterDispatcher(ExpertParallelDispatcher):
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] global ids -> all ranks' tokens [P*T_max, ..]."""
         check_no_grad(x, "x")
+        check_no_grad(topk_weights, "topk_weights (the routing weights: a trainable gate or router)")
         T, H = x.shape
         k, P = topk_ids.shape[1], self.size
         _, emap = self.tables(x.device)

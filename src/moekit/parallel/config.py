@@ -49,7 +49,8 @@ class ParallelConfig:
         dispatcher: EP: "all_to_all" (default), "allgather_reducescatter" or
             "static_all_to_all" (fixed capacity, no host sync, CUDA-graph capturable) or
             "p2p_all_to_all" (the same through peer-mapped GPU memory: one host, CUDA, Triton);
-            TP: "all_reduce" (default). None picks the default of the mode.
+            TP: "all_reduce" (default). None picks the default of the mode. With one rank
+            (ep_size == tp_size == 1) every expert is local and no dispatcher runs.
         max_tokens_per_rank: the most tokens one rank passes to one forward. Required by
             the capacity dispatchers (it sizes the buffers); with the dynamic dispatchers it
             is optional and, when set, lets every forward skip the agreement on the
@@ -87,16 +88,19 @@ class ParallelConfig:
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
-        allowed = TP_DISPATCHERS if self.tp_size > 1 else EP_DISPATCHERS
+        # one rank (tensor_parallel() or expert_parallel() of a world of one) takes either mode's names
+        allowed = TP_DISPATCHERS if self.tp_size > 1 else EP_DISPATCHERS if self.ep_size > 1 else (
+            EP_DISPATCHERS + TP_DISPATCHERS)
         if self.dispatcher is not None and self.dispatcher not in allowed:
-            mode = "tensor parallelism (tp_size > 1)" if self.tp_size > 1 else "expert parallelism"
+            mode = ("tensor parallelism (tp_size > 1)" if self.tp_size > 1 else "expert parallelism"
+                    if self.ep_size > 1 else "one rank")
             raise ValueError(f"dispatcher for {mode} must be one of {list(allowed)}, got {self.dispatcher!r}")
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
-        if self.dispatcher_name in CAPACITY_DISPATCHERS and self.max_tokens_per_rank is None:
+        if self.dispatcher in CAPACITY_DISPATCHERS and self.max_tokens_per_rank is None:
             raise ValueError(
-                f"dispatcher {self.dispatcher_name!r} needs max_tokens_per_rank (it sizes the buffers), got None")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+                f"dispatcher {self.dispatcher!r} needs max_tokens_per_rank (it sizes the buffers), got None")
+        if isinstance(self.timeout_s, bool) or not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
         if self.peer_memory not in PEER_MEMORY:
             raise ValueError(f"peer_memory must be one of {list(PEER_MEMORY)}, got {self.peer_memory!r}")
@@ -106,7 +110,7 @@ class ParallelConfig:
         """EP over `group` (None: the world group), ep_size and ep_rank read from it."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        _require_initialized()
+        _require_member(group)
         return cls(ep_size=dist.get_world_size(group), ep_rank=dist.get_rank(group), group=group, **fields)
 
     @classmethod
@@ -114,7 +118,7 @@ class ParallelConfig:
         """Sharding of I over `group` (None: the world group), tp_size and tp_rank read from it."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        _require_initialized()
+        _require_member(group)
         return cls(tp_size=dist.get_world_size(group), tp_rank=dist.get_rank(group), group=group, **fields)
 
     @property
@@ -129,12 +133,13 @@ class ParallelConfig:
 
     @property
     def dispatcher_name(self) -> str:
-        """The dispatcher this config selects ("local" when the layer is not split)."""
+        """The dispatcher this config selects: "local" when the layer is not split (a group of one
+        rank holds every expert, so a script written for P ranks also runs on one)."""
+        if self.size == 1:
+            return "local"
         if self.dispatcher is not None:
             return self.dispatcher
-        if self.tp_size > 1:
-            return "all_reduce"
-        return "all_to_all" if self.ep_size > 1 else "local"
+        return "all_reduce" if self.tp_size > 1 else "all_to_all"
 
     def check_group(self) -> None:
         """Raise ValueError unless torch.distributed is set up and the group matches size and rank."""
@@ -159,4 +164,16 @@ def _require_initialized() -> None:
         raise ValueError(
             "parallel layers need torch.distributed initialised first (torch.distributed.init_process_group), "
             "got an uninitialised default group"
+        )
+
+
+def _require_member(group) -> None:
+    """torch.distributed is set up and this process belongs to `group` (None: the world group)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    _require_initialized()
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"group must contain this process (global rank {dist.get_rank()}), got a group it is not a member of; "
+            "build the layer only on the group's ranks"
         )

@@ -198,6 +198,7 @@ class P2PAllToAllDispatcher(StaticAllToAllDispatcher):
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H] (T <= capacity), topk_weights [T, k] fp32, topk_ids [T, k] -> [P*C, ..] rows to compute here."""
         check_no_grad(x, "x")
+        check_no_grad(topk_weights, "topk_weights (the routing weights: a trainable gate or router)")
         T, H = x.shape
         if T > self.capacity:
             raise ValueError(

@@ -60,6 +60,8 @@ class Shard:
             E, E_l = self.num_experts, self.local_experts
             n = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else None
             if n == E:
+                # the others are cut by index too: check they hold all E experts like w13 first
+                _check_dim((("w2", w2), ("b13", b13), ("b2", b2)), 0, E, f"all E={E} experts (dim 0), as w13 does")
                 return tuple(None if t is None else t.index_select(0, self.expert_ids.to(t.device))
                              for t in (w13, w2, b13, b2))
             if n != E_l:
@@ -72,6 +74,10 @@ class Shard:
             I, I_r = self.intermediate_size, self.local_intermediate
             n = w2.shape[2] if isinstance(w2, torch.Tensor) and w2.dim() == 3 else None
             if n == I:
+                # w13 and b13 are cut by row ranges: check they hold the full I first
+                rows = 2 * I if gated else I
+                _check_dim((("w13", w13), ("b13", b13)), 1, rows,
+                           f"{'2I' if gated else 'I'}={rows} rows (dim 1) for the full I={I} that w2 holds")
                 return shard_intermediate(w13, w2, b13, b2, p.tp_size, p.tp_rank, gated)
             if n != I_r:
                 raise ValueError(
@@ -81,6 +87,14 @@ class Shard:
             # b2 is never sliced: it is added once, by rank 0.
             return w13, w2, b13, (None if b2 is None or p.tp_rank == 0 else torch.zeros_like(b2))
         return w13, w2, b13, b2
+
+
+def _check_dim(named, dim: int, size: int, expected: str) -> None:
+    """Raise ValueError unless every tensor of `named` ((name, tensor or None) pairs) has `size` at `dim`."""
+    for name, t in named:
+        if t is not None and not (isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == size):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must hold {expected}, got {got}")
 
 
 def make_shard(parallel: ParallelConfig, num_experts: int, intermediate_size: int) -> Shard:
@@ -121,7 +135,7 @@ def fingerprint_fields(parallel: ParallelConfig, *, num_experts: int, hidden_siz
         ("intermediate_size", intermediate_size),
         ("activation", activation),
         ("bias", bias),
-        ("dtype", str(dtype)),
+        ("dtype", str(dtype or torch.get_default_dtype())),  # the layer's dtype: None is the default dtype
         ("shared_experts", repr(shared)),
         ("routing", routing_key),
     ]

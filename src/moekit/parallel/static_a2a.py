@@ -83,6 +83,7 @@ class StaticAllToAllDispatcher(ExpertParallelDispatcher):
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
         """x [T, H] (T <= capacity), topk_weights [T, k] fp32, topk_ids [T, k] -> [P*cap, ..] rows to compute here."""
         check_no_grad(x, "x")
+        check_no_grad(topk_weights, "topk_weights (the routing weights: a trainable gate or router)")
         T, H = x.shape
         k, P, C = topk_ids.shape[1], self.size, self.capacity
         if T > C:
