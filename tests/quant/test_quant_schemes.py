@@ -56,6 +56,7 @@ def test_int4_packs_two_per_byte():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=True), "group_size must be one of"),
+    (dict(group_size=64.0), "group_size must be one of"),  # == 64, but a float breaks the views by group
     (dict(symmetric="no"), "symmetric must be a bool"),
 ])
 def test_bad_options_are_errors(kwargs, match):
@@ -80,6 +81,8 @@ def test_scheme_validation_names_the_field():
         QuantScheme("x", "x", "int4", "channel")
     with pytest.raises(ValueError, match="zero points"):
         QuantScheme("x", "x", "fp8_e4m3", "channel", symmetric=False)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        QuantScheme("x", "x", "int4", "group", group_size=32.0)
     with pytest.raises(ValueError, match="activation_dtype and activation_granularity"):
         QuantScheme("x", "x", "int8", "channel", activation_dtype="int8")
 
