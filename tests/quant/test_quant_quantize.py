@@ -70,6 +70,27 @@ def test_weight_round_trip_within_the_scheme_bound(case, gen):
     assert (deq[0, :128, :128] == 0).all()  # zeros come back exactly
 
 
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_huge_weights_get_finite_scales(case, gen):
+    """Weights of both signs near the fp32 maximum: with zero points the range hi - lo overflowed
+    to inf, giving scale inf and NaN weights (0 * inf) on dequantization."""
+    scheme = get_scheme(case[0], **case[1])
+    E, N, K = 2, 128, 256
+    sign = torch.randint(0, 2, (E, N, K), generator=gen).float() * 2 - 1
+    w = sign * (1 + torch.rand(E, N, K, generator=gen)) * 1e38  # |w| in [1e38, 2e38]
+    w[0, :128, :128] = 0.0  # an all-zero block / group / channel beside them
+    q = quantize_weight(w, scheme)
+    assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
+    deq = dequantize_weight(q.q, q.scale, q.zero, scheme)
+    assert torch.isfinite(deq).all()
+    s = _expand_scale(scheme, q.scale, N, K)
+    if scheme.weight_dtype == "fp8_e4m3":
+        assert ((deq - w).abs() <= _fp8_bound(w, s)).all()
+    else:
+        assert ((deq - w).abs() <= s * 0.5 * (1 + 1e-4) + 1e-6 * w.abs()).all()
+    assert (deq[0, :128, :128] == 0).all()
+
+
 def test_int4_symmetric_scale_is_amax_over_7(gen):
     scheme = get_scheme("int4_w4a16", group_size=32)
     w = torch.randn(2, 16, 64, generator=gen)

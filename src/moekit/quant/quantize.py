@@ -137,7 +137,8 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         return QuantizedWeight(pack_int4((q + 8).to(torch.uint8)), scale, None)
     lo = w4.amin(dim=3).clamp(max=0.0)  # the range always holds 0, so 0 is exact
     hi = w4.amax(dim=3).clamp(min=0.0)
-    scale = _safe((hi - lo) / uns_max)  # [E, N, K/g]
+    span = hi - lo  # inf when hi and -lo are both near the fp32 maximum: then divide before subtracting
+    scale = _safe(torch.where(torch.isfinite(span), span / uns_max, hi / uns_max - lo / uns_max))  # [E, N, K/g]
     zero = torch.round(-lo / scale).clamp_(0, uns_max)
     u = (torch.round(w4 / scale[..., None]) + zero[..., None]).clamp_(0, uns_max).to(torch.uint8).view(E, N, K)
     if scheme.weight_dtype == "int4":
