@@ -20,6 +20,7 @@ def check_float_tensor(name: str, t, shape) -> None:
 @torch.no_grad()
 def copy_biases(module, b13=None, b2=None) -> None:
     """Copy given biases into module.b13 / module.b2 (shapes checked); None leaves one as it is."""
+    copies = []
     for name, given in (("b13", b13), ("b2", b2)):
         if given is None:
             continue
@@ -27,4 +28,6 @@ def copy_biases(module, b13=None, b2=None) -> None:
         if param is None:
             raise ValueError(f"{name} was given but the layer was built with bias=False")
         check_float_tensor(name, given, param.shape)
+        copies.append((param, given))
+    for param, given in copies:  # after every check: a refused call leaves both biases as they were
         param.copy_(given)

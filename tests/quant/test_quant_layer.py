@@ -93,6 +93,33 @@ def test_biases_stay_float_and_are_loaded(gen):
     assert w.b13 is q.experts.b13 and w.quant == "int8_w8a8"
 
 
+@pytest.mark.parametrize("bad, error, match", [
+    ("nan_w13", ValueError, "non-finite"),  # refused by quantize_experts, after the biases had been copied
+    ("fp8_w13", TypeError, "float32/bfloat16/float16"),
+    ("bad_b2", ValueError, r"b2 must have shape \[4, 128\]"),  # b13 was copied before b2 was checked
+])
+def test_a_refused_load_weights_leaves_weights_and_biases_as_they_were(bad, error, match, gen):
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), bias=True, quant="int8_w8a16")
+    w13, w2 = torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen)
+    q.load_weights(w13, w2, torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen))
+    before = {k: v.clone() for k, v in q.experts.state_dict().items()}
+    b13, b2 = torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen)
+    if bad == "nan_w13":
+        w13 = w13.clone()
+        w13[1, 2, 3] = float("nan")
+    elif bad == "fp8_w13":
+        w13 = w13.to(torch.float8_e4m3fn)
+    else:
+        b2 = torch.randn(4, 129, generator=gen)
+    with pytest.raises(error, match=match):
+        q.load_weights(w13, w2, b13, b2)
+    after = q.experts.state_dict()
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k]), k
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(quant="int5"), "quant must be one of"),
     (dict(quant=get_scheme("int4_w4a16", group_size=128), intermediate_size=96),

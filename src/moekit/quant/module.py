@@ -105,9 +105,10 @@ class QuantizedRoutedExperts(nn.Module):
         """Quantize float canonical-layout weights on load: w13 [E, 2I, H], w2 [E, H, I], biases float."""
         check_float_tensor("w13", w13, self.shape13)
         check_float_tensor("w2", w2, self.shape2)
-        copy_biases(self, b13, b2)
         device = self.w13.device
-        self._store(quantize_experts(w13.to(device), w2.to(device), self.scheme))
+        q = quantize_experts(w13.to(device), w2.to(device), self.scheme)  # refuses non-finite weights
+        copy_biases(self, b13, b2)  # after quantizing: a refused call leaves the layer as it was
+        self._store(q)
 
     @torch.no_grad()
     def load_quantized(self, weights: ExpertWeights) -> None:
