@@ -48,6 +48,21 @@ def test_several_layers_per_file_and_static_scales(tmp_path, gen):
         load_quantized(path, "layers.2.")
 
 
+def test_tensors_that_share_memory_are_saved(tmp_path, gen):
+    """One tensor as both static activation scales, and one layer under two prefixes: safetensors
+    refused tensors sharing memory, so save_quantized raised instead of writing them."""
+    s = torch.rand(2, generator=gen) + 0.5
+    a = quantize_experts(torch.randn(2, 64, 32, generator=gen), torch.randn(2, 32, 32, generator=gen), "fp8_w8a8",
+                         a13_scale=s, a2_scale=s)
+    b = quantize_experts(torch.randn(2, 64, 64, generator=gen), torch.randn(2, 64, 32, generator=gen), "int4_w4a16",
+                         group_size=32, symmetric=False, b13=torch.randn(2, 64, generator=gen))
+    path = tmp_path / "shared.safetensors"
+    save_quantized(path, {"a.": a, "b.": b, "c.": b})
+    _same(load_quantized(path, "a."), a)
+    _same(load_quantized(path, "b."), b)
+    _same(load_quantized(path, "c."), b)
+
+
 def test_not_a_moekit_file_or_wrong_version_is_an_error(tmp_path):
     plain = tmp_path / "plain.safetensors"
     save_file({"w13": torch.zeros(1)}, str(plain))

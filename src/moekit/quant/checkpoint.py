@@ -66,6 +66,18 @@ def save_quantized(path: Union[str, os.PathLike], layers: Union[ExpertWeights, M
         layers = {"": layers}
     tensors: Dict[str, torch.Tensor] = {}
     metadata = {"moekit.format": FORMAT, "moekit.version": FORMAT_VERSION}
+    storages = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # safetensors refuses tensors that share memory (one tensor passed as both a13_scale and
+        # a2_scale, a layer saved under two prefixes): each is written from its own copy
+        t = t.detach().contiguous().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+
     for prefix, w in layers.items():
         if not isinstance(w, ExpertWeights) or w.quant is None:
             raise ValueError(f"layers[{prefix!r}] must be quantized ExpertWeights (quant set), got "
@@ -74,9 +86,9 @@ def save_quantized(path: Union[str, os.PathLike], layers: Union[ExpertWeights, M
         metadata[f"{prefix}quant"] = w.quant
         for name, t in (("w13", w.w13), ("w2", w.w2), ("b13", w.b13), ("b2", w.b2)):
             if t is not None:
-                tensors[prefix + name] = t.detach().contiguous().cpu()
+                tensors[prefix + name] = own(t)
         for name, t in w.scales.items():
-            tensors[f"{prefix}scales.{name}"] = t.detach().contiguous().cpu()
+            tensors[f"{prefix}scales.{name}"] = own(t)
     st.save_file(tensors, os.fspath(path), metadata=metadata)
 
 
