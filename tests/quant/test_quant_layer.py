@@ -151,6 +151,26 @@ def test_state_dict_and_per_expert_tensors_hold_every_scale():
     assert isinstance(q.experts, QuantizedRoutedExperts)
 
 
+def test_a_state_dict_with_static_activation_scales_loads_into_a_fresh_layer(gen):
+    """Regression: the a13_scale / a2_scale buffers exist only after load_quantized, so a fresh
+    layer's load_state_dict refused them as unexpected keys."""
+    w = quantize_experts(torch.randn(4, 256, 128, generator=gen) * 0.1, torch.randn(4, 128, 128, generator=gen) * 0.1,
+                         "fp8_w8a8", a13_scale=torch.rand(4, generator=gen) * 0.01 + 0.01,
+                         a2_scale=torch.rand(4, generator=gen) * 0.01 + 0.01)
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    q.load_quantized(w)
+    fresh = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    fresh.load_state_dict(q.state_dict())
+    for name in ("a13_scale", "a2_scale"):
+        assert torch.equal(fresh.experts.expert_weights().scales[name], w.scales[name])
+    x = torch.randn(5, 128, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), q(x))
+    dynamic = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    with pytest.raises(RuntimeError, match="Missing key.*a13_scale"):  # the static scales are not dropped silently
+        fresh.load_state_dict(dynamic.state_dict())
+
+
 @pytest.mark.parametrize("name, opts", [("fp8_w8a8", {}), ("fp8_w8a8_block128", {}), ("int8_w8a8", {}),
                                          ("int4_w4a16", dict(group_size=64, symmetric=False))],
                          ids=["fp8", "fp8-block", "int8", "int4-zero-points"])

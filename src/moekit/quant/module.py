@@ -93,6 +93,19 @@ class QuantizedRoutedExperts(nn.Module):
                 self._buffers[name] = fn(buf) if probe.dtype == buf.dtype else buf.to(probe.device)
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """nn.Module's, after adding buffers for static activation scales the state_dict holds.
+
+        Those buffers exist only once pre-quantized weights carrying them were loaded
+        (load_quantized), so a fresh layer of the same scheme had no slot for them."""
+        if self.scheme.activation_granularity == "tensor":
+            for name in ("a13_scale", "a2_scale"):
+                if prefix + name in state_dict and name not in self._scale_names:
+                    self.register_buffer(name, torch.ones(self.w13.shape[0], dtype=torch.float32,
+                                                          device=self.w13.device))
+                    self._scale_names = sorted(self._scale_names + [name])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def expert_weights(self) -> ExpertWeights:
         names = self._scale_names
         scales = tuple(getattr(self, n) for n in names)
