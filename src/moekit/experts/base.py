@@ -28,6 +28,7 @@ __all__ = [
     "register_backend",
     "get_backend",
     "cached_for",
+    "version_of",
     "held_weights",
 ]
 
@@ -57,6 +58,15 @@ def cached_for(obj: Any, purpose: str, key: tuple, compute: Callable[[], Any]) -
     value = compute()
     entry[1][purpose] = (key, value)
     return value
+
+
+def version_of(t: torch.Tensor) -> Any:
+    """t's version counter, for a cache key of derived values that an in-place write makes stale.
+
+    An inference tensor (made under torch.inference_mode) has none, and reading it raises: it
+    gets a new object each call instead, so a key holding it never matches (cached_for compares
+    objects by identity) and the value is rebuilt, since a write to it could not be seen."""
+    return object() if t.is_inference() else t._version
 
 
 def held_weights(holder: Any, tensors: tuple, build: Callable[[], "ExpertWeights"]) -> "ExpertWeights":

@@ -7,7 +7,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import native
-from .base import cached_for
+from .base import cached_for, version_of
 from ..activations import apply_activation, is_gated
 from ..config import ActivationParams
 
@@ -160,7 +160,7 @@ def native_decode(lib, weights, kind: str, group_size: int = 0):
     s = weights.scales
     tensors = (weights.w13, weights.w2, weights.b13, weights.b2, *(s.get(n) for n in _PROJECTION_SCALES))
     key = (lib, kind, group_size, *tensors, *(0 if t is None else t.data_ptr() for t in tensors),
-           *(0 if b is None else b._version for b in (weights.b13, weights.b2)))  # fp32 copies of biases go stale
+           *(0 if b is None else version_of(b) for b in (weights.b13, weights.b2)))  # fp32 copies of biases go stale
 
     def build():
         projections = (native.projection(getattr(weights, name), kind, scale=s.get(f"{name}_scale"),
@@ -236,7 +236,7 @@ def bf16_sorted(lib, sr: SortedRows, weights, T: int, k: int, activation: str,
 
     if gated:
         params = activation_params or ActivationParams()
-        b13 = cached_for(weights, "bf16_sorted b13", (weights.b13, 0 if weights.b13 is None else weights.b13._version),
+        b13 = cached_for(weights, "bf16_sorted b13", (weights.b13, 0 if weights.b13 is None else version_of(weights.b13)),
                          lambda: fp32_bias(weights.b13))  # (the fp32 copy goes stale on an in-place write)
         a = lib.bf16_gate_up(weights.w13, experts, sr.rows, sr.rows.new_empty((n, I)), starts, activation=activation,
                              alpha=params.alpha, limit=params.limit, b13=b13, trusted=True, **of("w13"))

@@ -52,7 +52,7 @@ from .. import native
 from ..activations import apply_activation
 from ..quant.layout import scheme_of
 from ..quant.schemes import QuantScheme
-from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend
+from .base import ExpertsBackend, ExpertsProblem, ExpertWeights, register_backend, version_of
 from .common import (add_bias_by_span, bf16_sorted, decode_by_token, native_decode, sort_rows, span_segments,
                      unsort_rows)
 from .cpu import bf16_without_amx
@@ -134,7 +134,7 @@ class _Int4Repacked:
 
     def get(self, weights: ExpertWeights):
         tensors = (weights.w13, weights.w2) + tuple(weights.scales[n] for n in sorted(weights.scales))
-        version = tuple((t.data_ptr(), t._version) for t in tensors)
+        version = tuple((t.data_ptr(), version_of(t)) for t in tensors)  # never equal for inference tensors
         hit = self._cache.get(weights.w13)
         if hit is None or hit[0] != version:
             s = weights.scales
