@@ -91,6 +91,25 @@ def test_huge_weights_get_finite_scales(case, gen):
     assert (deq[0, :128, :128] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_transposed_float_weights_quantize_to_contiguous_storage(case, dtype, gen):
+    """Regression: quantized storage followed the float weights' layout, so weights stored [E, H, 2I]
+    and [E, I, H] and passed transposed (gpt-oss) gave strided q and scales, which the native CPU
+    kernels skip and the Triton launchers refuse."""
+    E, H, I = 2, 256, 128
+    w13_t = torch.randn(E, H, 2 * I, generator=gen).to(dtype)  # [E, H, 2I] as stored
+    w2_t = torch.randn(E, I, H, generator=gen).to(dtype)
+    w = quantize_experts(w13_t.transpose(1, 2), w2_t.transpose(1, 2), case[0], **case[1])
+    ref = quantize_experts(w13_t.transpose(1, 2).contiguous(), w2_t.transpose(1, 2).contiguous(), case[0], **case[1])
+    for name in ("w13", "w2"):
+        got, want = getattr(w, name), getattr(ref, name)
+        assert got.is_contiguous(), name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    for name, t in w.scales.items():
+        assert t.is_contiguous() and torch.equal(t, ref.scales[name]), name
+
+
 def test_int4_symmetric_scale_is_amax_over_7(gen):
     scheme = get_scheme("int4_w4a16", group_size=32)
     w = torch.randn(2, 16, 64, generator=gen)

@@ -109,7 +109,8 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         QuantizedWeight in the layout of moekit.quant.schemes.
     """
     E, N, K = w.shape
-    w = w.float()
+    # contiguous fp32: the stored q and scales follow w's layout, and kernels need them contiguous
+    w = w.contiguous().float()
     if scheme.weight_granularity == "tensor":
         scale = _safe(w.abs().amax(dim=(1, 2)) / FP8_MAX)  # [E]
         return QuantizedWeight(_to_fp8(w / scale[:, None, None]), scale, None)
