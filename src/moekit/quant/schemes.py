@@ -186,6 +186,7 @@ def get_scheme(scheme: Union[str, QuantScheme], *, group_size: Optional[int] = N
         symmetric: False adds zero points (weight-only schemes; default True).
     """
     if isinstance(scheme, QuantScheme):
+        _check_registered(scheme)
         base = scheme
     elif isinstance(scheme, str):
         if scheme not in SCHEMES:
@@ -202,6 +203,20 @@ def get_scheme(scheme: Union[str, QuantScheme], *, group_size: Optional[int] = N
     if symmetric is not None and not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
     return _variant(base, group_size or base.group_size, base.symmetric if symmetric is None else symmetric)
+
+
+def _check_registered(scheme: QuantScheme) -> None:
+    """Raise ValueError unless scheme is a registered one (or its group size / zero-point variant):
+    weights carry only the name, so backends run the registered scheme of that name."""
+    base = SCHEMES.get(scheme.name)
+    if base is None:
+        raise ValueError(f"QuantScheme {scheme.name!r} is not registered (moekit.quant.register_scheme): "
+                         f"backends look schemes up by name, one of {list(scheme_names())}")
+    if scheme == base or (base.weight_granularity == scheme.weight_granularity == "group"
+                          and replace(base, group_size=scheme.group_size, symmetric=scheme.symmetric) == scheme):
+        return
+    raise ValueError(f"QuantScheme {scheme.name!r} ({scheme.describe()}) differs from the registered scheme of that "
+                     f"name ({base.describe()}) beyond group_size / symmetric; register it under a name of its own")
 
 
 @functools.lru_cache(maxsize=256)
