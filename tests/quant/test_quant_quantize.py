@@ -245,6 +245,11 @@ def test_bad_weights_are_errors():
         quantize_experts(torch.randn(2, 48, 32), w2, "int8_w8a8")
     with pytest.raises(ValueError, match="quant must be one of"):
         quantize_experts(w13, w2, "int2")
+    for name in ("fp8_w8a8", "int8_w8a8", "int4_w4a16"):  # H = 0 or I = 0: an IndexError from amax, or accepted
+        with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] with H >= 1 and I >= 1, got \(2, 0, 128\)"):
+            quantize_experts(torch.randn(2, 256, 0), torch.randn(2, 0, 128), name)
+        with pytest.raises(ValueError, match=r"H >= 1 and I >= 1, got \(2, 128, 0\)"):
+            quantize_experts(torch.randn(2, 0, 128), torch.randn(2, 128, 0), name)
 
 
 @pytest.mark.parametrize("bias, error, match", [

@@ -286,6 +286,8 @@ def quantize_experts(
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 and w2 must be 3-D, got w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
     E, H, I = w2.shape
+    if H < 1 or I < 1:
+        raise ValueError(f"w2 must be [E, H, I] with H >= 1 and I >= 1, got {tuple(w2.shape)}")
     if w13.shape[0] != E or w13.shape[2] != H or w13.shape[1] not in (I, 2 * I):
         raise ValueError(f"w13 must be [E={E}, 2I={2 * I} or I={I}, H={H}] to match w2 {tuple(w2.shape)}, "
                          f"got {tuple(w13.shape)}")
