@@ -143,6 +143,10 @@ def test_pack_int4_layout_and_round_trip(gen):
         pack_int4(u[..., :7])
     with pytest.raises(TypeError, match="uint8"):
         pack_int4(u.to(torch.int32))
+    bad = u.clone()
+    bad[2, 1, 4] = 16  # packed into a low nibble, it set the next value's low bit
+    with pytest.raises(ValueError, match=r"4-bit values in \[0, 15\], got a maximum of 16"):
+        pack_int4(bad)
 
 
 @pytest.mark.parametrize("name", ["fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a8"])

@@ -90,6 +90,8 @@ def pack_int4(u: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"u must be uint8, got {u.dtype}")
     if u.shape[-1] % 2:
         raise ValueError(f"the last dim of u must be even to pack two per byte, got {u.shape[-1]}")
+    if u.numel() and int(u.max()) > 15:  # a high bit would land in the neighbouring value's nibble
+        raise ValueError(f"u must hold 4-bit values in [0, 15], got a maximum of {int(u.max())}")
     return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
