@@ -266,3 +266,18 @@ def test_bad_biases_are_errors_before_quantizing(bias, error, match):
     """Regression: biases were kept unchecked and refused only at the first call."""
     with pytest.raises(error, match=match):
         quantize_experts(torch.randn(2, 64, 32), torch.randn(2, 32, 32), "int8_w8a8", **bias)
+
+
+def test_weight_and_activation_shapes_that_do_not_fit_are_errors():
+    """Regression: quantize_weight / quantize_activation failed inside a view (or, for 3-D x,
+    took per-token scales over the wrong dim) instead of naming the shape."""
+    with pytest.raises(ValueError, match=r"w must be 3-D \[E, N, K\], got shape \(128, 128\)"):
+        quantize_weight(torch.randn(128, 128), get_scheme("int8_w8a8"))
+    with pytest.raises(ValueError, match=r"N a multiple of 1 and K of 128, got \(2, 128, 96\)"):
+        quantize_weight(torch.randn(2, 128, 96), get_scheme("int4_w4a16"))
+    with pytest.raises(ValueError, match=r"N a multiple of 128 and K of 128, got \(2, 96, 128\)"):
+        quantize_weight(torch.randn(2, 96, 128), get_scheme("fp8_w8a8_block128"))
+    with pytest.raises(ValueError, match=r"K a multiple of 128 .*got shape \(3, 96\)"):
+        quantize_activation(torch.randn(3, 96), get_scheme("fp8_w8a8_block128"))
+    with pytest.raises(ValueError, match=r"x must be 2-D \[n, K\].*got shape \(2, 3, 64\)"):
+        quantize_activation(torch.randn(2, 3, 64), get_scheme("int8_w8a8"))

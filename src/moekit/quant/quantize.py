@@ -110,7 +110,13 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     Returns:
         QuantizedWeight in the layout of moekit.quant.schemes.
     """
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D [E, N, K], got shape {tuple(w.shape)}")
     E, N, K = w.shape
+    rows, cols = scheme.weight_block or (1, scheme.group_size or 1)
+    if N % rows or K % cols:
+        raise ValueError(f"quant={scheme.name!r} needs w [E, N, K] with N a multiple of {rows} and K of {cols}, "
+                         f"got {tuple(w.shape)}")
     # contiguous fp32: the stored q and scales follow w's layout, and kernels need them contiguous
     w = w.contiguous().float()
     if scheme.weight_granularity == "tensor":
@@ -203,6 +209,10 @@ def quantize_activation(x: torch.Tensor, scheme: QuantScheme,
     """
     if scheme.weight_only:
         raise ValueError(f"quant={scheme.name!r} is weight-only: activations are not quantized")
+    G = scheme.activation_group or 1
+    if x.dim() != 2 or x.shape[1] % G:
+        raise ValueError(f"x must be 2-D [n, K] with K a multiple of {G} for quant={scheme.name!r}, "
+                         f"got shape {tuple(x.shape)}")
     x = x.float()
     qmax = _act_max(scheme)
     gran = scheme.activation_granularity
