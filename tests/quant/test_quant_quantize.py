@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import quantize_experts
+from moekit import fused_experts, quantize_experts
 from moekit.quant import (
     dequantize_activation,
     dequantize_weight,
@@ -281,3 +281,18 @@ def test_weight_and_activation_shapes_that_do_not_fit_are_errors():
         quantize_activation(torch.randn(3, 96), get_scheme("fp8_w8a8_block128"))
     with pytest.raises(ValueError, match=r"x must be 2-D \[n, K\].*got shape \(2, 3, 64\)"):
         quantize_activation(torch.randn(2, 3, 64), get_scheme("int8_w8a8"))
+
+
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_quantizing_parameters_gives_tensors_outside_autograd(case, gen):
+    """Regression: quantizing nn.Parameters gave scales (and fp8 weights) that required grad, so
+    every w8a8 backend refused the weights ("inputs require grad") and weight-only ones fell
+    back to the autograd reference."""
+    w13 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=gen))
+    w2 = torch.nn.Parameter(torch.randn(2, 128, 128, generator=gen))
+    extra = dict(a13_scale=torch.ones(2, requires_grad=True)) if case[0] == "fp8_w8a8" else {}
+    w = quantize_experts(w13, w2, case[0], **case[1], **extra)
+    assert not any(t.requires_grad for _, t in w.per_expert_tensors())
+    x, logits = torch.randn(3, 128, generator=gen), torch.randn(3, 2, generator=gen)
+    weights, ids = torch.topk(logits.softmax(-1), 1)
+    fused_experts(x, w, None, weights, ids.to(torch.int32))  # an oracle pick, not "no backend can run"

@@ -102,6 +102,7 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
 
 
+@torch.no_grad()  # not differentiable: weights that require grad (parameters) give plain tensors
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Quantize one projection per the scheme's weight dtype and granularity.
 
@@ -321,5 +322,5 @@ def quantize_experts(
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} must be finite and > 0")
-        scales[name] = t.float().to(w13.device)
+        scales[name] = t.detach().float().to(w13.device)
     return ExpertWeights(q13.q, q2.q, b13, b2, scales=scales, quant=s.name)
