@@ -249,3 +249,25 @@ def test_decode_follows_reloads_and_in_place_scale_writes(name, bf16_layer, gen)
         doubled = layer(x, logits)
     assert not torch.equal(first, reloaded)
     assert _rel(doubled, 2 * reloaded.float()) <= 1e-2
+
+
+def test_construction_quantizes_its_random_experts_one_at_a_time(monkeypatch):
+    """Regression: the random initial weights were drawn and quantized as fp32 [E, 2I, H] and
+    [E, H, I] at once, about ten times the quantized layer's memory at construction (a
+    DeepSeek-V3 layer: 30 GB of fp32 for w13) before load_quantized replaced them."""
+    from moekit.quant import module
+
+    seen = []
+
+    def recording(w13, w2, scheme, **kw):
+        seen.append(w13.shape[0])
+        return quantize_experts(w13, w2, scheme, **kw)
+
+    monkeypatch.setattr(module, "quantize_experts", recording)
+    q = FusedMoE(6, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8_block128")
+    assert seen and max(seen) == 1
+    w = q.experts.expert_weights()
+    assert w.w13.shape == (6, 256, 128) and w.scales["w13_scale"].shape == (6, 2, 1)
+    assert all(t.is_contiguous() for _, t in w.per_expert_tensors())
+    with torch.no_grad():
+        assert torch.isfinite(q(torch.randn(3, 128))).all()

@@ -26,6 +26,18 @@ from .schemes import QuantScheme, get_scheme
 __all__ = ["QuantizedRoutedExperts"]
 
 
+def _random_experts(E: int, rows13: int, H: int, I: int, scheme: QuantScheme, device) -> ExpertWeights:
+    """Gaussian experts (std H^-1/2, I^-1/2) quantized one at a time: fp32 copies of every
+    expert's weights took about ten times the quantized layer's memory (4 bytes a weight)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    parts = [quantize_experts(torch.randn((1, rows13, H), **f32) * H ** -0.5, torch.randn((1, H, I), **f32) * I ** -0.5,
+                              scheme) for _ in range(E)]
+    if not parts:  # no local experts
+        return quantize_experts(torch.zeros((0, rows13, H), **f32), torch.zeros((0, H, I), **f32), scheme)
+    return ExpertWeights(torch.cat([p.w13 for p in parts]), torch.cat([p.w2 for p in parts]),
+                         scales={k: torch.cat([p.scales[k] for p in parts]) for k in parts[0].scales}, quant=scheme.name)
+
+
 class QuantizedRoutedExperts(nn.Module):
     """Quantized routed experts: buffers w13, w2 (stored dtype) and one buffer per scale.
 
@@ -51,9 +63,7 @@ class QuantizedRoutedExperts(nn.Module):
         self.b13 = nn.Parameter(torch.zeros(E, self.rows13, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(E, H, **kw)) if bias else None
         self._scale_names = []
-        w13 = torch.randn((E, self.rows13, H), dtype=torch.float32, device=device) * H ** -0.5
-        w2 = torch.randn((E, H, I), dtype=torch.float32, device=device) * I ** -0.5
-        self._store(quantize_experts(w13, w2, self.scheme))
+        self._store(_random_experts(E, self.rows13, H, I, self.scheme, device))
 
     @property
     def shape13(self):
