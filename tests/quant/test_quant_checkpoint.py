@@ -48,6 +48,21 @@ def test_several_layers_per_file_and_static_scales(tmp_path, gen):
         load_quantized(path, "layers.2.")
 
 
+def test_tensors_that_share_memory_are_saved(tmp_path, gen):
+    """One tensor as both static activation scales, and one layer under two prefixes: safetensors
+    refused tensors sharing memory, so save_quantized raised instead of writing them."""
+    s = torch.rand(2, generator=gen) + 0.5
+    a = quantize_experts(torch.randn(2, 64, 32, generator=gen), torch.randn(2, 32, 32, generator=gen), "fp8_w8a8",
+                         a13_scale=s, a2_scale=s)
+    b = quantize_experts(torch.randn(2, 64, 64, generator=gen), torch.randn(2, 64, 32, generator=gen), "int4_w4a16",
+                         group_size=32, symmetric=False, b13=torch.randn(2, 64, generator=gen))
+    path = tmp_path / "shared.safetensors"
+    save_quantized(path, {"a.": a, "b.": b, "c.": b})
+    _same(load_quantized(path, "a."), a)
+    _same(load_quantized(path, "b."), b)
+    _same(load_quantized(path, "c."), b)
+
+
 def test_not_a_moekit_file_or_wrong_version_is_an_error(tmp_path):
     plain = tmp_path / "plain.safetensors"
     save_file({"w13": torch.zeros(1)}, str(plain))
@@ -97,6 +112,30 @@ def test_a_file_with_a_bad_tensor_is_rejected_on_load(tmp_path, gen):
     tensors["scales.w2_scale"] = tensors["scales.w2_scale"][:, :64].contiguous()
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(ValueError, match=r"scales\['w2_scale'\] must be \[2, 128\]"):
+        load_quantized(path)
+
+
+@pytest.mark.parametrize("name, opts, key, value, match", [
+    ("int4_w4a16", dict(symmetric=False), "scales.w13_zero", 16, r"scales\['w13_zero'\] holds 16; int4 zero points"),
+    ("int8_w8a16", {}, "scales.w2_scale", float("nan"), r"scales\['w2_scale'\] holds non-finite"),
+    ("fp8_w8a8_block128", {}, "scales.w13_scale", float("inf"), r"scales\['w13_scale'\] holds non-finite"),
+    ("fp8_w8a8", dict(a13_scale=torch.ones(2), a2_scale=torch.ones(2)), "scales.a2_scale", 0.0,
+     r"scales\['a2_scale'\] \(static activation scales\) must be > 0"),
+], ids=["int4-zero-16", "nan-scale", "inf-block-scale", "zero-static-scale"])
+def test_a_file_with_corrupted_values_is_rejected_on_load(name, opts, key, value, match, tmp_path, gen):
+    """Regression: corrupted scales and zero points loaded and ran (NaN outputs, or weights off the int4 grid)."""
+    w = quantize_experts(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), name, **opts)
+    path = tmp_path / "x.safetensors"
+    save_quantized(path, w)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors[key].view(-1)[-1] = value
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ValueError, match=match):
         load_quantized(path)
 
 
@@ -173,6 +212,10 @@ def test_deepseek_loader_errors_name_the_tensor(gen):
     bad = dict(tensors)
     bad[f"{p}.0.up_proj.weight_scale_inv"] = torch.ones(2, 3)
     with pytest.raises(ValueError, match=r"0.up_proj.weight_scale_inv must be \[1, 2\]"):
+        load_deepseek_fp8(bad, p, 2)
+    bad = dict(tensors)
+    bad[f"{p}.1.gate_proj.weight_scale_inv"] = torch.full((1, 2), float("nan"))
+    with pytest.raises(ValueError, match=r"1.gate_proj.weight_scale_inv holds non-finite values"):
         load_deepseek_fp8(bad, p, 2)
     with pytest.raises(ValueError, match="num_experts must be an int >= 1"):
         load_deepseek_fp8(tensors, p, 0)

@@ -350,3 +350,26 @@ def test_weight_only_bf16_kernels_past_their_rows_without_amx(monkeypatch, name,
     out = cpu_weight_only.CPUWeightOnlyBackend().apply(x, w, tw, ids, **kw)
     assert bool(taken) is (rows > cpu_weight_only.BF16_ROWS[scheme.weight_dtype])
     assert rel_err(out, BACKENDS["reference"].apply(x, w, tw, ids, **kw)) <= TIGHT["cpu_wo bf16"]
+
+
+@pytest.mark.parametrize("quant", [None, "int8_w8a8", "int8_w8a16", "int4_w4a16"])
+def test_layers_built_under_inference_mode_run_and_follow_in_place_writes(quant, gen):
+    """Regression: caches keyed on tensor versions (the decode path's fp32 biases, the int4
+    kernel's repacked weights) read `_version`, which inference tensors lack, so a layer built
+    under torch.inference_mode failed at decode (with biases) and in bf16 int4 prefill calls."""
+    from moekit import FusedMoE, RoutingConfig
+
+    E, H, I = 4, 128, 128
+    tensors = (torch.randn(E, 2 * I, H, generator=gen) / 11, torch.randn(E, H, I, generator=gen) / 11,
+               torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen))
+    twin = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True, quant=quant, dtype=torch.bfloat16)
+    twin.load_weights(*tensors)
+    with torch.inference_mode():
+        layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True, quant=quant, dtype=torch.bfloat16)
+        layer.load_weights(*tensors)
+        for T in (1, 3, 64):  # decode, and sorted calls (torch's int4 kernel for bf16 int4 at 64)
+            x, logits = torch.randn(T, H, generator=gen).to(torch.bfloat16), torch.randn(T, E, generator=gen)
+            assert torch.equal(layer(x, logits), twin(x, logits))
+            layer.experts.b13.add_(1.0)  # an in-place write the next call must see
+            with torch.no_grad():
+                twin.experts.b13.add_(1.0)

@@ -189,3 +189,15 @@ def test_act_dtype_rounds_gemm1_output_before_gemm2(gen):
             want[t] += tw[t, j] * (w2[e] @ a)
     assert rel_err(rounded, want) <= 1e-6
     assert 1e-4 < rel_err(rounded, base) <= 1e-2
+
+
+@pytest.mark.parametrize("groups, H", [(1, 256), (3, 128)], ids=["group-of-256", "groups-not-dividing-H"])
+def test_weight_only_scales_whose_group_size_is_not_supported_name_the_tensor(groups, H, gen):
+    """Regression: a w13_scale with one group over H=256 (g=256) failed with get_scheme's
+    "group_size must be one of ..., got 256", naming neither the tensor nor H."""
+    q = quantize_experts(torch.randn(2, 256, H, generator=gen), torch.randn(2, H, 128, generator=gen), "int4_w4a16",
+                         group_size=32)
+    scales = dict(q.scales, w13_scale=torch.ones(2, 256, groups))
+    with pytest.raises(ValueError, match=rf"scales\['w13_scale'\] has {groups} groups over H={H}: "
+                                         r"quant='int4_w4a16' needs groups of \[32, 64, 128\] columns"):
+        scheme_of(ExpertWeights(q.w13, q.w2, scales=scales, quant=q.quant))

@@ -93,6 +93,33 @@ def test_biases_stay_float_and_are_loaded(gen):
     assert w.b13 is q.experts.b13 and w.quant == "int8_w8a8"
 
 
+@pytest.mark.parametrize("bad, error, match", [
+    ("nan_w13", ValueError, "non-finite"),  # refused by quantize_experts, after the biases had been copied
+    ("fp8_w13", TypeError, "float32/bfloat16/float16"),
+    ("bad_b2", ValueError, r"b2 must have shape \[4, 128\]"),  # b13 was copied before b2 was checked
+])
+def test_a_refused_load_weights_leaves_weights_and_biases_as_they_were(bad, error, match, gen):
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), bias=True, quant="int8_w8a16")
+    w13, w2 = torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen)
+    q.load_weights(w13, w2, torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen))
+    before = {k: v.clone() for k, v in q.experts.state_dict().items()}
+    b13, b2 = torch.randn(4, 256, generator=gen), torch.randn(4, 128, generator=gen)
+    if bad == "nan_w13":
+        w13 = w13.clone()
+        w13[1, 2, 3] = float("nan")
+    elif bad == "fp8_w13":
+        w13 = w13.to(torch.float8_e4m3fn)
+    else:
+        b2 = torch.randn(4, 129, generator=gen)
+    with pytest.raises(error, match=match):
+        q.load_weights(w13, w2, b13, b2)
+    after = q.experts.state_dict()
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k]), k
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(quant="int5"), "quant must be one of"),
     (dict(quant=get_scheme("int4_w4a16", group_size=128), intermediate_size=96),
@@ -122,6 +149,26 @@ def test_state_dict_and_per_expert_tensors_hold_every_scale():
     assert set(tensors) == {"w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero"}
     assert all(t.shape[0] == E for t in tensors.values())
     assert isinstance(q.experts, QuantizedRoutedExperts)
+
+
+def test_a_state_dict_with_static_activation_scales_loads_into_a_fresh_layer(gen):
+    """Regression: the a13_scale / a2_scale buffers exist only after load_quantized, so a fresh
+    layer's load_state_dict refused them as unexpected keys."""
+    w = quantize_experts(torch.randn(4, 256, 128, generator=gen) * 0.1, torch.randn(4, 128, 128, generator=gen) * 0.1,
+                         "fp8_w8a8", a13_scale=torch.rand(4, generator=gen) * 0.01 + 0.01,
+                         a2_scale=torch.rand(4, generator=gen) * 0.01 + 0.01)
+    q = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    q.load_quantized(w)
+    fresh = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    fresh.load_state_dict(q.state_dict())
+    for name in ("a13_scale", "a2_scale"):
+        assert torch.equal(fresh.experts.expert_weights().scales[name], w.scales[name])
+    x = torch.randn(5, 128, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), q(x))
+    dynamic = FusedMoE(4, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8")
+    with pytest.raises(RuntimeError, match="Missing key.*a13_scale"):  # the static scales are not dropped silently
+        fresh.load_state_dict(dynamic.state_dict())
 
 
 @pytest.mark.parametrize("name, opts", [("fp8_w8a8", {}), ("fp8_w8a8_block128", {}), ("int8_w8a8", {}),
@@ -202,3 +249,25 @@ def test_decode_follows_reloads_and_in_place_scale_writes(name, bf16_layer, gen)
         doubled = layer(x, logits)
     assert not torch.equal(first, reloaded)
     assert _rel(doubled, 2 * reloaded.float()) <= 1e-2
+
+
+def test_construction_quantizes_its_random_experts_one_at_a_time(monkeypatch):
+    """Regression: the random initial weights were drawn and quantized as fp32 [E, 2I, H] and
+    [E, H, I] at once, about ten times the quantized layer's memory at construction (a
+    DeepSeek-V3 layer: 30 GB of fp32 for w13) before load_quantized replaced them."""
+    from moekit.quant import module
+
+    seen = []
+
+    def recording(w13, w2, scheme, **kw):
+        seen.append(w13.shape[0])
+        return quantize_experts(w13, w2, scheme, **kw)
+
+    monkeypatch.setattr(module, "quantize_experts", recording)
+    q = FusedMoE(6, 128, 128, RoutingConfig(top_k=2), gate=True, quant="fp8_w8a8_block128")
+    assert seen and max(seen) == 1
+    w = q.experts.expert_weights()
+    assert w.w13.shape == (6, 256, 128) and w.scales["w13_scale"].shape == (6, 2, 1)
+    assert all(t.is_contiguous() for _, t in w.per_expert_tensors())
+    with torch.no_grad():
+        assert torch.isfinite(q(torch.randn(3, 128))).all()

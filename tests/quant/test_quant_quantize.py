@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import quantize_experts
+from moekit import fused_experts, quantize_experts
 from moekit.quant import (
     dequantize_activation,
     dequantize_weight,
@@ -70,6 +70,46 @@ def test_weight_round_trip_within_the_scheme_bound(case, gen):
     assert (deq[0, :128, :128] == 0).all()  # zeros come back exactly
 
 
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_huge_weights_get_finite_scales(case, gen):
+    """Weights of both signs near the fp32 maximum: with zero points the range hi - lo overflowed
+    to inf, giving scale inf and NaN weights (0 * inf) on dequantization."""
+    scheme = get_scheme(case[0], **case[1])
+    E, N, K = 2, 128, 256
+    sign = torch.randint(0, 2, (E, N, K), generator=gen).float() * 2 - 1
+    w = sign * (1 + torch.rand(E, N, K, generator=gen)) * 1e38  # |w| in [1e38, 2e38]
+    w[0, :128, :128] = 0.0  # an all-zero block / group / channel beside them
+    q = quantize_weight(w, scheme)
+    assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
+    deq = dequantize_weight(q.q, q.scale, q.zero, scheme)
+    assert torch.isfinite(deq).all()
+    s = _expand_scale(scheme, q.scale, N, K)
+    if scheme.weight_dtype == "fp8_e4m3":
+        assert ((deq - w).abs() <= _fp8_bound(w, s)).all()
+    else:
+        assert ((deq - w).abs() <= s * 0.5 * (1 + 1e-4) + 1e-6 * w.abs()).all()
+    assert (deq[0, :128, :128] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_transposed_float_weights_quantize_to_contiguous_storage(case, dtype, gen):
+    """Regression: quantized storage followed the float weights' layout, so weights stored [E, H, 2I]
+    and [E, I, H] and passed transposed (gpt-oss) gave strided q and scales, which the native CPU
+    kernels skip and the Triton launchers refuse."""
+    E, H, I = 2, 256, 128
+    w13_t = torch.randn(E, H, 2 * I, generator=gen).to(dtype)  # [E, H, 2I] as stored
+    w2_t = torch.randn(E, I, H, generator=gen).to(dtype)
+    w = quantize_experts(w13_t.transpose(1, 2), w2_t.transpose(1, 2), case[0], **case[1])
+    ref = quantize_experts(w13_t.transpose(1, 2).contiguous(), w2_t.transpose(1, 2).contiguous(), case[0], **case[1])
+    for name in ("w13", "w2"):
+        got, want = getattr(w, name), getattr(ref, name)
+        assert got.is_contiguous(), name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    for name, t in w.scales.items():
+        assert t.is_contiguous() and torch.equal(t, ref.scales[name]), name
+
+
 def test_int4_symmetric_scale_is_amax_over_7(gen):
     scheme = get_scheme("int4_w4a16", group_size=32)
     w = torch.randn(2, 16, 64, generator=gen)
@@ -103,6 +143,10 @@ def test_pack_int4_layout_and_round_trip(gen):
         pack_int4(u[..., :7])
     with pytest.raises(TypeError, match="uint8"):
         pack_int4(u.to(torch.int32))
+    bad = u.clone()
+    bad[2, 1, 4] = 16  # packed into a low nibble, it set the next value's low bit
+    with pytest.raises(ValueError, match=r"4-bit values in \[0, 15\], got a maximum of 16"):
+        pack_int4(bad)
 
 
 @pytest.mark.parametrize("name", ["fp8_w8a8", "fp8_w8a8_channel", "fp8_w8a8_block128", "int8_w8a8"])
@@ -205,6 +249,11 @@ def test_bad_weights_are_errors():
         quantize_experts(torch.randn(2, 48, 32), w2, "int8_w8a8")
     with pytest.raises(ValueError, match="quant must be one of"):
         quantize_experts(w13, w2, "int2")
+    for name in ("fp8_w8a8", "int8_w8a8", "int4_w4a16"):  # H = 0 or I = 0: an IndexError from amax, or accepted
+        with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] with H >= 1 and I >= 1, got \(2, 0, 128\)"):
+            quantize_experts(torch.randn(2, 256, 0), torch.randn(2, 0, 128), name)
+        with pytest.raises(ValueError, match=r"H >= 1 and I >= 1, got \(2, 128, 0\)"):
+            quantize_experts(torch.randn(2, 0, 128), torch.randn(2, 128, 0), name)
 
 
 @pytest.mark.parametrize("bias, error, match", [
@@ -217,3 +266,33 @@ def test_bad_biases_are_errors_before_quantizing(bias, error, match):
     """Regression: biases were kept unchecked and refused only at the first call."""
     with pytest.raises(error, match=match):
         quantize_experts(torch.randn(2, 64, 32), torch.randn(2, 32, 32), "int8_w8a8", **bias)
+
+
+def test_weight_and_activation_shapes_that_do_not_fit_are_errors():
+    """Regression: quantize_weight / quantize_activation failed inside a view (or, for 3-D x,
+    took per-token scales over the wrong dim) instead of naming the shape."""
+    with pytest.raises(ValueError, match=r"w must be 3-D \[E, N, K\], got shape \(128, 128\)"):
+        quantize_weight(torch.randn(128, 128), get_scheme("int8_w8a8"))
+    with pytest.raises(ValueError, match=r"N a multiple of 1 and K of 128, got \(2, 128, 96\)"):
+        quantize_weight(torch.randn(2, 128, 96), get_scheme("int4_w4a16"))
+    with pytest.raises(ValueError, match=r"N a multiple of 128 and K of 128, got \(2, 96, 128\)"):
+        quantize_weight(torch.randn(2, 96, 128), get_scheme("fp8_w8a8_block128"))
+    with pytest.raises(ValueError, match=r"K a multiple of 128 .*got shape \(3, 96\)"):
+        quantize_activation(torch.randn(3, 96), get_scheme("fp8_w8a8_block128"))
+    with pytest.raises(ValueError, match=r"x must be 2-D \[n, K\].*got shape \(2, 3, 64\)"):
+        quantize_activation(torch.randn(2, 3, 64), get_scheme("int8_w8a8"))
+
+
+@pytest.mark.parametrize("case", W_SCHEMES, ids=_ids)
+def test_quantizing_parameters_gives_tensors_outside_autograd(case, gen):
+    """Regression: quantizing nn.Parameters gave scales (and fp8 weights) that required grad, so
+    every w8a8 backend refused the weights ("inputs require grad") and weight-only ones fell
+    back to the autograd reference."""
+    w13 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=gen))
+    w2 = torch.nn.Parameter(torch.randn(2, 128, 128, generator=gen))
+    extra = dict(a13_scale=torch.ones(2, requires_grad=True)) if case[0] == "fp8_w8a8" else {}
+    w = quantize_experts(w13, w2, case[0], **case[1], **extra)
+    assert not any(t.requires_grad for _, t in w.per_expert_tensors())
+    x, logits = torch.randn(3, 128, generator=gen), torch.randn(3, 2, generator=gen)
+    weights, ids = torch.topk(logits.softmax(-1), 1)
+    fused_experts(x, w, None, weights, ids.to(torch.int32))  # an oracle pick, not "no backend can run"

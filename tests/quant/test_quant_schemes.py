@@ -1,8 +1,11 @@
 """Quantization schemes as data: registry, options, precisions and the oracle's lists."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from moekit import FusedMoE, RoutingConfig
 from moekit.oracle import PRIORITIES, precision_of
 from moekit.quant import QuantScheme, get_scheme, precision_of_scheme, scheme_names
 
@@ -56,6 +59,7 @@ def test_int4_packs_two_per_byte():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=True), "group_size must be one of"),
+    (dict(group_size=64.0), "group_size must be one of"),  # == 64, but a float breaks the views by group
     (dict(symmetric="no"), "symmetric must be a bool"),
 ])
 def test_bad_options_are_errors(kwargs, match):
@@ -80,6 +84,8 @@ def test_scheme_validation_names_the_field():
         QuantScheme("x", "x", "int4", "channel")
     with pytest.raises(ValueError, match="zero points"):
         QuantScheme("x", "x", "fp8_e4m3", "channel", symmetric=False)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        QuantScheme("x", "x", "int4", "group", group_size=32.0)
     with pytest.raises(ValueError, match="activation_dtype and activation_granularity"):
         QuantScheme("x", "x", "int8", "channel", activation_dtype="int8")
 
@@ -91,3 +97,19 @@ def test_each_precision_has_its_priority_list():
         assert PRIORITIES[p]["cpu"] == ["cpu_wo", "reference"]
     for p in ("fp8", "int8", "int8_w8a16", "int4_w4a16"):
         assert PRIORITIES[p]["cuda"][-1] == "reference"
+
+
+def test_a_scheme_object_must_match_the_registered_scheme_of_its_name():
+    """Regression: weights carry only the scheme's name, so an unregistered QuantScheme built a
+    layer that failed at its first call, and a changed copy of a registered one (int8 activations
+    per tensor under the name "int8_w8a8") quantized one way and ran the registered scheme."""
+    custom = QuantScheme("my_int8", "int8", "int8", "channel", activation_dtype="int8", activation_granularity="token")
+    with pytest.raises(ValueError, match="'my_int8' is not registered"):
+        get_scheme(custom)
+    changed = dataclasses.replace(get_scheme("int8_w8a8"), activation_granularity="tensor")
+    with pytest.raises(ValueError, match="differs from the registered scheme of that name"):
+        get_scheme(changed)
+    with pytest.raises(ValueError, match="differs from the registered scheme"):
+        FusedMoE(4, 128, 128, RoutingConfig(top_k=2), quant=changed)
+    variant = dataclasses.replace(get_scheme("int4_w4a16"), group_size=64, symmetric=False)  # options are fine
+    assert get_scheme(variant) == get_scheme("int4_w4a16", group_size=64, symmetric=False)

@@ -48,6 +48,10 @@ def print_tiles(text: str, Ms, dtype: torch.dtype, scheme, device) -> None:
     from moekit.kernels.tuning import on_hopper, pick_config  # noqa: PLC0415
 
     E, k, H, I = _tiles_shape(text)
+    if scheme is not None:  # no tiles for a shape the scheme refuses
+        from moekit.quant import check_fits  # noqa: PLC0415
+
+        check_fits(scheme, H, I)
     where = device or "no CUDA device (the heuristic; --device-name reads a GPU's tables)"
     rules = "" if device is None or on_hopper(device) else " (no Hopper GPU here: without a table, no H200 rule)"
     print(f"\nTriton tiles for E={E}, k={k}, H={H}, I={I}, {str(dtype).replace('torch.', '')}"

@@ -12,6 +12,7 @@ x's dtype. Experts mapped to -1 by an expert_map contribute zero.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -19,6 +20,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from ..config import ActivationParams
+
+logger = logging.getLogger("moekit")
 
 __all__ = [
     "ExpertWeights",
@@ -65,9 +68,21 @@ def version_of(t: torch.Tensor) -> object:
 
     Inference tensors (made under torch.inference_mode) have none: a fresh object stands in,
     so a key holding it never matches and what derives from t is built again on every call
-    (in-place writes to them could not be seen otherwise).
+    (in-place writes to them could not be seen otherwise). That costs time on every call, so it
+    is said once, at WARNING on the "moekit" logger.
     """
-    return object() if t.is_inference() else t._version
+    if not t.is_inference():
+        return t._version
+    global _warned_inference
+    if not _warned_inference:
+        _warned_inference = True
+        logger.warning("moekit: weights made under torch.inference_mode have no version counter, so what is "
+                       "derived from them (fp32 biases, repacked int4 weights, the fused shared experts) is "
+                       "rebuilt on every call; build the layer outside inference_mode and call it inside")
+    return object()
+
+
+_warned_inference = False
 
 
 def held_weights(holder: Any, tensors: tuple, build: Callable[[], "ExpertWeights"]) -> "ExpertWeights":

@@ -134,7 +134,7 @@ class _Int4Repacked:
 
     def get(self, weights: ExpertWeights):
         tensors = (weights.w13, weights.w2) + tuple(weights.scales[n] for n in sorted(weights.scales))
-        version = tuple((t.data_ptr(), version_of(t)) for t in tensors)
+        version = tuple((t.data_ptr(), version_of(t)) for t in tensors)  # never equal for inference tensors
         hit = self._cache.get(weights.w13)
         if hit is None or hit[0] != version:
             s = weights.scales

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Uni
 import torch
 
 from ..experts.base import ExpertWeights
-from .layout import check_quantized_weights
+from .layout import check_quantized_weights, scheme_of
 from .schemes import get_scheme
 
 __all__ = ["save_quantized", "load_quantized", "load_deepseek_fp8", "FORMAT", "FORMAT_VERSION"]
@@ -52,6 +52,21 @@ def _check_layout(weights: ExpertWeights, where: str) -> None:
     if rows not in (I, 2 * I):
         raise ValueError(f"{where}: w13 must have 2I={2 * I} (gated) or I={I} rows, got {tuple(weights.w13.shape)}")
     check_quantized_weights(weights, weights.w2.shape[1], "silu" if rows == 2 * I else "silu_no_mul")
+    _check_values(weights, where)
+
+
+def _check_values(weights: ExpertWeights, where: str) -> None:
+    """Raise ValueError for values the quantizer never writes: non-finite scales, static activation
+    scales <= 0, int4 zero points above 15 (a corrupted file would run and give NaN or garbage)."""
+    scheme = scheme_of(weights)
+    for name, t in weights.scales.items():
+        if name.endswith("_zero"):
+            if scheme.weight_dtype == "int4" and t.numel() and int(t.max()) > 15:
+                raise ValueError(f"{where}: scales[{name!r}] holds {int(t.max())}; int4 zero points lie in [0, 15]")
+        elif not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: scales[{name!r}] holds non-finite values (inf or NaN)")
+        elif name.startswith("a") and not bool((t > 0).all()):
+            raise ValueError(f"{where}: scales[{name!r}] (static activation scales) must be > 0")
 
 
 def save_quantized(path: Union[str, os.PathLike], layers: Union[ExpertWeights, Mapping[str, ExpertWeights]]) -> None:
@@ -66,6 +81,18 @@ def save_quantized(path: Union[str, os.PathLike], layers: Union[ExpertWeights, M
         layers = {"": layers}
     tensors: Dict[str, torch.Tensor] = {}
     metadata = {"moekit.format": FORMAT, "moekit.version": FORMAT_VERSION}
+    storages = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # safetensors refuses tensors that share memory (one tensor passed as both a13_scale and
+        # a2_scale, a layer saved under two prefixes): each is written from its own copy
+        t = t.detach().contiguous().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+
     for prefix, w in layers.items():
         if not isinstance(w, ExpertWeights) or w.quant is None:
             raise ValueError(f"layers[{prefix!r}] must be quantized ExpertWeights (quant set), got "
@@ -74,9 +101,9 @@ def save_quantized(path: Union[str, os.PathLike], layers: Union[ExpertWeights, M
         metadata[f"{prefix}quant"] = w.quant
         for name, t in (("w13", w.w13), ("w2", w.w2), ("b13", w.b13), ("b2", w.b2)):
             if t is not None:
-                tensors[prefix + name] = t.detach().contiguous().cpu()
+                tensors[prefix + name] = own(t)
         for name, t in w.scales.items():
-            tensors[f"{prefix}scales.{name}"] = t.detach().contiguous().cpu()
+            tensors[f"{prefix}scales.{name}"] = own(t)
     st.save_file(tensors, os.fspath(path), metadata=metadata)
 
 
@@ -183,6 +210,8 @@ def load_deepseek_fp8(source: Source, prefix: str, num_experts: int, device=None
                     raise TypeError(f"{key} must be float8_e4m3fn, got {t.dtype}")
                 if suffix == "weight_scale_inv" and not t.is_floating_point():
                     raise TypeError(f"{key} must be a float tensor, got {t.dtype}")
+                if suffix == "weight_scale_inv" and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{key} holds non-finite values (inf or NaN)")
                 parts[proj, suffix] = t
         gate, up, down = (parts[p, "weight"] for p in ("gate_proj", "up_proj", "down_proj"))
         I, H = gate.shape

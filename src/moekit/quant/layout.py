@@ -15,7 +15,7 @@ from ..activations import is_gated
 from ..checks import check_float_tensor
 from ..experts.base import ExpertWeights, cached_for
 from .quantize import check_fits
-from .schemes import QuantScheme, get_scheme
+from .schemes import GROUP_SIZES, QuantScheme, get_scheme
 
 __all__ = ["SCALE_KEYS", "scheme_of", "logical_intermediate_size", "check_quantized_weights", "expected_scales"]
 
@@ -40,8 +40,9 @@ def _read_scheme(weights: ExpertWeights) -> QuantScheme:
         raise ValueError(f"quant={base.name!r} needs scales['w13_scale'] [E, N, K/g], got "
                          f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else scale!r}")
     H = weights.w2.shape[1]
-    if H % scale.shape[-1]:
-        raise ValueError(f"scales['w13_scale'] has {scale.shape[-1]} groups, which does not divide H={H}")
+    if H % scale.shape[-1] or H // scale.shape[-1] not in GROUP_SIZES:
+        raise ValueError(f"scales['w13_scale'] has {scale.shape[-1]} groups over H={H}: quant={base.name!r} needs "
+                         f"groups of {list(GROUP_SIZES)} columns")
     return get_scheme(base, group_size=H // scale.shape[-1], symmetric="w13_zero" not in weights.scales)
 
 

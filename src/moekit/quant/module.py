@@ -26,6 +26,18 @@ from .schemes import QuantScheme, get_scheme
 __all__ = ["QuantizedRoutedExperts"]
 
 
+def _random_experts(E: int, rows13: int, H: int, I: int, scheme: QuantScheme, device) -> ExpertWeights:
+    """Gaussian experts (std H^-1/2, I^-1/2) quantized one at a time: fp32 copies of every
+    expert's weights took about ten times the quantized layer's memory (4 bytes a weight)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    parts = [quantize_experts(torch.randn((1, rows13, H), **f32) * H ** -0.5, torch.randn((1, H, I), **f32) * I ** -0.5,
+                              scheme) for _ in range(E)]
+    if not parts:  # no local experts
+        return quantize_experts(torch.zeros((0, rows13, H), **f32), torch.zeros((0, H, I), **f32), scheme)
+    return ExpertWeights(torch.cat([p.w13 for p in parts]), torch.cat([p.w2 for p in parts]),
+                         scales={k: torch.cat([p.scales[k] for p in parts]) for k in parts[0].scales}, quant=scheme.name)
+
+
 class QuantizedRoutedExperts(nn.Module):
     """Quantized routed experts: buffers w13, w2 (stored dtype) and one buffer per scale.
 
@@ -51,9 +63,7 @@ class QuantizedRoutedExperts(nn.Module):
         self.b13 = nn.Parameter(torch.zeros(E, self.rows13, **kw)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(E, H, **kw)) if bias else None
         self._scale_names = []
-        w13 = torch.randn((E, self.rows13, H), dtype=torch.float32, device=device) * H ** -0.5
-        w2 = torch.randn((E, H, I), dtype=torch.float32, device=device) * I ** -0.5
-        self._store(quantize_experts(w13, w2, self.scheme))
+        self._store(_random_experts(E, self.rows13, H, I, self.scheme, device))
 
     @property
     def shape13(self):
@@ -93,6 +103,19 @@ class QuantizedRoutedExperts(nn.Module):
                 self._buffers[name] = fn(buf) if probe.dtype == buf.dtype else buf.to(probe.device)
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """nn.Module's, after adding buffers for static activation scales the state_dict holds.
+
+        Those buffers exist only once pre-quantized weights carrying them were loaded
+        (load_quantized), so a fresh layer of the same scheme had no slot for them."""
+        if self.scheme.activation_granularity == "tensor":
+            for name in ("a13_scale", "a2_scale"):
+                if prefix + name in state_dict and name not in self._scale_names:
+                    self.register_buffer(name, torch.ones(self.w13.shape[0], dtype=torch.float32,
+                                                          device=self.w13.device))
+                    self._scale_names = sorted(self._scale_names + [name])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def expert_weights(self) -> ExpertWeights:
         names = self._scale_names
         scales = tuple(getattr(self, n) for n in names)
@@ -105,9 +128,10 @@ class QuantizedRoutedExperts(nn.Module):
         """Quantize float canonical-layout weights on load: w13 [E, 2I, H], w2 [E, H, I], biases float."""
         check_float_tensor("w13", w13, self.shape13)
         check_float_tensor("w2", w2, self.shape2)
-        copy_biases(self, b13, b2)
         device = self.w13.device
-        self._store(quantize_experts(w13.to(device), w2.to(device), self.scheme))
+        q = quantize_experts(w13.to(device), w2.to(device), self.scheme)  # refuses non-finite weights
+        copy_biases(self, b13, b2)  # after quantizing: a refused call leaves the layer as it was
+        self._store(q)
 
     @torch.no_grad()
     def load_quantized(self, weights: ExpertWeights) -> None:

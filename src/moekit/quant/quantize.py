@@ -90,6 +90,8 @@ def pack_int4(u: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"u must be uint8, got {u.dtype}")
     if u.shape[-1] % 2:
         raise ValueError(f"the last dim of u must be even to pack two per byte, got {u.shape[-1]}")
+    if u.numel() and int(u.max()) > 15:  # a high bit would land in the neighbouring value's nibble
+        raise ValueError(f"u must hold 4-bit values in [0, 15], got a maximum of {int(u.max())}")
     return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
@@ -100,6 +102,7 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
 
 
+@torch.no_grad()  # not differentiable: weights that require grad (parameters) give plain tensors
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Quantize one projection per the scheme's weight dtype and granularity.
 
@@ -108,8 +111,15 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     Returns:
         QuantizedWeight in the layout of moekit.quant.schemes.
     """
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D [E, N, K], got shape {tuple(w.shape)}")
     E, N, K = w.shape
-    w = w.float()
+    rows, cols = scheme.weight_block or (1, scheme.group_size or 1)
+    if N % rows or K % cols:
+        raise ValueError(f"quant={scheme.name!r} needs w [E, N, K] with N a multiple of {rows} and K of {cols}, "
+                         f"got {tuple(w.shape)}")
+    # contiguous fp32: the stored q and scales follow w's layout, and kernels need them contiguous
+    w = w.contiguous().float()
     if scheme.weight_granularity == "tensor":
         scale = _safe(w.abs().amax(dim=(1, 2)) / FP8_MAX)  # [E]
         return QuantizedWeight(_to_fp8(w / scale[:, None, None]), scale, None)
@@ -137,7 +147,8 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         return QuantizedWeight(pack_int4((q + 8).to(torch.uint8)), scale, None)
     lo = w4.amin(dim=3).clamp(max=0.0)  # the range always holds 0, so 0 is exact
     hi = w4.amax(dim=3).clamp(min=0.0)
-    scale = _safe((hi - lo) / uns_max)  # [E, N, K/g]
+    span = hi - lo  # inf when hi and -lo are both near the fp32 maximum: then divide before subtracting
+    scale = _safe(torch.where(torch.isfinite(span), span / uns_max, hi / uns_max - lo / uns_max))  # [E, N, K/g]
     zero = torch.round(-lo / scale).clamp_(0, uns_max)
     u = (torch.round(w4 / scale[..., None]) + zero[..., None]).clamp_(0, uns_max).to(torch.uint8).view(E, N, K)
     if scheme.weight_dtype == "int4":
@@ -199,6 +210,10 @@ def quantize_activation(x: torch.Tensor, scheme: QuantScheme,
     """
     if scheme.weight_only:
         raise ValueError(f"quant={scheme.name!r} is weight-only: activations are not quantized")
+    G = scheme.activation_group or 1
+    if x.dim() != 2 or x.shape[1] % G:
+        raise ValueError(f"x must be 2-D [n, K] with K a multiple of {G} for quant={scheme.name!r}, "
+                         f"got shape {tuple(x.shape)}")
     x = x.float()
     qmax = _act_max(scheme)
     gran = scheme.activation_granularity
@@ -284,6 +299,8 @@ def quantize_experts(
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 and w2 must be 3-D, got w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
     E, H, I = w2.shape
+    if H < 1 or I < 1:
+        raise ValueError(f"w2 must be [E, H, I] with H >= 1 and I >= 1, got {tuple(w2.shape)}")
     if w13.shape[0] != E or w13.shape[2] != H or w13.shape[1] not in (I, 2 * I):
         raise ValueError(f"w13 must be [E={E}, 2I={2 * I} or I={I}, H={H}] to match w2 {tuple(w2.shape)}, "
                          f"got {tuple(w13.shape)}")
@@ -305,5 +322,5 @@ def quantize_experts(
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} must be finite and > 0")
-        scales[name] = t.float().to(w13.device)
+        scales[name] = t.detach().float().to(w13.device)
     return ExpertWeights(q13.q, q2.q, b13, b2, scales=scales, quant=s.name)

@@ -49,6 +49,11 @@ _ACT_GRANULARITIES = ("tensor", "token", "group")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
+def _is_group_size(g) -> bool:
+    # an int: 64.0 == 64 would pass `in GROUP_SIZES` and break every view by the group size
+    return isinstance(g, int) and not isinstance(g, bool) and g in GROUP_SIZES
+
+
 @dataclass(frozen=True)
 class QuantScheme:
     """One quantization scheme (see the module docstring for the stored layout).
@@ -88,7 +93,7 @@ class QuantScheme:
         if (self.weight_granularity == "block") != (self.weight_block is not None):
             raise ValueError(f"weight_block must be set exactly for 'block' granularity, got {self.weight_block!r}")
         if self.weight_granularity == "group":
-            if self.group_size not in GROUP_SIZES:
+            if not _is_group_size(self.group_size):
                 raise ValueError(f"group_size must be one of {list(GROUP_SIZES)}, got {self.group_size!r}")
         elif self.group_size is not None:
             raise ValueError(f"group_size applies to 'group' weight granularity only, got {self.group_size!r}")
@@ -181,6 +186,7 @@ def get_scheme(scheme: Union[str, QuantScheme], *, group_size: Optional[int] = N
         symmetric: False adds zero points (weight-only schemes; default True).
     """
     if isinstance(scheme, QuantScheme):
+        _check_registered(scheme)
         base = scheme
     elif isinstance(scheme, str):
         if scheme not in SCHEMES:
@@ -192,11 +198,25 @@ def get_scheme(scheme: Union[str, QuantScheme], *, group_size: Optional[int] = N
         return base
     if base.weight_granularity != "group":
         raise ValueError(f"group_size and symmetric apply to weight-only schemes, not {base.name!r}")
-    if group_size is not None and (isinstance(group_size, bool) or group_size not in GROUP_SIZES):
+    if group_size is not None and not _is_group_size(group_size):
         raise ValueError(f"group_size must be one of {list(GROUP_SIZES)}, got {group_size!r}")
     if symmetric is not None and not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
     return _variant(base, group_size or base.group_size, base.symmetric if symmetric is None else symmetric)
+
+
+def _check_registered(scheme: QuantScheme) -> None:
+    """Raise ValueError unless scheme is a registered one (or its group size / zero-point variant):
+    weights carry only the name, so backends run the registered scheme of that name."""
+    base = SCHEMES.get(scheme.name)
+    if base is None:
+        raise ValueError(f"QuantScheme {scheme.name!r} is not registered (moekit.quant.register_scheme): "
+                         f"backends look schemes up by name, one of {list(scheme_names())}")
+    if scheme == base or (base.weight_granularity == scheme.weight_granularity == "group"
+                          and replace(base, group_size=scheme.group_size, symmetric=scheme.symmetric) == scheme):
+        return
+    raise ValueError(f"QuantScheme {scheme.name!r} ({scheme.describe()}) differs from the registered scheme of that "
+                     f"name ({base.describe()}) beyond group_size / symmetric; register it under a name of its own")
 
 
 @functools.lru_cache(maxsize=256)
