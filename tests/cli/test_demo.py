@@ -34,11 +34,19 @@ def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
     assert str(tmp_path) in out and "all checks passed" in out
 
 
-def test_demo_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="--tokens"):
-        main(["demo", "--tokens", "0"])
-    with pytest.raises(ValueError, match="--prefill-tokens"):
-        main(["demo", "--prefill-tokens", "-1"])
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "0"], "--tokens and --prompt-tokens must be >= 1"),
+    (["--prefill-tokens", "-1"], "--prefill-tokens must be >= 0"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    # these two used to fail only after the models were built, in a traceback
+    (["--backend", "no_such_backend"], "--backend: backend must be 'auto' or one of"),
+    (["--model", "/no/such/folder"], "--model must be a local checkpoint folder with config.json"),
+])
+def test_demo_rejects_bad_arguments(argv, message, capsys):
+    """Exit status 2 and the reason on stderr (no traceback), before any model is built."""
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit demo: error: ") and message in err
 
 
 def test_demo_exit_status_follows_the_check(monkeypatch, capsys):

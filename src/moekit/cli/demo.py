@@ -16,10 +16,13 @@ Exit status 0 only when every check passed.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Dict, List, Tuple
 
 import torch
+
+from moekit.cli.main import UsageError
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -180,18 +183,31 @@ def _table(rows: List[Tuple[str, ...]], header: Tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _check_args(args) -> None:
+    if args.tokens < 1 or args.prompt_tokens < 1:
+        raise UsageError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.prefill_tokens < 0:
+        raise UsageError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
+    if args.backend != "auto":
+        from moekit.experts.base import get_backend  # noqa: PLC0415
+
+        try:
+            get_backend(args.backend)
+        except ValueError as err:
+            raise UsageError(f"--backend: {err}") from None
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model must be a local checkpoint folder with config.json, got {args.model!r}")
+
+
 def run(args) -> int:
     try:
         import transformers  # noqa: F401, PLC0415
     except ImportError:
         print("moekit demo needs Hugging Face transformers: pip install 'moekit[hf]'")
         return 2
-    if args.tokens < 1 or args.prompt_tokens < 1:
-        raise ValueError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    if args.prefill_tokens < 0:
-        raise ValueError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
+    _check_args(args)
     dtype = DTYPES[args.dtype]
     eager, ours, label = _models(args, dtype)
     vocab = eager.config.vocab_size
