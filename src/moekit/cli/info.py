@@ -10,6 +10,8 @@ import platform
 import torch
 
 import moekit
+from moekit.activations import ACTIVATIONS
+from moekit.cli.main import UsageError
 from moekit.experts.base import ExpertsProblem
 from moekit.oracle import available_backends, explain
 
@@ -19,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="activation/weight dtype of the sample problem (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quant", default=None, help="quantization scheme of the sample problem")
-    p.add_argument("--activation", default="silu")
+    p.add_argument("--activation", default="silu", choices=ACTIVATIONS,
+                   help="activation of the sample problem (default silu)")
     p.add_argument("--tiles", default=None, metavar="SHAPE",
                    help="print the Triton tiles of SHAPE (a PERF.md shape name, or E,k,H,I) at each --M and where "
                         "they come from")
@@ -100,11 +103,14 @@ def run(args) -> int:
         try:
             scheme = get_scheme(args.quant)
         except ValueError as err:
-            print(f"moekit info: {err}")
-            return 2
-    if args.tiles is not None and min(args.M) < 1:
-        print(f"moekit info: --M must be >= 1, got {args.M}")
-        return 2
+            raise UsageError(f"--quant: {err}") from None
+    if args.tiles is not None:
+        if min(args.M) < 1:
+            raise UsageError(f"--M must be >= 1, got {args.M}")
+        try:
+            _tiles_shape(args.tiles)  # before the report, not after it
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415
@@ -156,6 +162,5 @@ def run(args) -> int:
         try:
             print_tiles(args.tiles, args.M, getattr(torch, args.dtype) if args.dtype else torch.bfloat16, scheme, device)
         except ValueError as err:
-            print(f"moekit info: {err}")
-            return 2
+            raise UsageError(str(err)) from None
     return 0
