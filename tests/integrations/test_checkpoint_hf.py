@@ -124,3 +124,19 @@ def test_quantized_experts_are_refused(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks'.*quantized experts"):
         mh.load_checkpoint(_target("gpt_oss"), tmp_path)
+
+
+def test_from_pretrained_checks_dtype_and_device_before_loading(tmp_path, monkeypatch):
+    """dtype="auto" (transformers' habit) used to fail with "module 'torch' has no attribute 'auto'",
+    and a bad device only after the whole checkpoint was read."""
+    build("olmoe", seed=6).save_pretrained(tmp_path)
+    built = []
+    monkeypatch.setattr(mh, "patch_model", lambda *a, **kw: built.append(1))
+    for dtype in ("auto", torch.int8, "nn", 16):
+        with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype or its name, got"):
+            mh.from_pretrained(tmp_path, dtype=dtype)
+    with pytest.raises(RuntimeError, match="no_such_device"):
+        mh.from_pretrained(tmp_path, device="no_such_device")
+    assert built == []
+    monkeypatch.undo()
+    assert next(mh.from_pretrained(tmp_path, dtype="bfloat16").parameters()).dtype == torch.bfloat16
