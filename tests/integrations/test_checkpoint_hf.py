@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 import moekit.hf as mh  # noqa: E402
-from moekit.integrations.checkpoint import CheckpointError  # noqa: E402
+from moekit.integrations.checkpoint import CheckpointError, load_fused_moe  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 from hf_tiny_models import FAMILIES, build, tie_free_prompt  # noqa: E402
@@ -140,3 +140,20 @@ def test_from_pretrained_checks_dtype_and_device_before_loading(tmp_path, monkey
     assert built == []
     monkeypatch.undo()
     assert next(mh.from_pretrained(tmp_path, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+
+
+def test_loading_into_a_meta_model_is_refused(tmp_path):
+    """A model built on the meta device used to 'load' every key (copy_ into meta writes nothing)
+    and stay on meta, with no error."""
+    from transformers import AutoModelForCausalLM
+
+    model = build("mixtral", seed=7)
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(model.config)
+    mh.patch_model(empty)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight is on the meta device.*to_empty"):
+        mh.load_checkpoint(empty, tmp_path)
+    layer = mh.moe_blocks(empty)["model.layers.0.mlp"].moe
+    with pytest.raises(CheckpointError, match=r"^experts.w13 is on the meta device"):
+        load_fused_moe(layer, tmp_path, mh.moe_blocks(empty)["model.layers.0.mlp"].checkpoint_keys("model.layers.0.mlp"))
