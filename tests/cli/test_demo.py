@@ -49,6 +49,18 @@ def test_demo_rejects_bad_arguments(argv, message, capsys):
     assert err.startswith("moekit demo: error: ") and message in err
 
 
+def test_demo_refuses_a_model_moekit_cannot_patch(tmp_path, capsys):
+    """A folder of a family patch_model refuses used to end in a traceback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("phimoe", hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, vocab_size=64, num_local_experts=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert main(["demo", "--model", str(tmp_path), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"moekit demo: error: --model {tmp_path}: cannot patch these sparse-MoE blocks" in err
+
+
 def test_demo_exit_status_follows_the_check(monkeypatch, capsys):
     """A logits comparison that fails (here forced to inf) makes the command fail."""
     from moekit.cli import demo

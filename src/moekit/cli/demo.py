@@ -84,8 +84,11 @@ def _models(args, dtype):
         return eager, ours, "built-in tiny DeepSeek-V3"
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
+    try:  # moekit's loader first: a model it cannot patch or load is refused before the eager one is built
+        ours = mh.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+    except ValueError as err:  # CheckpointError too
+        raise UsageError(f"--model {args.model}: {err}") from None
     eager = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, experts_implementation="eager").eval()
-    ours = mh.from_pretrained(args.model, dtype=dtype, backend=args.backend)
     return eager, ours, args.model
 
 
