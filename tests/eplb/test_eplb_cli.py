@@ -66,12 +66,17 @@ def test_plan_more_gpus_than_experts_and_unwritable_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content,args,message", [
-    ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"], "divisible by num_gpus=2"),
+    ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"],
+     r"--gpus 2 must divide the 3 physical slots \(E=3 experts \+ --redundant 0\)"),
     ([1, 2, 3], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"\[L, E\] with L, E >= 1"),
     ([[]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"with L, E >= 1, got shape \(1, 0\)"),
     ([[1, 2], [3]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "rectangular"),
-    ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "divisible by num_nodes=3"),
-], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes"])
+    ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "--nodes 3 must divide --gpus 4"),
+    ([[1, 2, 3, 4]], ["--gpus", "2", "--nodes", "1", "--redundant", "0", "--groups", "3"],
+     "--groups 3 must divide the E=4 experts"),
+    ([[1, 2, 3, 4]], ["--gpus", "0", "--nodes", "1", "--redundant", "0"], "--gpus must be an int >= 1, got 0"),
+], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes",
+        "experts-not-divisible-by-groups", "no-gpus"])
 def test_plan_errors(tmp_path, capsys, content, args, message):
     path = tmp_path / "load.json"
     path.write_text(json.dumps(content))

@@ -108,7 +108,17 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
     L, E = load.shape
     if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
         raise ValueError(f"--redundant must be an int >= 0, got {redundant!r}")
+    for flag, v in (("--gpus", gpus), ("--nodes", nodes), ("--groups", groups)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be an int >= 1, got {v!r}")
     R = E + redundant
+    # the policy's preconditions, in the command's terms
+    if R % gpus:
+        raise ValueError(f"--gpus {gpus} must divide the {R} physical slots (E={E} experts + --redundant {redundant})")
+    if gpus % nodes:
+        raise ValueError(f"--nodes {nodes} must divide --gpus {gpus}")
+    if E % groups:
+        raise ValueError(f"--groups {groups} must divide the E={E} experts")
     phy2log, log2phy, count = rebalance_experts(load, R, groups, nodes, gpus)
     before, overall_before = balancedness(static_gpu_loads(load, gpus))
     after_loads = gpu_loads(load, phy2log, gpus)
