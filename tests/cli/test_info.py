@@ -61,6 +61,14 @@ def test_info_tiles_refuses_bad_shapes(argv, match, capsys):
     assert err.startswith("moekit info: error: ") and match in err and out == ""
 
 
+def test_info_refuses_tile_options_without_tiles(capsys):
+    """--M and --device-name were silently ignored without --tiles."""
+    assert main(["info", "--M", "16"]) == 2
+    assert "moekit info: error: without --tiles SHAPE, --M would be ignored" in capsys.readouterr().err
+    assert main(["info", "--device-name", "NVIDIA_H200", "--M", "1"]) == 2
+    assert "without --tiles SHAPE, --M and --device-name would be ignored" in capsys.readouterr().err
+
+
 def test_info_refuses_an_unknown_activation_and_scheme(capsys):
     """An unknown --activation used to be accepted, and the oracle reported a backend 'chosen' for it."""
     with pytest.raises(SystemExit) as exit_:

@@ -16,6 +16,9 @@ from moekit.experts.base import ExpertsProblem
 from moekit.oracle import available_backends, explain
 
 
+TILE_MS = [1, 16, 64, 256, 1024, 4096, 16384]
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="backends available here and what the oracle picks")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -26,7 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tiles", default=None, metavar="SHAPE",
                    help="print the Triton tiles of SHAPE (a PERF.md shape name, or E,k,H,I) at each --M and where "
                         "they come from")
-    p.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 16384], help="tokens, for --tiles")
+    p.add_argument("--M", type=int, nargs="+", default=None,
+                   help=f"tokens, for --tiles (default {' '.join(map(str, TILE_MS))})")
     p.add_argument("--device-name", default=None,
                    help="for --tiles: the tables of this GPU (e.g. NVIDIA_H200; default: this machine's GPU)")
     p.set_defaults(func=run)
@@ -104,7 +108,12 @@ def run(args) -> int:
             scheme = get_scheme(args.quant)
         except ValueError as err:
             raise UsageError(f"--quant: {err}") from None
-    if args.tiles is not None:
+    if args.tiles is None:
+        unused = [flag for flag, v in (("--M", args.M), ("--device-name", args.device_name)) if v is not None]
+        if unused:
+            raise UsageError(f"without --tiles SHAPE, {' and '.join(unused)} would be ignored")
+    else:
+        args.M = args.M or TILE_MS
         if min(args.M) < 1:
             raise UsageError(f"--M must be >= 1, got {args.M}")
         try:
