@@ -18,8 +18,12 @@ from moekit.cli.main import main
     (["--device", "cuda", "--quant", "fp8_w8a8", "--impls", "moekit_triton"], "--impls chooses among the peers"),
     (["--shapes", "mixtral-8x7b"], "--shapes on cpu must be among"),
     (["--device", "cuda", "--shapes", "E64-k8-H1024-I512"], "--shapes on cuda must be among"),
-    (["--device", "cuda", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--device", "cuda", "--quant", "fp8_w8a8", "--rounds", "0"], "--rounds must be >= 1"),
     (["--reps", "0"], "--reps must be >= 1"),
+    # options that used to be silently ignored
+    (["--rounds", "5"], "--rounds goes with --quant"),
+    (["--device", "cuda", "--reps", "3"], "--reps sets the CPU benchmark's timing"),
+    (["--device", "cuda", "--budget", "5"], "--budget sets the CPU benchmark's timing"),
     (["--M", "16", "0"], "--M takes token counts >= 1"),
     (["--impls", "moekit_auto", "bogus"], "--impls on cpu must be among"),
     (["--device", "cuda", "--impls", "hf_eager"], "--impls on cuda must be among"),

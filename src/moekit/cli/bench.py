@@ -15,16 +15,17 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--M", type=int, nargs="+", default=None, help="token counts (default: the issue's list)")
     p.add_argument("--shapes", nargs="+", default=None, help="shape names to run (default: all)")
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--budget", type=float, default=20.0, help="seconds per (shape, M, implementation) at most")
+    p.add_argument("--reps", type=int, default=None, help="cpu: repetitions per point (default 7)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="cpu: seconds per (shape, M, implementation) at most (default 20)")
     p.add_argument("--impls", nargs="+", default=None, help="only these implementations")
     p.add_argument("--quant", default=None, metavar="SCHEME",
                    help="cuda: time the quantized Triton experts of SCHEME (fp8_w8a8, int4_w4a16, ...) against "
                         "the bf16 Triton kernel instead of the peers")
     p.add_argument("--static-scales", action="store_true",
                    help="with --quant fp8_w8a8: static per-tensor activation scales (as fp8 checkpoints carry)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="with --quant: rounds per point, the quantized and the bf16 kernel alternately")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="with --quant: rounds per point, the quantized and the bf16 kernel alternately (default 3)")
     p.add_argument("--warm-ms", type=float, default=0.0,
                    help="cuda: replay each call this long before timing it, so the clocks settle where "
                         "sustained work holds them (the power limit, at large M); default 0: short bursts. "
@@ -41,6 +42,16 @@ _IMPLS = {
 
 
 def _check_args(args) -> None:
+    """Refuse what cannot run or would be ignored; fill in the defaults of the options left out."""
+    if args.device == "cuda":
+        for flag, value in (("--reps", args.reps), ("--budget", args.budget)):
+            if value is not None:
+                raise UsageError(f"{flag} sets the CPU benchmark's timing; --device cuda times CUDA graphs")
+    if args.rounds is not None and args.quant is None:
+        raise UsageError("--rounds goes with --quant (the quantized and the bf16 kernel alternately)")
+    args.reps = 7 if args.reps is None else args.reps
+    args.budget = 20.0 if args.budget is None else args.budget
+    args.rounds = 3 if args.rounds is None else args.rounds
     if args.device != "cuda":
         for flag, value in (("--quant", args.quant), ("--static-scales", args.static_scales),
                             ("--warm-ms", args.warm_ms)):
