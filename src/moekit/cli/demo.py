@@ -146,21 +146,27 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _layer_reports(model, counts: Dict[str, torch.Tensor], dtype) -> List[Tuple[str, str, str, str]]:
-    """(layer, backend, why, expert load) for each patched MoE layer."""
+def _choices(model, dtype) -> Dict[str, object]:
+    """The oracle's choice (backend and why) for each patched MoE layer, by name.
+
+    Raises ValueError when an explicitly named backend cannot run a layer."""
     import moekit.hf as mh  # noqa: PLC0415
     from moekit.experts.api import problem_of  # noqa: PLC0415
     from moekit.oracle import choose_backend  # noqa: PLC0415
 
-    rows = []
+    choices = {}
     for name, block in mh.moe_blocks(model).items():
         moe = block.moe
         x = torch.empty(1, moe.hidden_size, dtype=dtype, device=moe.experts.w13.device)
         problem = problem_of(x, moe.experts.expert_weights(), moe.routing.top_k, moe.activation, False, False)
-        choice = choose_backend(problem, moe.runner.backend, owner=moe.layer_name)
-        load = counts.get(name)
-        rows.append((name, choice.backend.name, choice.reason, " ".join(str(int(c)) for c in load.tolist())))
-    return rows
+        choices[name] = choose_backend(problem, moe.runner.backend, owner=moe.layer_name)
+    return choices
+
+
+def _layer_reports(model, counts: Dict[str, torch.Tensor], dtype) -> List[Tuple[str, str, str, str]]:
+    """(layer, backend, why, expert load) for each patched MoE layer."""
+    return [(name, choice.backend.name, choice.reason, " ".join(str(int(c)) for c in counts[name].tolist()))
+            for name, choice in _choices(model, dtype).items()]
 
 
 def _count_routing(model) -> Tuple[Dict[str, torch.Tensor], list]:
@@ -213,6 +219,10 @@ def run(args) -> int:
     _check_args(args)
     dtype = DTYPES[args.dtype]
     eager, ours, label = _models(args, dtype)
+    try:
+        _choices(ours, dtype)
+    except ValueError as err:
+        raise UsageError(f"--backend {args.backend}: {err}") from None
     vocab = eager.config.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(args.seed + 1))
     with torch.no_grad():
