@@ -75,8 +75,9 @@ def test_plan_more_gpus_than_experts_and_unwritable_plot(tmp_path, capsys):
     ([[1, 2, 3, 4]], ["--gpus", "2", "--nodes", "1", "--redundant", "0", "--groups", "3"],
      "--groups 3 must divide the E=4 experts"),
     ([[1, 2, 3, 4]], ["--gpus", "0", "--nodes", "1", "--redundant", "0"], "--gpus must be an int >= 1, got 0"),
+    ([[True, False, 3, 4]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "got true/false entries"),
 ], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes",
-        "experts-not-divisible-by-groups", "no-gpus"])
+        "experts-not-divisible-by-groups", "no-gpus", "booleans-read-as-counts"])
 def test_plan_errors(tmp_path, capsys, content, args, message):
     path = tmp_path / "load.json"
     path.write_text(json.dumps(content))

@@ -74,6 +74,10 @@ def _read_file(path: str, ext: str):
         return json.load(f)
 
 
+def _holds_bool(value) -> bool:
+    return isinstance(value, bool) or (isinstance(value, list) and any(_holds_bool(v) for v in value))
+
+
 def read_load(path: str) -> torch.Tensor:
     """Token counts [L, E] from a .npy, .pt or .json file, as float64."""
     if not os.path.exists(path):
@@ -92,6 +96,8 @@ def read_load(path: str) -> torch.Tensor:
             if "load" not in data:
                 raise ValueError(f"--load: the JSON object in {path} needs a 'load' entry [L, E]")
             data = data["load"]
+        if _holds_bool(data):  # torch.tensor would take true / false as 1 / 0
+            raise ValueError(f"--load: {path} must hold token counts [L, E], got true/false entries")
         try:
             data = torch.tensor(data, dtype=torch.float64)
         except (TypeError, ValueError) as err:
