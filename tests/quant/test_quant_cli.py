@@ -22,4 +22,4 @@ def test_info_fp8_on_cpu_runs_the_emulation(capsys):
 
 def test_info_unknown_scheme_is_a_clear_error(capsys):
     assert main(["info", "--quant", "int3"]) == 2
-    assert "quant must be one of" in capsys.readouterr().out
+    assert "quant must be one of" in capsys.readouterr().err
