@@ -78,7 +78,8 @@ def from_pretrained(path: Union[str, Path], *, dtype: torch.dtype = torch.float3
 
     Args:
         path: a folder with config.json and safetensors weights (no download happens).
-        dtype: parameter dtype.  backend: FusedMoE backend ("auto": the oracle picks).
+        dtype: parameter dtype, a floating torch.dtype or its name ("bfloat16").
+        backend: FusedMoE backend ("auto": the oracle picks).
         device: where to move the model afterwards (None: stay on CPU).
     Returns:
         The model in eval mode.
@@ -88,6 +89,12 @@ def from_pretrained(path: Union[str, Path], *, dtype: torch.dtype = torch.float3
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"path must be a local checkpoint folder with config.json, got {str(path)!r}")
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
+    dtype = named
+    if device is not None:
+        device = torch.device(device)  # a bad device string fails here, before the checkpoint is read
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if (folder / "generation_config.json").is_file():

@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import torch
 
 import moekit.benchmarks.gpu as gpu
 from moekit.cli.main import main
@@ -17,16 +18,31 @@ from moekit.cli.main import main
     (["--device", "cuda", "--quant", "fp8_w8a8", "--impls", "moekit_triton"], "--impls chooses among the peers"),
     (["--shapes", "mixtral-8x7b"], "--shapes on cpu must be among"),
     (["--device", "cuda", "--shapes", "E64-k8-H1024-I512"], "--shapes on cuda must be among"),
-    (["--device", "cuda", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--device", "cuda", "--quant", "fp8_w8a8", "--rounds", "0"], "--rounds must be >= 1"),
     (["--reps", "0"], "--reps must be >= 1"),
+    # options that used to be silently ignored
+    (["--rounds", "5"], "--rounds goes with --quant"),
+    (["--device", "cuda", "--reps", "3"], "--reps sets the CPU benchmark's timing"),
+    (["--device", "cuda", "--budget", "5"], "--budget sets the CPU benchmark's timing"),
     (["--M", "16", "0"], "--M takes token counts >= 1"),
     (["--impls", "moekit_auto", "bogus"], "--impls on cpu must be among"),
     (["--device", "cuda", "--impls", "hf_eager"], "--impls on cuda must be among"),
 ])
-def test_bad_arguments_are_refused_with_the_reason(argv, message):
-    with pytest.raises(SystemExit) as err:
-        main(["bench", *argv])
-    assert message in str(err.value)
+def test_bad_arguments_are_refused_with_the_reason(argv, message, capsys, monkeypatch):
+    """Exit status 2 and the reason on stderr, as argparse refuses its own bad options (no traceback)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit bench: error: ") and message in err
+
+
+def test_cuda_without_a_gpu_and_an_unwritable_out_are_refused_before_timing(capsys, monkeypatch, tmp_path):
+    """Both used to end in a traceback: --device cuda inside torch.cuda's lazy init, --out after the whole run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--device", "cuda"]) == 2
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--M", "1", "--out", str(tmp_path / "no_such_folder" / "b.json")]) == 2
+    assert "--out: no folder" in capsys.readouterr().err
 
 
 def test_quant_cases_rounds_and_warm_up_reach_the_quantized_benchmark(monkeypatch, tmp_path):
@@ -38,6 +54,7 @@ def test_quant_cases_rounds_and_warm_up_reach_the_quantized_benchmark(monkeypatc
         return {"records": [{"M": m} for _, _, _, ms in cases for m in ms]}
 
     monkeypatch.setattr(gpu, "run_quant_bench", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = tmp_path / "q.json"
     argv = ["bench", "--device", "cuda", "--quant", "fp8_w8a8", "--static-scales", "--shapes", "qwen3-30b-a3b",
             "mixtral-8x7b", "--M", "16", "4096", "--rounds", "2", "--warm-ms", "250", "--out", str(out)]
@@ -57,6 +74,7 @@ def test_gpu_bench_gets_the_implementations_and_the_warm_up(monkeypatch):
         return {"records": []}
 
     monkeypatch.setattr(gpu, "run_gpu_bench", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--device", "cuda", "--shapes", "olmoe-1b-7b", "--M", "1", "--impls", "moekit_triton",
                  "--warm-ms", "50"]) == 0
     assert seen == {"shapes": ["olmoe-1b-7b"], "Ms": [1], "impls": ["moekit_triton"], "warm_ms": 50.0}

@@ -34,11 +34,38 @@ def test_demo_on_a_local_checkpoint_in_bf16(tmp_path, capsys):
     assert str(tmp_path) in out and "all checks passed" in out
 
 
-def test_demo_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="--tokens"):
-        main(["demo", "--tokens", "0"])
-    with pytest.raises(ValueError, match="--prefill-tokens"):
-        main(["demo", "--prefill-tokens", "-1"])
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "0"], "--tokens and --prompt-tokens must be >= 1"),
+    (["--prefill-tokens", "-1"], "--prefill-tokens must be >= 0"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    # these two used to fail only after the models were built, in a traceback
+    (["--backend", "no_such_backend"], "--backend: backend must be 'auto' or one of"),
+    (["--model", "/no/such/folder"], "--model must be a local checkpoint folder with config.json"),
+])
+def test_demo_rejects_bad_arguments(argv, message, capsys):
+    """Exit status 2 and the reason on stderr (no traceback), before any model is built."""
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit demo: error: ") and message in err
+
+
+def test_demo_refuses_a_backend_that_cannot_run_the_model(capsys):
+    """cpu_int8 runs int8_w8a8 only: the unquantized demo model used to fail in its first forward, in a traceback."""
+    assert main(["demo", "--backend", "cpu_int8", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "moekit demo: error: --backend cpu_int8: backend='cpu_int8' cannot run" in err and "int8_w8a8" in err
+
+
+def test_demo_refuses_a_model_moekit_cannot_patch(tmp_path, capsys):
+    """A folder of a family patch_model refuses used to end in a traceback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("phimoe", hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, vocab_size=64, num_local_experts=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert main(["demo", "--model", str(tmp_path), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"moekit demo: error: --model {tmp_path}: cannot patch these sparse-MoE blocks" in err
 
 
 def test_demo_exit_status_follows_the_check(monkeypatch, capsys):

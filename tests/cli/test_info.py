@@ -55,5 +55,24 @@ def test_info_says_where_each_m_takes_its_tiles_from(capsys, monkeypatch):
                                         (["--tiles", "no-such-model"], "shape must be one of"),
                                         (["--tiles", "8,2,64,64", "--M", "0"], "--M must be >= 1")])
 def test_info_tiles_refuses_bad_shapes(argv, match, capsys):
+    """Refused on stderr before the report (a bad shape used to be named after the whole report)."""
     assert main(["info", *argv]) == 2
-    assert match in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert err.startswith("moekit info: error: ") and match in err and out == ""
+
+
+def test_info_refuses_tile_options_without_tiles(capsys):
+    """--M and --device-name were silently ignored without --tiles."""
+    assert main(["info", "--M", "16"]) == 2
+    assert "moekit info: error: without --tiles SHAPE, --M would be ignored" in capsys.readouterr().err
+    assert main(["info", "--device-name", "NVIDIA_H200", "--M", "1"]) == 2
+    assert "without --tiles SHAPE, --M and --device-name would be ignored" in capsys.readouterr().err
+
+
+def test_info_refuses_an_unknown_activation_and_scheme(capsys):
+    """An unknown --activation used to be accepted, and the oracle reported a backend 'chosen' for it."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--activation", "no_such_act"])
+    assert exit_.value.code == 2 and "argument --activation: invalid choice: 'no_such_act'" in capsys.readouterr().err
+    assert main(["info", "--quant", "no_such_scheme"]) == 2
+    assert "moekit info: error: --quant: quant must be one of" in capsys.readouterr().err

@@ -66,12 +66,18 @@ def test_plan_more_gpus_than_experts_and_unwritable_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content,args,message", [
-    ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"], "divisible by num_gpus=2"),
+    ([[1, 2, 3]], ["--gpus", "2", "--nodes", "1", "--redundant", "0"],
+     r"--gpus 2 must divide the 3 physical slots \(E=3 experts \+ --redundant 0\)"),
     ([1, 2, 3], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"\[L, E\] with L, E >= 1"),
     ([[]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], r"with L, E >= 1, got shape \(1, 0\)"),
     ([[1, 2], [3]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "rectangular"),
-    ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "divisible by num_nodes=3"),
-], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes"])
+    ([[1, 2, 3, 4]], ["--gpus", "4", "--nodes", "3", "--redundant", "0"], "--nodes 3 must divide --gpus 4"),
+    ([[1, 2, 3, 4]], ["--gpus", "2", "--nodes", "1", "--redundant", "0", "--groups", "3"],
+     "--groups 3 must divide the E=4 experts"),
+    ([[1, 2, 3, 4]], ["--gpus", "0", "--nodes", "1", "--redundant", "0"], "--gpus must be an int >= 1, got 0"),
+    ([[True, False, 3, 4]], ["--gpus", "1", "--nodes", "1", "--redundant", "0"], "got true/false entries"),
+], ids=["slots-not-divisible", "one-dimensional", "no-experts", "ragged", "gpus-not-divisible-by-nodes",
+        "experts-not-divisible-by-groups", "no-gpus", "booleans-read-as-counts"])
 def test_plan_errors(tmp_path, capsys, content, args, message):
     path = tmp_path / "load.json"
     path.write_text(json.dumps(content))
@@ -108,3 +114,27 @@ def test_synthetic_loads():
     assert balancedness(gpu_loads(lognormal, phy2log, 32))[1] >= 0.93
     with pytest.raises(ValueError, match="dist must be one of"):
         synthetic_load("uniform", 1, 4, 10)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("load.json", b""), ("load.json", b"{not json"), ("load.pt", b"not a torch file"),
+    ("load.npy", b"not a numpy file"), ("load.npy", None),
+], ids=["empty-json", "broken-json", "garbage-pt", "garbage-npy", "npy-of-strings"])
+def test_plan_unreadable_load_files_are_named(tmp_path, capsys, name, content):
+    """Each used to end in a traceback (or an error naming neither --load nor the file)."""
+    path = tmp_path / name
+    if content is None:
+        np.save(path, np.array([["a", "b"]]))
+    else:
+        path.write_bytes(content)
+    assert main(["eplb", "plan", "--load", str(path), "--gpus", "1", "--nodes", "1", "--redundant", "0"]) == 2
+    assert capsys.readouterr().err.startswith(f"moekit eplb plan: error: --load: cannot read {path}")
+
+
+def test_simulate_large_sigma_is_skewed_not_overflowed(capsys):
+    """exp(sigma * N(0, 1)) overflowed to inf at sigma = 1000, and the error blamed --redundant."""
+    load = synthetic_load("lognormal", 2, 8, 1000, sigma=1000.0, seed=0)
+    assert torch.isfinite(load).all() and (load.max(-1).values == 1000).all()
+    assert main(["eplb", "simulate", "--experts", "8", "--layers", "2", "--gpus", "2", "--nodes", "1",
+                 "--redundant", "0", "--sigma", "inf"]) == 2
+    assert "sigma must be finite and > 0, got inf" in capsys.readouterr().err

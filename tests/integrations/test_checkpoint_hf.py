@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 import moekit.hf as mh  # noqa: E402
-from moekit.integrations.checkpoint import CheckpointError  # noqa: E402
+from moekit.integrations.checkpoint import CheckpointError, load_fused_moe  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 from hf_tiny_models import FAMILIES, build, tie_free_prompt  # noqa: E402
@@ -124,3 +124,36 @@ def test_quantized_experts_are_refused(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks'.*quantized experts"):
         mh.load_checkpoint(_target("gpt_oss"), tmp_path)
+
+
+def test_from_pretrained_checks_dtype_and_device_before_loading(tmp_path, monkeypatch):
+    """dtype="auto" (transformers' habit) used to fail with "module 'torch' has no attribute 'auto'",
+    and a bad device only after the whole checkpoint was read."""
+    build("olmoe", seed=6).save_pretrained(tmp_path)
+    built = []
+    monkeypatch.setattr(mh, "patch_model", lambda *a, **kw: built.append(1))
+    for dtype in ("auto", torch.int8, "nn", 16):
+        with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype or its name, got"):
+            mh.from_pretrained(tmp_path, dtype=dtype)
+    with pytest.raises(RuntimeError, match="no_such_device"):
+        mh.from_pretrained(tmp_path, device="no_such_device")
+    assert built == []
+    monkeypatch.undo()
+    assert next(mh.from_pretrained(tmp_path, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+
+
+def test_loading_into_a_meta_model_is_refused(tmp_path):
+    """A model built on the meta device used to 'load' every key (copy_ into meta writes nothing)
+    and stay on meta, with no error."""
+    from transformers import AutoModelForCausalLM
+
+    model = build("mixtral", seed=7)
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(model.config)
+    mh.patch_model(empty)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight is on the meta device.*to_empty"):
+        mh.load_checkpoint(empty, tmp_path)
+    layer = mh.moe_blocks(empty)["model.layers.0.mlp"].moe
+    with pytest.raises(CheckpointError, match=r"^experts.w13 is on the meta device"):
+        load_fused_moe(layer, tmp_path, mh.moe_blocks(empty)["model.layers.0.mlp"].checkpoint_keys("model.layers.0.mlp"))

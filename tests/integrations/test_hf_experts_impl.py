@@ -150,7 +150,11 @@ def _standalone(cls_path, config_path, **cfg):
     (("transformers.models.openai_privacy_filter.modeling_openai_privacy_filter", "OpenAIPrivacyFilterExperts"),
      ("transformers.models.openai_privacy_filter.configuration_openai_privacy_filter", "OpenAIPrivacyFilterConfig"),
      dict(hidden_size=64, intermediate_size=32, num_local_experts=4)),
-], ids=["aria-transposed", "nemotron_h-non-gated", "privacy_filter-transposed-bias"])
+    # act_fn is the function F.silu, not a module (used to be refused as "activation function")
+    (("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeExperts"),
+     ("transformers.models.lfm2_moe.configuration_lfm2_moe", "Lfm2MoeConfig"),
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4)),
+], ids=["aria-transposed", "nemotron_h-non-gated", "privacy_filter-transposed-bias", "lfm2_moe-functional-silu"])
 def test_other_experts_layouts_match_eager(case):
     try:
         module, config = _standalone(*case[:2], **case[2])
@@ -180,7 +184,7 @@ def _toy_experts(act="silu", custom_gate=None):
             self.num_experts = 4
             self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
             self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
-            self.act_fn = ACT2FN[config.hidden_act]
+            self.act_fn = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
             raise AssertionError("eager forward is not used here")
@@ -195,6 +199,7 @@ def _toy_experts(act="silu", custom_gate=None):
     ("post_norm", r"ToyExperts: a norm after each expert"),
     ("custom_gate", r"ToyExperts\._apply_gate is a custom gate"),
     ("activation", r"ToyExperts: activation QuickGELUActivation"),
+    ("function", r"ToyExperts: activation tanh in the gated act\(gate\) \* up form"),
     ("expert_parallel", r"ToyExperts: transformers' own expert parallelism"),
 ])
 def test_unreproducible_experts_are_refused_by_name(kind, match):
@@ -202,6 +207,8 @@ def test_unreproducible_experts_are_refused_by_name(kind, match):
         module = _toy_experts(custom_gate=lambda self, gu: torch.tanh(gu[..., :8]) * gu[..., 8:])
     elif kind == "activation":
         module = _toy_experts(act="quick_gelu")
+    elif kind == "function":
+        module = _toy_experts(act=torch.tanh)
     else:
         module = _toy_experts()
         setattr(module, "has_post_expert_norm" if kind == "post_norm" else "_is_expert_parallel", True)

@@ -126,6 +126,23 @@ def test_unreproducible_block_is_refused_by_name_and_model_unchanged():
     assert [type(m) for m in model.modules()] == before
 
 
+def test_experts_subclass_overriding_the_interface_forward_is_refused():
+    """An experts class that wraps the interface's forward (as Ergo adds a per-expert norm) was
+    patched as if it were the plain interface, silently dropping what its forward adds."""
+    model = build("mixtral")
+    experts = model.model.layers[1].mlp.experts
+
+    class ScaledExperts(type(experts)):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    experts.__class__ = ScaledExperts
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp \(MixtralSparseMoeBlock\): ScaledExperts overrides"):
+        mh.patch_model(model)
+    assert [type(m) for m in model.modules()] == before
+
+
 def test_model_without_moe_is_refused():
     with pytest.raises(ValueError, match="no sparse-MoE block"):
         mh.patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -235,17 +235,13 @@ def test_tune_plans_compile_jobs_and_writes_a_readable_file(tmp_path):
 
 @pytest.mark.parametrize("argv,match", [
     (["tune", "--experts", "8"], "give --shape or all of"),         # incomplete shape
-    (["tune", "--shape", "olmoe-1b-7b", "--batch-sizes", "x"], None),  # CPU box: needs a GPU first
+    (["tune", "--shape", "olmoe-1b-7b", "--batch-sizes", "x"], "--batch-sizes must be comma-separated"),
 ])
-def test_tune_cli_errors(argv, match):
+def test_tune_cli_errors(argv, match, capsys):
     from moekit.cli.main import main
 
-    if match is None:
-        if torch.cuda.is_available():
-            pytest.skip("a GPU is present")
-        match = "needs a CUDA GPU"
-    with pytest.raises(SystemExit, match=match):
-        main(argv)
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
 
 
 def test_budgeted_timings_measure_each_candidate_once_within_the_budget():
@@ -353,8 +349,7 @@ def test_quantized_tune_plans_searches_and_writes_a_readable_table(tmp_path):
 def test_quantized_tune_cli_checks_its_flags():
     from moekit.cli.main import main
 
-    with pytest.raises(SystemExit, match="--static-scales goes with --quant fp8_w8a8"):
-        main(["tune", "--shape", "olmoe-1b-7b", "--quant", "int8_w8a16", "--static-scales"])
+    assert main(["tune", "--shape", "olmoe-1b-7b", "--quant", "int8_w8a16", "--static-scales"]) == 2
     with pytest.raises(SystemExit):
         main(["tune", "--shape", "olmoe-1b-7b", "--quant", "fp9"])  # not a scheme: argparse refuses
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+
+from moekit.cli.main import UsageError
 
 
 def add_parser(sub) -> None:
@@ -12,16 +15,17 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--M", type=int, nargs="+", default=None, help="token counts (default: the issue's list)")
     p.add_argument("--shapes", nargs="+", default=None, help="shape names to run (default: all)")
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--budget", type=float, default=20.0, help="seconds per (shape, M, implementation) at most")
+    p.add_argument("--reps", type=int, default=None, help="cpu: repetitions per point (default 7)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="cpu: seconds per (shape, M, implementation) at most (default 20)")
     p.add_argument("--impls", nargs="+", default=None, help="only these implementations")
     p.add_argument("--quant", default=None, metavar="SCHEME",
                    help="cuda: time the quantized Triton experts of SCHEME (fp8_w8a8, int4_w4a16, ...) against "
                         "the bf16 Triton kernel instead of the peers")
     p.add_argument("--static-scales", action="store_true",
                    help="with --quant fp8_w8a8: static per-tensor activation scales (as fp8 checkpoints carry)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="with --quant: rounds per point, the quantized and the bf16 kernel alternately")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="with --quant: rounds per point, the quantized and the bf16 kernel alternately (default 3)")
     p.add_argument("--warm-ms", type=float, default=0.0,
                    help="cuda: replay each call this long before timing it, so the clocks settle where "
                         "sustained work holds them (the power limit, at large M); default 0: short bursts. "
@@ -38,22 +42,32 @@ _IMPLS = {
 
 
 def _check_args(args) -> None:
+    """Refuse what cannot run or would be ignored; fill in the defaults of the options left out."""
+    if args.device == "cuda":
+        for flag, value in (("--reps", args.reps), ("--budget", args.budget)):
+            if value is not None:
+                raise UsageError(f"{flag} sets the CPU benchmark's timing; --device cuda times CUDA graphs")
+    if args.rounds is not None and args.quant is None:
+        raise UsageError("--rounds goes with --quant (the quantized and the bf16 kernel alternately)")
+    args.reps = 7 if args.reps is None else args.reps
+    args.budget = 20.0 if args.budget is None else args.budget
+    args.rounds = 3 if args.rounds is None else args.rounds
     if args.device != "cuda":
         for flag, value in (("--quant", args.quant), ("--static-scales", args.static_scales),
                             ("--warm-ms", args.warm_ms)):
             if value:
-                raise SystemExit(f"moekit bench: {flag} times the Triton kernels, so it needs --device cuda")
+                raise UsageError(f"{flag} times the Triton kernels, so it needs --device cuda")
     if args.static_scales and args.quant != "fp8_w8a8":
-        raise SystemExit(f"moekit bench: --static-scales goes with --quant fp8_w8a8, got --quant {args.quant}")
+        raise UsageError(f"--static-scales goes with --quant fp8_w8a8, got --quant {args.quant}")
     if args.quant is not None:
         from moekit.quant import get_scheme  # noqa: PLC0415
 
         try:
             get_scheme(args.quant)
         except ValueError as err:
-            raise SystemExit(f"moekit bench: --quant: {err}") from None
+            raise UsageError(f"--quant: {err}") from None
         if args.impls:
-            raise SystemExit("moekit bench: --quant times the quantized and the bf16 Triton kernels; "
+            raise UsageError("--quant times the quantized and the bf16 Triton kernels; "
                              "--impls chooses among the peers of the unquantized benchmark")
     if args.shapes:
         if args.device == "cuda":
@@ -63,19 +77,25 @@ def _check_args(args) -> None:
         names = [s[0] for s in known]
         unknown = [n for n in args.shapes if n not in names]
         if unknown:
-            raise SystemExit(f"moekit bench: --shapes on {args.device} must be among {names}, got {unknown}")
+            raise UsageError(f"--shapes on {args.device} must be among {names}, got {unknown}")
     if args.reps < 1 or args.budget <= 0:
-        raise SystemExit(f"moekit bench: --reps must be >= 1 and --budget > 0, got {args.reps} and {args.budget}")
+        raise UsageError(f"--reps must be >= 1 and --budget > 0, got {args.reps} and {args.budget}")
     if args.M is not None and min(args.M) < 1:
-        raise SystemExit(f"moekit bench: --M takes token counts >= 1, got {args.M}")
+        raise UsageError(f"--M takes token counts >= 1, got {args.M}")
     if args.impls:
         known = _IMPLS[args.device]
         unknown = [n for n in args.impls if n not in known]
         if unknown:
-            raise SystemExit(f"moekit bench: --impls on {args.device} must be among {list(known)}, got {unknown}")
+            raise UsageError(f"--impls on {args.device} must be among {list(known)}, got {unknown}")
     if args.rounds < 1 or args.warm_ms < 0:
-        raise SystemExit(f"moekit bench: --rounds must be >= 1 and --warm-ms >= 0, got {args.rounds} and "
-                         f"{args.warm_ms}")
+        raise UsageError(f"--rounds must be >= 1 and --warm-ms >= 0, got {args.rounds} and {args.warm_ms}")
+    if args.out and not os.path.isdir(os.path.dirname(args.out) or "."):
+        raise UsageError(f"--out: no folder {os.path.dirname(args.out)!r} to write {args.out!r} in")
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
 def _quant_cases(args):
@@ -118,7 +138,10 @@ def run(args) -> int:
         _table(result)
     result["command"] = command
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as err:
+            raise UsageError(f"--out: cannot write {args.out!r}: {err}") from None
         print(f"wrote {args.out}")
     return 0

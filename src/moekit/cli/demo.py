@@ -16,10 +16,13 @@ Exit status 0 only when every check passed.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Dict, List, Tuple
 
 import torch
+
+from moekit.cli.main import UsageError
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,8 +84,11 @@ def _models(args, dtype):
         return eager, ours, "built-in tiny DeepSeek-V3"
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
+    try:  # moekit's loader first: a model it cannot patch or load is refused before the eager one is built
+        ours = mh.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+    except ValueError as err:  # CheckpointError too
+        raise UsageError(f"--model {args.model}: {err}") from None
     eager = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, experts_implementation="eager").eval()
-    ours = mh.from_pretrained(args.model, dtype=dtype, backend=args.backend)
     return eager, ours, args.model
 
 
@@ -140,21 +146,27 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _layer_reports(model, counts: Dict[str, torch.Tensor], dtype) -> List[Tuple[str, str, str, str]]:
-    """(layer, backend, why, expert load) for each patched MoE layer."""
+def _choices(model, dtype) -> Dict[str, object]:
+    """The oracle's choice (backend and why) for each patched MoE layer, by name.
+
+    Raises ValueError when an explicitly named backend cannot run a layer."""
     import moekit.hf as mh  # noqa: PLC0415
     from moekit.experts.api import problem_of  # noqa: PLC0415
     from moekit.oracle import choose_backend  # noqa: PLC0415
 
-    rows = []
+    choices = {}
     for name, block in mh.moe_blocks(model).items():
         moe = block.moe
         x = torch.empty(1, moe.hidden_size, dtype=dtype, device=moe.experts.w13.device)
         problem = problem_of(x, moe.experts.expert_weights(), moe.routing.top_k, moe.activation, False, False)
-        choice = choose_backend(problem, moe.runner.backend, owner=moe.layer_name)
-        load = counts.get(name)
-        rows.append((name, choice.backend.name, choice.reason, " ".join(str(int(c)) for c in load.tolist())))
-    return rows
+        choices[name] = choose_backend(problem, moe.runner.backend, owner=moe.layer_name)
+    return choices
+
+
+def _layer_reports(model, counts: Dict[str, torch.Tensor], dtype) -> List[Tuple[str, str, str, str]]:
+    """(layer, backend, why, expert load) for each patched MoE layer."""
+    return [(name, choice.backend.name, choice.reason, " ".join(str(int(c)) for c in counts[name].tolist()))
+            for name, choice in _choices(model, dtype).items()]
 
 
 def _count_routing(model) -> Tuple[Dict[str, torch.Tensor], list]:
@@ -180,20 +192,37 @@ def _table(rows: List[Tuple[str, ...]], header: Tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _check_args(args) -> None:
+    if args.tokens < 1 or args.prompt_tokens < 1:
+        raise UsageError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.prefill_tokens < 0:
+        raise UsageError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
+    if args.backend != "auto":
+        from moekit.experts.base import get_backend  # noqa: PLC0415
+
+        try:
+            get_backend(args.backend)
+        except ValueError as err:
+            raise UsageError(f"--backend: {err}") from None
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model must be a local checkpoint folder with config.json, got {args.model!r}")
+
+
 def run(args) -> int:
     try:
         import transformers  # noqa: F401, PLC0415
     except ImportError:
         print("moekit demo needs Hugging Face transformers: pip install 'moekit[hf]'")
         return 2
-    if args.tokens < 1 or args.prompt_tokens < 1:
-        raise ValueError(f"--tokens and --prompt-tokens must be >= 1, got {args.tokens} and {args.prompt_tokens}")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    if args.prefill_tokens < 0:
-        raise ValueError(f"--prefill-tokens must be >= 0 (0 skips the prefill timing), got {args.prefill_tokens}")
+    _check_args(args)
     dtype = DTYPES[args.dtype]
     eager, ours, label = _models(args, dtype)
+    try:
+        _choices(ours, dtype)
+    except ValueError as err:
+        raise UsageError(f"--backend {args.backend}: {err}") from None
     vocab = eager.config.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(args.seed + 1))
     with torch.no_grad():

@@ -13,7 +13,9 @@ contiguous blocks over the GPUs, no replicas. Balancedness = mean / max load per
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import sys
 from typing import Dict, List
 
@@ -60,32 +62,46 @@ def _placement_args(p, redundant_help: str, redundant_type) -> None:
     p.add_argument("--groups", type=int, default=1, help="G expert groups (default 1: no groups)")
 
 
+def _read_file(path: str, ext: str):
+    """The raw content of a load file: a tensor (.npy, .pt) or parsed JSON."""
+    if ext == ".npy":
+        import numpy as np  # noqa: PLC0415
+
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    if ext == ".pt":
+        return torch.load(path, map_location="cpu", weights_only=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def _holds_bool(value) -> bool:
+    return isinstance(value, bool) or (isinstance(value, list) and any(_holds_bool(v) for v in value))
+
+
 def read_load(path: str) -> torch.Tensor:
     """Token counts [L, E] from a .npy, .pt or .json file, as float64."""
     if not os.path.exists(path):
         raise ValueError(f"--load: no such file {path!r}")
     ext = os.path.splitext(path)[1].lower()
-    if ext == ".npy":
-        import numpy as np  # noqa: PLC0415
-
-        data = torch.from_numpy(np.load(path, allow_pickle=False))
-    elif ext == ".pt":
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(data, torch.Tensor):
-            raise ValueError(f"--load: {path} must hold one tensor [L, E], got {type(data).__name__}")
-    elif ext == ".json":
-        with open(path) as f:
-            raw = json.load(f)
-        if isinstance(raw, dict):
-            if "load" not in raw:
+    if ext not in (".npy", ".pt", ".json"):
+        raise ValueError(f"--load must end in .npy, .pt or .json, got {path!r}")
+    try:
+        data = _read_file(path, ext)
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"--load: cannot read {path} as {ext[1:]}: {err}") from None
+    if ext == ".pt" and not isinstance(data, torch.Tensor):
+        raise ValueError(f"--load: {path} must hold one tensor [L, E], got {type(data).__name__}")
+    if ext == ".json":
+        if isinstance(data, dict):
+            if "load" not in data:
                 raise ValueError(f"--load: the JSON object in {path} needs a 'load' entry [L, E]")
-            raw = raw["load"]
+            data = data["load"]
+        if _holds_bool(data):  # torch.tensor would take true / false as 1 / 0
+            raise ValueError(f"--load: {path} must hold token counts [L, E], got true/false entries")
         try:
-            data = torch.tensor(raw, dtype=torch.float64)
+            data = torch.tensor(data, dtype=torch.float64)
         except (TypeError, ValueError) as err:
             raise ValueError(f"--load: {path} must hold a rectangular list of numbers [L, E]: {err}") from None
-    else:
-        raise ValueError(f"--load must end in .npy, .pt or .json, got {path!r}")
     if data.dim() != 2 or data.shape[0] < 1 or data.shape[1] < 1:
         raise ValueError(f"--load: expected token counts [L, E] with L, E >= 1, got shape {tuple(data.shape)}")
     if data.dtype == torch.bool or data.is_complex():
@@ -98,7 +114,17 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
     L, E = load.shape
     if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
         raise ValueError(f"--redundant must be an int >= 0, got {redundant!r}")
+    for flag, v in (("--gpus", gpus), ("--nodes", nodes), ("--groups", groups)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be an int >= 1, got {v!r}")
     R = E + redundant
+    # the policy's preconditions, in the command's terms
+    if R % gpus:
+        raise ValueError(f"--gpus {gpus} must divide the {R} physical slots (E={E} experts + --redundant {redundant})")
+    if gpus % nodes:
+        raise ValueError(f"--nodes {nodes} must divide --gpus {gpus}")
+    if E % groups:
+        raise ValueError(f"--groups {groups} must divide the E={E} experts")
     phy2log, log2phy, count = rebalance_experts(load, R, groups, nodes, gpus)
     before, overall_before = balancedness(static_gpu_loads(load, gpus))
     after_loads = gpu_loads(load, phy2log, gpus)
@@ -167,9 +193,10 @@ def synthetic_load(dist: str, layers: int, experts: int, tokens: int, *, sigma: 
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     g = torch.Generator().manual_seed(seed)
     if dist == "lognormal":
-        if not sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
-        w = (sigma * torch.randn(layers, experts, generator=g, dtype=torch.float64)).exp()
+        if not (sigma > 0 and math.isfinite(sigma)):
+            raise ValueError(f"sigma must be finite and > 0, got {sigma}")
+        # softmax = exp normalised per layer, without exp's overflow at large sigma
+        w = (sigma * torch.randn(layers, experts, generator=g, dtype=torch.float64)).softmax(-1)
     else:
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0, got {alpha}")

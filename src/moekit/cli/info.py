@@ -10,8 +10,13 @@ import platform
 import torch
 
 import moekit
+from moekit.activations import ACTIVATIONS
+from moekit.cli.main import UsageError
 from moekit.experts.base import ExpertsProblem
 from moekit.oracle import available_backends, explain
+
+
+TILE_MS = [1, 16, 64, 256, 1024, 4096, 16384]
 
 
 def add_parser(sub) -> None:
@@ -19,11 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="activation/weight dtype of the sample problem (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quant", default=None, help="quantization scheme of the sample problem")
-    p.add_argument("--activation", default="silu")
+    p.add_argument("--activation", default="silu", choices=ACTIVATIONS,
+                   help="activation of the sample problem (default silu)")
     p.add_argument("--tiles", default=None, metavar="SHAPE",
                    help="print the Triton tiles of SHAPE (a PERF.md shape name, or E,k,H,I) at each --M and where "
                         "they come from")
-    p.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 16384], help="tokens, for --tiles")
+    p.add_argument("--M", type=int, nargs="+", default=None,
+                   help=f"tokens, for --tiles (default {' '.join(map(str, TILE_MS))})")
     p.add_argument("--device-name", default=None,
                    help="for --tiles: the tables of this GPU (e.g. NVIDIA_H200; default: this machine's GPU)")
     p.set_defaults(func=run)
@@ -48,10 +55,6 @@ def print_tiles(text: str, Ms, dtype: torch.dtype, scheme, device) -> None:
     from moekit.kernels.tuning import on_hopper, pick_config  # noqa: PLC0415
 
     E, k, H, I = _tiles_shape(text)
-    if scheme is not None:  # no tiles for a shape the scheme refuses
-        from moekit.quant import check_fits  # noqa: PLC0415
-
-        check_fits(scheme, H, I)
     where = device or "no CUDA device (the heuristic; --device-name reads a GPU's tables)"
     rules = "" if device is None or on_hopper(device) else " (no Hopper GPU here: without a table, no H200 rule)"
     print(f"\nTriton tiles for E={E}, k={k}, H={H}, I={I}, {str(dtype).replace('torch.', '')}"
@@ -104,11 +107,23 @@ def run(args) -> int:
         try:
             scheme = get_scheme(args.quant)
         except ValueError as err:
-            print(f"moekit info: {err}")
-            return 2
-    if args.tiles is not None and min(args.M) < 1:
-        print(f"moekit info: --M must be >= 1, got {args.M}")
-        return 2
+            raise UsageError(f"--quant: {err}") from None
+    if args.tiles is None:
+        unused = [flag for flag, v in (("--M", args.M), ("--device-name", args.device_name)) if v is not None]
+        if unused:
+            raise UsageError(f"without --tiles SHAPE, {' and '.join(unused)} would be ignored")
+    else:
+        args.M = args.M or TILE_MS
+        if min(args.M) < 1:
+            raise UsageError(f"--M must be >= 1, got {args.M}")
+        try:
+            _, _, H, I = _tiles_shape(args.tiles)  # before the report, not after it
+            if scheme is not None:  # no tiles for a shape the scheme refuses
+                from moekit.quant import check_fits  # noqa: PLC0415
+
+                check_fits(scheme, H, I)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415
@@ -160,6 +175,5 @@ def run(args) -> int:
         try:
             print_tiles(args.tiles, args.M, getattr(torch, args.dtype) if args.dtype else torch.bfloat16, scheme, device)
         except ValueError as err:
-            print(f"moekit info: {err}")
-            return 2
+            raise UsageError(str(err)) from None
     return 0

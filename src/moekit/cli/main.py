@@ -12,6 +12,11 @@ from typing import List, Optional
 COMMANDS = ("info", "demo", "bench", "tune", "eplb")
 
 
+class UsageError(ValueError):
+    """A command's option that cannot be used as given: `main` prints
+    `moekit COMMAND: error: MESSAGE` on stderr and exits with status 2, as argparse does."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts inference layers for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the oracle's choices")
@@ -34,7 +39,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

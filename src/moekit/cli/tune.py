@@ -25,9 +25,11 @@ import os
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from moekit.cli.main import UsageError
 
 __all__ = ["add_parser", "run", "plan_shape", "search_shape", "write_configs", "confirm_fastest", "BudgetedTimings"]
 
@@ -69,11 +71,23 @@ def _shape(args) -> Tuple[int, int, int, int]:
         return E, k, H, I
     given = (args.experts, args.top_k, args.hidden, args.intermediate)
     if any(v is None for v in given):
-        raise SystemExit("moekit tune: give --shape or all of --experts, --top-k, --hidden, --intermediate")
+        raise UsageError("give --shape or all of --experts, --top-k, --hidden, --intermediate")
     for flag, v in zip(("--experts", "--top-k", "--hidden", "--intermediate"), given):
         if v < 1:
-            raise SystemExit(f"moekit tune: {flag} must be >= 1, got {v}")
+            raise UsageError(f"{flag} must be >= 1, got {v}")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k must be <= --experts, got {args.top_k} > {args.experts}")
     return given
+
+
+def _batch_sizes(text: str) -> List[int]:
+    try:
+        Ms = sorted({int(m) for m in text.split(",") if m.strip()})
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not Ms or Ms[0] < 1:
+        raise UsageError(f"--batch-sizes must hold token counts >= 1, got {text!r}")
+    return Ms
 
 
 def plan_shape(E: int, k: int, H: int, I: int, dtype: torch.dtype, Ms: Sequence[int],
@@ -249,7 +263,14 @@ def _progress(total: int, E: int, I: int):
 def run(args) -> int:
     E, k, H, I = _shape(args)
     if args.static_scales and args.quant != "fp8_w8a8":
-        raise SystemExit("moekit tune: --static-scales goes with --quant fp8_w8a8 (static per-tensor fp8 scales)")
+        raise UsageError("--static-scales goes with --quant fp8_w8a8 (static per-tensor fp8 scales)")
+    Ms = _batch_sizes(args.batch_sizes)
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.budget is not None and not args.budget > 0:
+        raise UsageError(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.out_dir is not None and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UsageError(f"--out-dir must be a folder (made if missing), got the file {args.out_dir!r}")
     if not torch.cuda.is_available():
         raise SystemExit("moekit tune needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
@@ -260,12 +281,6 @@ def run(args) -> int:
     from moekit.config import settings  # noqa: PLC0415
     from moekit.kernels.tuning import device_name  # noqa: PLC0415
 
-    try:
-        Ms = sorted({int(m) for m in args.batch_sizes.split(",") if m.strip()})
-    except ValueError:
-        raise SystemExit(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
-    if not Ms or Ms[0] < 1:
-        raise SystemExit(f"--batch-sizes must hold token counts >= 1, got {args.batch_sizes!r}")
     dtype = getattr(torch, args.dtype)
     folder = args.out_dir or settings.tuned_config_dir or "."
     if args.quant is not None:

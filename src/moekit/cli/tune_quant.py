@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from moekit.cli.main import UsageError
+
 __all__ = ["plan_quant", "gemm1_candidate", "search_quant", "write_quant_configs", "run_quant", "GEMM1_KNOBS",
            "GEMM2_KNOBS"]
 
@@ -203,7 +205,7 @@ def run_quant(args, E: int, k: int, H: int, I: int, Ms: Sequence[int], dtype: to
     try:
         plans, jobs = plan_quant(E, k, H, I, Ms, args.quant, args.static_scales, dtype, device_name())
     except ValueError as err:
-        raise SystemExit(f"moekit tune: {err}") from None
+        raise UsageError(str(err)) from None
     print(f"compiling {len(jobs)} candidate configs in {args.workers} processes ...")
     with multiprocessing.get_context("spawn").Pool(max(1, args.workers)) as pool:
         failures = [r for r in pool.imap_unordered(_compile_quant_job, jobs) if r]

@@ -22,6 +22,7 @@ through FusedMoE.load_weights, which quantizes them on load.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,6 +405,7 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
     Returns:
         The checkpoint keys consumed.
     """
+    _refuse_meta(model, moe_layers)
     ckpt = _open(checkpoint)
     problems: List[str] = []
     plan: _Plan = {}
@@ -433,6 +435,18 @@ def load_model_checkpoint(model: Optional[nn.Module], checkpoint, moe_layers: Di
         w = convert({n: ckpt.get(n) for n in names})
         layer.load_weights(w.w13, w.w2, w.b13, w.b2)  # quantizes on load for a quantized layer
     return sorted(plan)
+
+
+def _refuse_meta(model: Optional[nn.Module], moe_layers: Dict[str, Tuple[nn.Module, MoEKeys]]) -> None:
+    """A load copies into the existing tensors, and a copy into a meta tensor writes nothing."""
+    modules = [("", model)] if model is not None else [(name, layer) for name, (layer, _) in moe_layers.items()]
+    for prefix, module in modules:
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            if t.is_meta:
+                full = f"{prefix}.{name}" if prefix else name
+                raise CheckpointError(
+                    f"{full} is on the meta device, where loading writes nothing; materialize the model first "
+                    "(e.g. model.to_empty(device='cpu'), then load)")
 
 
 def _named_plan(model: nn.Module, ckpt: SafetensorsCheckpoint, moe_names: Iterable[str], plan: _Plan) -> None:

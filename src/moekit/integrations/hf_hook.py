@@ -5,7 +5,8 @@ worker process) never touch it. So `import moekit` registers the "moekit" expert
 implementation right away only when transformers' MoE module is already loaded, and
 otherwise installs a post-import hook that registers it the moment transformers loads
 that module (which every MoE model file does before a model can name an
-experts_implementation).
+experts_implementation). A registration that fails (an incompatible transformers) is a
+warning, never a failure of `import moekit` or of transformers' own import.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from typing import Callable
 
 __all__ = ["register_when_imported", "TARGET"]
@@ -48,8 +50,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 def _register() -> None:
     # moekit.integrations.transformers registers itself when its import completes; if it is
     # the module whose import brought transformers' MoE module in, it is mid-import here.
-    if __package__ + ".transformers" not in sys.modules:
+    if __package__ + ".transformers" in sys.modules:
+        return
+    try:
         importlib.import_module(__package__ + ".transformers")
+    except Exception as err:  # noqa: BLE001 - neither `import moekit` nor transformers' import may fail for it
+        warnings.warn(f"moekit could not register its 'moekit' experts implementation with transformers "
+                      f"({type(err).__name__}: {err}); `import moekit.hf` raises the full error", stacklevel=2)
 
 
 def register_when_imported() -> None:

@@ -142,14 +142,25 @@ _ACT_TYPES: Dict[type, Tuple[Optional[str], Optional[str]]] = {
 }
 
 
+# torch functions some families use as act_fn directly (LFM2-MoE: F.silu)
+_ACT_FUNCTIONS: Dict[Callable, Tuple[Optional[str], Optional[str]]] = {
+    nn.functional.silu: ("silu", "silu_no_mul"),
+    nn.functional.gelu: ("gelu", "gelu_no_mul"),  # called as act_fn(x): the erf form
+}
+
+
 def activation_name(act_fn, gated: bool, owner: str) -> str:
     """The moekit activation computing transformers' `act_fn` (gated: act(gate) * up).
 
+    Args:
+        act_fn: an activation module of transformers or torch, or F.silu / F.gelu.
     Raises ValueError naming `owner` when moekit has no exact equivalent.
     """
     kind = type(act_fn)
     names: Tuple[Optional[str], Optional[str]] = (None, None)
-    if kind is _hf_act.GELUActivation:  # erf gelu, in C or in Python
+    if not isinstance(act_fn, nn.Module) and act_fn in _ACT_FUNCTIONS:
+        names = _ACT_FUNCTIONS[act_fn]
+    elif kind is _hf_act.GELUActivation:  # erf gelu, in C or in Python
         names = ("gelu", "gelu_no_mul")
     elif kind is nn.GELU:
         names = ("gelu", "gelu_no_mul") if act_fn.approximate == "none" else ("gelu_tanh", None)
@@ -158,7 +169,8 @@ def activation_name(act_fn, gated: bool, owner: str) -> str:
     name = names[0] if gated else names[1]
     if name is None:
         form = "gated act(gate) * up" if gated else "non-gated"
-        raise ValueError(f"{owner}: activation {kind.__name__} in the {form} form has no exact moekit equivalent")
+        what = kind.__name__ if isinstance(act_fn, nn.Module) else getattr(act_fn, "__name__", repr(act_fn))
+        raise ValueError(f"{owner}: activation {what} in the {form} form has no exact moekit equivalent")
     return name
 
 

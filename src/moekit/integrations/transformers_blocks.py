@@ -260,6 +260,9 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
     owner = f"{name} ({type(block).__name__})"
     router = getattr(block, family.router)
     layout = experts_layout(block.experts)
+    if not hasattr(type(block.experts).forward, "__wrapped__"):  # the interface's dispatcher wraps the eager forward
+        raise ValueError(f"{owner}: {type(block.experts).__name__} overrides the forward of transformers' experts "
+                         "interface (e.g. to add a per-expert norm); moekit does not reproduce it")
     ex = block.experts
     up = ex.gate_up_proj if layout.gated else ex.up_proj
     up_bias = (ex.gate_up_proj_bias if layout.gated else ex.up_proj_bias) if layout.bias else None
