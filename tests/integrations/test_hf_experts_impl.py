@@ -214,3 +214,25 @@ def test_unreproducible_experts_are_refused_by_name(kind, match):
         setattr(module, "has_post_expert_norm" if kind == "post_norm" else "_is_expert_parallel", True)
     with pytest.raises(ValueError, match=match):
         module(torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+def test_transposed_experts_built_under_inference_mode():
+    """Repacked (transposed) weights made under torch.inference_mode have no version counter: the
+    repack is rebuilt each call instead of raising, and an in-place write is seen."""
+    case = (("transformers.models.aria.modeling_aria", "AriaExperts"),
+            ("transformers.models.aria.configuration_aria", "AriaTextConfig"))
+    try:
+        with torch.inference_mode():
+            experts, config = _standalone(*case, hidden_size=64, intermediate_size=32, moe_num_experts=4)
+    except (ImportError, AttributeError):
+        pytest.skip("Aria is not in this transformers version")
+    if not hasattr(experts, "has_gate"):
+        pytest.skip("Aria's experts do not use the experts interface in this transformers version")
+    x, ids, w = torch.randn(5, 64), torch.stack([torch.randperm(4)[:2] for _ in range(5)]), torch.rand(5, 2)
+    with torch.inference_mode():
+        for _ in range(2):  # the second call after an in-place write
+            config._experts_implementation = "eager"
+            ref = experts(x, ids, w)
+            config._experts_implementation = "moekit"
+            assert rel_err(experts(x, ids, w), ref) <= 1e-5
+            experts.down_proj.mul_(2.0)

@@ -17,7 +17,7 @@ Layouts (E experts, H hidden, I expert intermediate size):
     transposed  gate_up_proj [E, H, 2I], down_proj [E, I, H] (Aria, gpt-oss).
     interleaved gate and up alternate along 2I (gpt-oss: gate = even, up = odd columns).
 Transposed or interleaved weights are repacked to the canonical layout once and cached on
-the module; the cache is keyed on each parameter's data_ptr, _version, dtype and shape, so
+the module; the cache is keyed on each parameter's data_ptr, version (experts.base.version_of), dtype and shape, so
 loading or editing a weight invalidates it. Under autograd the repack is recomputed per
 call so gradients reach the original parameters.
 """
@@ -39,7 +39,7 @@ import torch.nn as nn
 from ..activations import is_gated
 from ..config import ActivationParams
 from ..experts.api import fused_experts
-from ..experts.base import ExpertWeights, held_weights
+from ..experts.base import ExpertWeights, held_weights, version_of
 from .checkpoint import canonical_layout
 
 try:
@@ -256,7 +256,7 @@ def prepared_weights(module: nn.Module, layout: ExpertsLayout) -> ExpertWeights:
         return held_weights(module, tensors, lambda: ExpertWeights(*tensors))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return canonical_layout(*tensors, transposed=layout.transposed, interleaved=layout.interleaved)
-    key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
+    key = tuple(None if t is None else (t.data_ptr(), version_of(t), t.dtype, t.device, tuple(t.shape)) for t in tensors)
     cache = module.__dict__.get("_moekit_prepared")
     if cache is None or cache[0] != key:
         with torch.no_grad():
