@@ -1,10 +1,31 @@
-"""Argument checks shared by the modules that load weights (errors name the argument)."""
+"""Argument checks shared by the modules that load weights (errors name the argument), and when
+checks that read a tensor's values may run."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_float_tensor", "copy_biases"]
+from .config import settings
+
+__all__ = ["check_float_tensor", "copy_biases", "host_checks", "cuda_capturing"]
+
+
+def cuda_capturing(t: torch.Tensor) -> bool:
+    """Whether t's CUDA stream is being captured into a CUDA graph (False while torch.compile
+    traces: the query returns no tensor, so a traced graph could not hold it)."""
+    return (t.device.type == "cuda" and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing())
+
+
+def host_checks(t: torch.Tensor) -> bool:
+    """Whether value checks that read t (a host sync) may run now: never while torch.compile
+    traces (a graph cannot branch on values); else always on CPU, and on accelerators unless
+    Settings.check_ids is off or a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cpu":
+        return True
+    return settings.check_ids and not cuda_capturing(t)
 
 
 def check_float_tensor(name: str, t, shape) -> None:

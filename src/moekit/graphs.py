@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from .checks import cuda_capturing
+
 __all__ = ["EagerGraphs"]
 
 
@@ -68,8 +70,7 @@ class EagerGraphs:
     def usable(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether this call can replay a graph (module docstring); else run the call directly."""
         return (self.max_graphs > 0 and inputs[0].device.type == "cuda" and inputs[0].shape[0] <= self.max_tokens
-                and not torch.is_grad_enabled()
-                and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
+                and not torch.is_grad_enabled() and not cuda_capturing(inputs[0]) and not torch.compiler.is_compiling())
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from .experts.base import BACKENDS, ExpertsBackend, ExpertsProblem, get_backend
 
 __all__ = ["PRIORITIES", "Choice", "choose_backend", "explain", "refusal", "available_backends", "precision_of"]
@@ -103,7 +105,9 @@ def choose_backend(problem: ExpertsProblem, backend: str = "auto", *, owner: str
         if choice is None:
             raise ValueError(f"no experts backend can run {problem.describe()}; " + "; ".join(refusals))
     key = (owner, problem, choice.backend.name)
-    if key not in _logged:
+    # torch.compile cannot trace a logger call (fullgraph would fail on it): a traced choice is
+    # logged by the first eager call that makes it.
+    if key not in _logged and not torch.compiler.is_compiling():
         _logged.add(key)
         logger.info("moekit: %s -> backend %s (%s) for %s", owner, choice.backend.name, choice.reason, problem.describe())
     return choice

@@ -175,14 +175,19 @@ def test_cuda_graph_capture_and_replay(T, cuda_gen):
             assert torch.equal(static_out, expected)
 
 
-def test_torch_compile_of_the_layer(cuda_gen):
-    layer = _layer()
-    x = torch.randn(32, 256, device="cuda", generator=cuda_gen).bfloat16()
-    logits = torch.randn(32, 16, device="cuda", generator=cuda_gen)
-    with torch.inference_mode():
-        eager = layer(x, logits)
-        compiled = torch.compile(layer)(x, logits)
-    assert rel_err(compiled, eager) <= TOL[torch.bfloat16]
+@pytest.mark.parametrize("quant", [None, "fp8_w8a8", "int4_w4a16"])
+def test_torch_compile_of_the_layer(quant, cuda_gen):
+    """fullgraph: the router, the oracle's choice and the Triton op trace without a graph break,
+    first call compiled (nothing logged or looked up eagerly before)."""
+    layer = FusedMoE(16, 256, 128, RoutingConfig(top_k=4), dtype=torch.bfloat16, device="cuda", quant=quant).eval()
+    compiled = torch.compile(layer, fullgraph=True)
+    for T in (1, 32):
+        x = torch.randn(T, 256, device="cuda", generator=cuda_gen).bfloat16()
+        logits = torch.randn(T, 16, device="cuda", generator=cuda_gen)
+        with torch.inference_mode():
+            out = compiled(x, logits)
+            eager = layer(x, logits)
+        assert rel_err(out, eager) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("T", [1, 64])

@@ -210,3 +210,15 @@ else:
         for out_dtype in (torch.float32, torch.float16):
             library.opcheck(triton_fused_experts,
                                   (x, wts.w13, wts.w2, None, None, w, ids, None, "silu", 1.702, 7.0, False, out_dtype))
+
+    def test_layer_compiles_whole(gen):
+        """torch.compile(fullgraph=True) of a layer on the triton backend: routing, the custom op and
+        the combine trace without a graph break, with the eager layer's output."""
+        from moekit import FusedMoE, RoutingConfig
+
+        layer = FusedMoE(8, 64, 32, RoutingConfig(top_k=2), dtype=torch.float16, backend="triton", gate=True).eval()
+        compiled = torch.compile(layer, fullgraph=True)
+        with torch.no_grad():
+            for T in (1, 6):
+                x = torch.randn(T, 64, generator=gen).half()
+                assert rel_err(compiled(x), layer(x)) <= TOL[torch.float16]

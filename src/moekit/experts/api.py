@@ -8,7 +8,8 @@ from typing import Optional, Union
 import torch
 
 from ..activations import check_activation, is_gated
-from ..config import ActivationParams, settings
+from ..checks import cuda_capturing, host_checks
+from ..config import ActivationParams
 from .base import ExpertsProblem, ExpertWeights
 
 __all__ = ["fused_experts", "experts_forward", "check_experts_inputs", "problem_of"]
@@ -94,21 +95,12 @@ def check_experts_inputs(
         if expert_map.dim() != 1 or expert_map.is_floating_point():
             raise ValueError(f"expert_map must be a 1-D integer tensor [E_global], got {expert_map.dtype} {tuple(expert_map.shape)}")
         num_global = expert_map.shape[0]
-        if _host_checks(x) and expert_map.numel() and (int(expert_map.min()) < -1 or int(expert_map.max()) >= E):
+        if host_checks(x) and expert_map.numel() and (int(expert_map.min()) < -1 or int(expert_map.max()) >= E):
             raise ValueError(f"expert_map entries must be -1 or a local expert id in [0, {E}), got values outside")
-    if _host_checks(x) and topk_ids.numel():
+    if host_checks(x) and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_global:
             raise ValueError(f"topk_ids must lie in [0, {num_global}), got values in [{lo}, {hi}]")
-
-
-def _host_checks(x: torch.Tensor) -> bool:
-    """Whether value checks that read the device (a host sync) may run now."""
-    if x.device.type == "cpu":
-        return True
-    if not settings.check_ids or torch.compiler.is_compiling():
-        return False
-    return not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _intermediate_size(weights: ExpertWeights) -> int:
@@ -158,7 +150,7 @@ def problem_of(
         intermediate_size=_intermediate_size(weights),
         top_k=top_k,
         quant=weights.quant,
-        capturing=x.device.type == "cuda" and torch.cuda.is_current_stream_capturing(),
+        capturing=cuda_capturing(x),
         requires_grad=torch.is_grad_enabled() and (
             x.requires_grad or any(t.requires_grad for _, t in weights.per_expert_tensors())
             or (topk_weights is not None and topk_weights.requires_grad)),

@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import RoutingConfig, settings
+from ..checks import host_checks
+from ..config import RoutingConfig
 from .scoring import score
 from .select import group_mask, renormalize, stable_topk
 
@@ -34,7 +35,7 @@ _BIAS_MESSAGE = "correction_bias must be finite, got NaN or inf entries"
 
 def check_router_logits(router_logits: torch.Tensor, nan: bool = True) -> None:
     """Type and shape of router_logits; with nan, also that no logit is NaN or +inf and that every
-    row has a finite logit (see _should_check; -inf alone means "never this expert")."""
+    row has a finite logit (see _check_values; -inf alone means "never this expert")."""
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
     if router_logits.dim() != 2:
@@ -43,20 +44,27 @@ def check_router_logits(router_logits: torch.Tensor, nan: bool = True) -> None:
         raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
     # NaN logits: an error, never a silent pick. The check costs a host sync, so it runs on
     # CPU tensors (and on accelerators outside graph capture, see Settings.check_ids).
-    if nan and _should_check(router_logits) and router_logits.numel() and bool(
-            (torch.isnan(router_logits) | torch.isposinf(router_logits)).any()
-            | torch.isneginf(router_logits).all(-1).any()):
-        raise ValueError(_NAN_MESSAGE)
+    if nan:
+        _check_values(router_logits, _bad_logits, _NAN_MESSAGE)
 
 
-def _should_check(t: torch.Tensor) -> bool:
-    if t.device.type == "cpu":
-        return True
-    if not settings.check_ids:
-        return False
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return not torch.compiler.is_compiling()
+def _bad_logits(z: torch.Tensor) -> torch.Tensor:
+    """[] bool: a NaN or +inf logit, or a row without a finite logit (all -inf)."""
+    return (torch.isnan(z) | torch.isposinf(z)).any() | torch.isneginf(z).all(-1).any()
+
+
+def _check_values(t: torch.Tensor, bad, message: str) -> None:
+    """Raise ValueError(message) if bad(t) ([] bool) holds, where value checks may run
+    (checks.host_checks). While torch.compile traces CPU tensors the check becomes an assertion
+    inside the graph (a RuntimeError with the same message); on accelerators it is skipped there,
+    as in CUDA-graph capture (a device-side assert would end the process's CUDA context)."""
+    if not t.numel():
+        return
+    if torch.compiler.is_compiling():
+        if t.device.type == "cpu":
+            torch._assert_async(~bad(t), message)
+    elif host_checks(t) and bool(bad(t)):
+        raise ValueError(message)
 
 
 def _kernel_routes(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tensor]) -> bool:
@@ -126,12 +134,10 @@ def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.T
         )
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"custom routing function returned ids of dtype {ids.dtype}, expected an integer dtype")
-    if T and (int(ids.min()) < 0 or int(ids.max()) >= E):
-        raise ValueError(f"custom routing function returned ids outside [0, {E})")
+    _check_values(ids, lambda t: (t.min() < 0) | (t.max() >= E), f"custom routing function returned ids outside [0, {E})")
     if not w.is_floating_point():
         raise TypeError(f"custom routing function returned weights of dtype {w.dtype}, expected a float dtype")
-    if T and _should_check(w) and not bool(torch.isfinite(w).all()):
-        raise ValueError("custom routing function returned NaN or infinite weights")
+    _check_values(w, lambda t: ~torch.isfinite(t).all(), "custom routing function returned NaN or infinite weights")
     return TopK(w.float(), ids)
 
 
@@ -164,14 +170,13 @@ def route(
     if _kernel_routes(router_logits, config, correction_bias):
         from ..kernels.triton_router import triton_route  # noqa: PLC0415 (triton is optional)
 
-        w, ids, nan = triton_route(router_logits, config, correction_bias, check_nan=_should_check(router_logits))
+        w, ids, nan = triton_route(router_logits, config, correction_bias, check_nan=host_checks(router_logits))
         if nan is not None and bool(nan):  # the kernel's flag covers the bias too
             raise ValueError(_NAN_MESSAGE if correction_bias is None else f"{_NAN_MESSAGE}, or {_BIAS_MESSAGE}")
         return TopK(w, ids)
     check_router_logits(router_logits)
-    if correction_bias is not None and _should_check(correction_bias) and not bool(
-            torch.isfinite(correction_bias).all()):
-        raise ValueError(_BIAS_MESSAGE)
+    if correction_bias is not None:
+        _check_values(correction_bias, lambda t: ~torch.isfinite(t).all(), _BIAS_MESSAGE)
     return route_torch(router_logits, config, correction_bias, hidden_states=hidden_states)
 
 
