@@ -157,7 +157,8 @@ class FusedMoE(nn.Module):
         self._split_dtype = None  # split over ranks: the activation dtype every rank sends (checked per call)
         dispatcher = None
         if parallel is not None:
-            self.shard, dispatcher = self._split(parallel, routing, activation, bias, shared_experts, dtype, device)
+            self.shard, dispatcher = self._split(parallel, routing, activation, bias, shared_experts, dtype, device,
+                                                 quant, activation_params)
             if parallel.size > 1:
                 self._split_dtype = dtype or torch.get_default_dtype()
         E_l, I_l = (num_experts, intermediate_size) if self.shard is None else (
@@ -206,7 +207,7 @@ class FusedMoE(nn.Module):
         return (tuple(t.data_ptr() for t in self.parameters()), tuple(t.data_ptr() for t in self.buffers()),
                 id(r.dispatcher), r.backend, id(r.eplb), r.shared_mode, fused)
 
-    def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device):
+    def _split(self, parallel, routing, activation, bias, shared_experts, dtype, device, quant, activation_params):
         """Check the parallel config (on every rank, against every rank) -> (Shard, Dispatcher)."""
         from .parallel.consistency import check_consistent  # noqa: PLC0415
         from .parallel.registry import build_dispatcher  # noqa: PLC0415
@@ -218,7 +219,7 @@ class FusedMoE(nn.Module):
             fields = fingerprint_fields(
                 parallel, num_experts=self.num_experts, hidden_size=self.hidden_size,
                 intermediate_size=self.intermediate_size, routing=routing, activation=activation, bias=bias,
-                dtype=dtype, shared=shared_experts)
+                dtype=dtype, shared=shared_experts, quant=quant, activation_params=activation_params)
             check_consistent(fields, parallel.group, torch.device(device or "cpu"), parallel.timeout_s)
             parallel.check_group()
             if shared_experts is not None and shared_experts.mode == "fused":
@@ -293,9 +294,12 @@ class FusedMoE(nn.Module):
     def _apply(self, fn, recurse=True):
         """nn.Module's .to() / .half() / ... with the correction bias in fp32 whatever dtype fn casts
         to: a selection-only bias rounded to 16 bits picks other experts, and small updates
-        (moekit.balance.update_correction_bias) vanish in it. It takes only fn's device then."""
+        (moekit.balance.update_correction_bias) vanish in it. It takes only fn's device then.
+        A layer split over ranks then takes x in the new dtype (every rank must cast alike)."""
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
+        if self._split_dtype is not None:  # the rows every rank sends follow the layer's cast (on every rank)
+            self._split_dtype = fn(torch.empty(0, dtype=self._split_dtype)).dtype
         if bias is not None:
             probe = fn(bias.new_empty(0))
             if probe.dtype != bias.dtype:

@@ -9,16 +9,20 @@ import pytest
 import torch
 
 from moekit import FusedMoE, RoutingConfig, SharedExpertsConfig
+from moekit.config import ActivationParams
+from moekit.quant import get_scheme
 from moekit.parallel import ParallelConfig
 
+from conftest import TOL, rel_err
 from dist_harness import run_world
 
 
-def _layer(rank, *, E=8, H=16, I=8, k=2, activation="silu", shared=None, dtype=None, **parallel):
+def _layer(rank, *, E=8, H=16, I=8, k=2, activation="silu", shared=None, dtype=None, quant=None,
+           activation_params=None, **parallel):
     fields = dict(ep_size=2, ep_rank=rank, timeout_s=20)
     fields.update(parallel)
     return FusedMoE(E, H, I, RoutingConfig(top_k=k), activation=activation, shared_experts=shared, dtype=dtype,
-                    parallel=ParallelConfig(**fields))
+                    quant=quant, activation_params=activation_params, parallel=ParallelConfig(**fields))
 
 
 # (what differs, kwargs on rank 0, kwargs on rank 1, message every rank must raise)
@@ -32,6 +36,12 @@ MISMATCHES = [
     ("ep_size", dict(ep_size=2), dict(ep_size=4), r"ep_size: rank 0 = 2, rank 1 = 4"),
     ("placement", dict(placement="linear"), dict(placement="round_robin"), r"placement differs"),
     ("shared experts", dict(), dict(shared=SharedExpertsConfig(8)), r"shared_experts differs"),
+    # Regression: the quantization scheme and the activation's parameters were not compared
+    ("quant", dict(quant="int8_w8a8"), dict(), r"quant differs"),
+    ("group size", dict(H=128, I=128, quant=get_scheme("int8_w8a16", group_size=64)),
+     dict(H=128, I=128, quant="int8_w8a16"), r"quant differs"),
+    ("activation params", dict(activation="swigluoai", activation_params=ActivationParams(alpha=1.5)),
+     dict(activation="swigluoai"), r"activation_params differs"),
     # consistent on every rank but wrong for the group: every rank raises the same local error
     ("group size", dict(ep_size=4), dict(ep_size=4), r"ep_size/ep_rank must match the process group"),
     ("fused shared", dict(shared=SharedExpertsConfig(8, mode="fused")),
@@ -75,6 +85,22 @@ def _check(rank, size):
             failures.append(f"[default dtype] rank {rank}: message {exc!s}")
     finally:
         torch.set_default_dtype(torch.float32)
+    # Regression: after .to(torch.bfloat16) on every rank the layer still demanded fp32 x.
+    torch.manual_seed(5)  # the same weights on both ranks
+    w13, w2 = torch.randn(8, 16, 16) / 4, torch.randn(8, 16, 8) / 3
+    layer, single = _layer(rank), FusedMoE(8, 16, 8, RoutingConfig(top_k=2), backend="reference")
+    for m in (layer, single):
+        m.load_weights(w13, w2)
+        m.to(torch.bfloat16)
+    torch.manual_seed(100 + rank)  # each rank its own tokens
+    x, logits = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 8)
+    with torch.no_grad():
+        try:
+            err = rel_err(layer(x, logits), single(x, logits))
+            if not err <= TOL[torch.bfloat16]:
+                failures.append(f"[cast to bf16] rank {rank}: error {err}")
+        except (TypeError, ValueError) as exc:
+            failures.append(f"[cast to bf16] rank {rank}: {exc}")
     # E=7 over 2 ranks: linear gives rank 0 experts 0..3 and rank 1 experts 4..6;
     # round robin gives rank 0 experts 0 2 4 6 and rank 1 experts 1 3 5.
     expect = {

@@ -114,8 +114,11 @@ def make_shard(parallel: ParallelConfig, num_experts: int, intermediate_size: in
 
 def fingerprint_fields(parallel: ParallelConfig, *, num_experts: int, hidden_size: int, intermediate_size: int,
                        routing, activation: str, bias: bool, dtype: Optional[torch.dtype],
-                       shared) -> List[Tuple[str, object]]:
-    """The (name, value) pairs every rank of a parallel layer must agree on."""
+                       shared, quant=None, activation_params=None) -> List[Tuple[str, object]]:
+    """The (name, value) pairs every rank of a parallel layer must agree on (quant: the QuantScheme
+    or None; activation_params: the ActivationParams or None for the defaults)."""
+    from ..config import ActivationParams  # noqa: PLC0415
+
     import torch.distributed as dist  # noqa: PLC0415
 
     custom = routing.custom
@@ -138,4 +141,7 @@ def fingerprint_fields(parallel: ParallelConfig, *, num_experts: int, hidden_siz
         ("dtype", str(dtype or torch.get_default_dtype())),  # the layer's dtype: None is the default dtype
         ("shared_experts", repr(shared)),
         ("routing", routing_key),
+        ("quant", "none" if quant is None else f"{quant.name}, group_size={quant.group_size}, "
+                                             f"symmetric={quant.symmetric}"),
+        ("activation_params", repr(activation_params or ActivationParams())),
     ]
