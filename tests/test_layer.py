@@ -186,6 +186,22 @@ def test_layer_built_under_inference_mode(tokens, gen):
         assert rel_err(layer(x, logits), expected(layer, x, logits)) <= 1e-5
 
 
+def test_inference_mode_weights_are_said_once(caplog, monkeypatch):
+    """Rebuilding derived weights on every call costs time: the warning says so, once."""
+    import logging
+
+    from moekit.experts import base
+
+    monkeypatch.setattr(base, "_warned_inference", False)
+    with torch.inference_mode():
+        layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), shared_experts=SharedExpertsConfig(I, mode="fused"))
+        with caplog.at_level(logging.WARNING, logger="moekit"):
+            for _ in range(3):
+                layer(torch.randn(2, H), torch.randn(2, E))
+    said = [r for r in caplog.records if "torch.inference_mode" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+
+
 def test_refused_load_weights_writes_nothing():
     """b13 used to be copied before b2 was checked: a refused call left the layer half loaded."""
     layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), bias=True)
