@@ -44,6 +44,24 @@ if not IN_INTERPRETER:
             env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT / "tests"))
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
+    def test_a_window_belongs_to_its_group_not_to_its_id(monkeypatch):
+        """Windows were keyed by id(group): a group destroyed and replaced could leave its id to the
+        new group, which then got the old group's window (freed and mapped by other processes)."""
+        import weakref
+
+        from moekit.parallel import peer_memory
+
+        class Group:  # stands for a process group object
+            pass
+
+        old, new = Group(), Group()
+        key = (id(new), 0, 2, "cpu", 64, "auto")
+        monkeypatch.setattr(peer_memory, "_WINDOWS", {key: (weakref.ref(old), "old group's window")})
+        with pytest.raises(ValueError, match="needs CUDA tensors"):  # not the old window: a new one is made
+            peer_memory.open_window(64, new, 0, 2, torch.device("cpu"))
+        monkeypatch.setitem(peer_memory._WINDOWS, key, (weakref.ref(new), "its window"))
+        assert peer_memory.open_window(64, new, 0, 2, torch.device("cpu")) == "its window"
+
     def test_arguments_are_checked():
         with pytest.raises(ValueError, match="needs max_tokens_per_rank"):
             ParallelConfig(ep_size=2, dispatcher="p2p_all_to_all")

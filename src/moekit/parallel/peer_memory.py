@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -157,7 +158,9 @@ def _try(step, *args):
         return None, f"{type(exc).__name__}: {exc}"[:300]
 
 
-_WINDOWS: Dict[tuple, PeerWindow] = {}
+# (id of the group, rank, size, device, bytes, strategy) -> (weak reference to the group, window):
+# a group destroyed and replaced can leave its id to the new one, whose window is its own.
+_WINDOWS: Dict[tuple, Tuple[weakref.ref, PeerWindow]] = {}
 
 
 def open_window(nbytes: int, group, rank: int, size: int, device: torch.device, strategy: str = "auto",
@@ -170,9 +173,11 @@ def open_window(nbytes: int, group, rank: int, size: int, device: torch.device, 
     if strategy not in PEER_MEMORY:
         raise ValueError(f"peer_memory must be one of {list(PEER_MEMORY)}, got {strategy!r}")
     # the default group is a new object each time the process group is re-initialised
-    key = (id(group if group is not None else dist.group.WORLD), rank, size, str(device), nbytes, strategy)
-    if key in _WINDOWS:
-        return _WINDOWS[key]
+    g = group if group is not None else dist.group.WORLD
+    key = (id(g), rank, size, str(device), nbytes, strategy)
+    hit = _WINDOWS.get(key)
+    if hit is not None and hit[0]() is g:
+        return hit[1]
     if device.type != "cuda":
         raise ValueError(f"p2p_all_to_all maps peers' GPU memory, so it needs CUDA tensors, got {device}")
     here = (socket.gethostname(), torch.cuda.device_count())
@@ -194,7 +199,7 @@ def open_window(nbytes: int, group, rank: int, size: int, device: torch.device, 
         if not failed:
             dist.barrier(group=group)  # every window is zeroed before any rank writes one
             win = _window(made[0], mapped[0], rank, name, mapped[1], timeout_s)
-            _WINDOWS[key] = win
+            _WINDOWS[key] = (weakref.ref(g), win)
             return win
         errors[name] = failed
     raise RuntimeError("p2p_all_to_all could not map the peers' memory: "
@@ -203,7 +208,7 @@ def open_window(nbytes: int, group, rank: int, size: int, device: torch.device, 
 
 def strategies_in_use() -> List[str]:
     """How the windows this process opened map their peers ("symmetric", "ipc")."""
-    return sorted({w.strategy for w in _WINDOWS.values()})
+    return sorted({w.strategy for _, w in _WINDOWS.values()})
 
 
 def simulated_windows(num_ranks: int, nbytes: int, device="cpu", spin_limit: int = 10_000) -> List[PeerWindow]:
