@@ -131,9 +131,9 @@ def test_replicate_experts_hand_worked_example():
 
 
 @pytest.mark.parametrize("args,message", [
-    (((2, 12), 16, 5, 1, 8), "divisible by num_groups=5"),
-    (((2, 12), 16, 4, 3, 8), "num_gpus=8 must be divisible by num_nodes=3"),
-    (((2, 12), 18, 4, 2, 8), "num_replicas=18 must be divisible by num_gpus=8"),
+    (((2, 12), 16, 5, 1, 8), "num_groups=5 must divide the number of experts E=12"),
+    (((2, 12), 16, 4, 3, 8), "num_nodes=3 must divide num_gpus=8"),
+    (((2, 12), 18, 4, 2, 8), "num_gpus=8 must divide num_replicas=18"),
     (((2, 12), 8, 4, 2, 8), "must be >= the number of experts E=12"),
     (((12,), 16, 4, 2, 8), "load must be 2-D"),
     (((2, 12), 16, 0, 2, 8), "num_groups must be an int >= 1"),

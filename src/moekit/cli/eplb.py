@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import torch
 
-from moekit.eplb.policy import balancedness, gpu_loads, rebalance_experts, static_gpu_loads
+from moekit.eplb.policy import balancedness, check_sizes, gpu_loads, rebalance_experts, static_gpu_loads
 
 __all__ = ["add_parser", "read_load", "plan_report", "synthetic_load"]
 
@@ -118,13 +118,9 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} must be an int >= 1, got {v!r}")
     R = E + redundant
-    # the policy's preconditions, in the command's terms
-    if R % gpus:
-        raise ValueError(f"--gpus {gpus} must divide the {R} physical slots (E={E} experts + --redundant {redundant})")
-    if gpus % nodes:
-        raise ValueError(f"--nodes {nodes} must divide --gpus {gpus}")
-    if E % groups:
-        raise ValueError(f"--groups {groups} must divide the E={E} experts")
+    check_sizes(E, R, groups, nodes, gpus, {  # the policy's preconditions, in the command's terms
+        "E": f"the E={E} experts", "R": f"the {R} physical slots (E={E} experts + --redundant {redundant})",
+        "G": f"--groups {groups}", "N": f"--nodes {nodes}", "P": f"--gpus {gpus}"})
     phy2log, log2phy, count = rebalance_experts(load, R, groups, nodes, gpus)
     before, overall_before = balancedness(static_gpu_loads(load, gpus))
     after_loads = gpu_loads(load, phy2log, gpus)

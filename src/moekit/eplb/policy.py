@@ -15,13 +15,14 @@ version the tests compare against.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
 __all__ = [
     "check_policy_args",
+    "check_sizes",
     "balanced_packing",
     "replicate_experts",
     "rebalance_experts",
@@ -37,6 +38,14 @@ def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def check_sizes(E: int, R: int, G: int, N: int, P: int, names: Dict[str, str]) -> None:
+    """The policy's size rules: G groups divide the E experts, N nodes divide the P GPUs, and the P
+    GPUs divide the R slots. names words each letter for the errors (the caller's argument names)."""
+    for part, whole, fits in (("G", "E", E % G == 0), ("N", "P", P % N == 0), ("P", "R", R % P == 0)):
+        if not fits:
+            raise ValueError(f"{names[part]} must divide {names[whole]}")
 
 
 def check_policy_args(load: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
@@ -60,12 +69,8 @@ def check_policy_args(load: torch.Tensor, num_replicas: int, num_groups: int, nu
     G = _positive_int("num_groups", num_groups)
     N = _positive_int("num_nodes", num_nodes)
     P = _positive_int("num_gpus", num_gpus)
-    if E % G:
-        raise ValueError(f"the number of experts E={E} must be divisible by num_groups={G}")
-    if P % N:
-        raise ValueError(f"num_gpus={P} must be divisible by num_nodes={N}")
-    if R % P:
-        raise ValueError(f"num_replicas={R} must be divisible by num_gpus={P}")
+    check_sizes(E, R, G, N, P, {"E": f"the number of experts E={E}", "R": f"num_replicas={R}",
+                                "G": f"num_groups={G}", "N": f"num_nodes={N}", "P": f"num_gpus={P}"})
     if R < E:
         raise ValueError(f"num_replicas={R} must be >= the number of experts E={E}")
     w = load.detach().to("cpu", torch.float64)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..experts.base import ExpertWeights
 from .maps import initial_placement, local_slots, map_to_physical, maps_from_phy2log, physical_expert_map
 from .maps import physical_to_logical_load
-from .policy import check_policy_args, preserve_slots, rebalance_experts
+from .policy import check_policy_args, check_sizes, preserve_slots, rebalance_experts
 from .rearrange import StagedLayer, commit_layer, exchange_layer, plan_layer
 from .recorder import LoadRecorder
 
@@ -71,13 +71,11 @@ class EplbConfig:
         """Raise ValueError, naming the field, unless this config fits E experts over P ranks
         (then the policy's own preconditions, so nothing later refuses the config)."""
         E, P, R = num_logical, num_ranks, num_logical + self.num_redundant
-        if E % self.num_groups:
-            raise ValueError(f"num_groups={self.num_groups} must divide the number of experts E={E}")
-        if P % self.num_nodes:
-            raise ValueError(f"num_nodes={self.num_nodes} must divide the {P} expert-parallel ranks")
-        if R % P:
-            raise ValueError(f"the R = E + num_redundant = {E} + {self.num_redundant} = {R} slots must divide "
-                             f"evenly over the {P} expert-parallel ranks (choose num_redundant so {P} divides R)")
+        check_sizes(E, R, self.num_groups, self.num_nodes, P, {
+            "E": f"the number of experts E={E}", "G": f"num_groups={self.num_groups}",
+            "N": f"num_nodes={self.num_nodes}", "P": f"the {P} expert-parallel ranks",
+            "R": f"the R = E + num_redundant = {E} + {self.num_redundant} = {R} slots (choose num_redundant so "
+                 f"{P} divides R)"})
         check_policy_args(torch.zeros(1, E), R, self.num_groups, self.num_nodes, P)
 
 
