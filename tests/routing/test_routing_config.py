@@ -78,6 +78,31 @@ def test_correction_bias_shape():
         route(torch.randn(2, 8), RoutingConfig(top_k=2), torch.zeros(7))
 
 
+@pytest.mark.parametrize("bias, exc, match", [
+    ([0.0] * 8, TypeError, r"correction_bias must be a torch.Tensor \[8\] or None, got list"),  # was AttributeError
+    (torch.zeros(8, dtype=torch.int64), TypeError, r"correction_bias must be a float tensor \[8\], got torch.int64"),
+    (torch.zeros(8, dtype=torch.bool), TypeError, r"correction_bias must be a float tensor \[8\], got torch.bool"),
+])
+def test_correction_bias_type(bias, exc, match):
+    """A non-tensor bias crashed inside route; an integer or bool bias was silently added to the scores."""
+    with pytest.raises(exc, match=match):
+        route(torch.randn(2, 8), RoutingConfig(top_k=2, scoring="sigmoid"), bias)
+
+
+def test_correction_bias_with_custom_names_custom():
+    """The refusal used to say "needs order='score_then_topk' ..., got order='score_then_topk'"."""
+    cfg = RoutingConfig(top_k=2, custom=lambda h, z, k: (torch.ones(z.shape[0], k), torch.zeros(z.shape[0], k, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"correction_bias does not apply to a custom routing function"):
+        route(torch.randn(2, 8), cfg, torch.zeros(8))
+    with pytest.raises(ValueError, match=r"correction_bias needs order='score_then_topk', got order='topk_then_softmax'"):
+        route(torch.randn(2, 8), RoutingConfig(top_k=2, order="topk_then_softmax"), torch.zeros(8))
+
+
+def test_config_must_be_routing_config():
+    with pytest.raises(TypeError, match="config must be a RoutingConfig, got dict"):  # was AttributeError
+        route(torch.randn(2, 8), {"top_k": 2})
+
+
 def test_router_logits_must_be_2d():
     with pytest.raises(ValueError, match="router_logits must be 2-D"):
         route(torch.randn(2, 3, 8), RoutingConfig(top_k=2))

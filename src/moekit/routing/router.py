@@ -160,13 +160,21 @@ def route(
         by routed_scaling_factor when the config says so (scale_on="router").
     """
     check_router_logits(router_logits, nan=False)
+    if not isinstance(config, RoutingConfig):
+        raise TypeError(f"config must be a RoutingConfig, got {type(config).__name__}")
     T, E = router_logits.shape
     config.validate_for(E)
     if correction_bias is not None:
+        if not isinstance(correction_bias, torch.Tensor):
+            raise TypeError(f"correction_bias must be a torch.Tensor [{E}] or None, got {type(correction_bias).__name__}")
+        if not correction_bias.is_floating_point():
+            raise TypeError(f"correction_bias must be a float tensor [{E}], got {correction_bias.dtype}")
         if tuple(correction_bias.shape) != (E,):
             raise ValueError(f"correction_bias must have shape [{E}], got {tuple(correction_bias.shape)}")
-        if config.order != "score_then_topk" or config.custom is not None:
-            raise ValueError(f"correction_bias needs order='score_then_topk' without custom, got order={config.order!r}")
+        if config.custom is not None:
+            raise ValueError("correction_bias does not apply to a custom routing function (config.custom is set)")
+        if config.order != "score_then_topk":
+            raise ValueError(f"correction_bias needs order='score_then_topk', got order={config.order!r}")
     if _kernel_routes(router_logits, config, correction_bias):
         from ..kernels.triton_router import triton_route  # noqa: PLC0415 (triton is optional)
 
