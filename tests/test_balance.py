@@ -232,8 +232,12 @@ def test_update_correction_bias_bad_input():
     bias = torch.zeros(4)
     with pytest.raises(ValueError, match=r"load as counts must be a numeric \[E=4\] tensor"):
         update_correction_bias(bias, torch.ones(5))
-    with pytest.raises(ValueError, match="gamma must be a number > 0, got 0"):
+    with pytest.raises(ValueError, match="gamma must be a finite number > 0, got 0"):
         update_correction_bias(bias, torch.ones(4), gamma=0)
+    # an infinite step used to turn the bias into +-inf (and NaN for experts at the mean)
+    with pytest.raises(ValueError, match="gamma must be a finite number > 0, got inf"):
+        update_correction_bias(bias, torch.tensor([3, 0, 1, 0]), gamma=float("inf"))
+    assert torch.equal(bias, torch.zeros(4))
     with pytest.raises(TypeError, match=r"bias must be a float tensor \[E\], got torch.int64"):
         update_correction_bias(torch.zeros(4, dtype=torch.long), torch.ones(4))
     with pytest.raises(ValueError, match=r"bias must be 1-D \[E\], got shape \(2, 2\)"):

@@ -265,13 +265,13 @@ def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float 
             per-expert counts [E] (integer or float), e.g. an EPLB recorder's window summed
             over steps and mapped to logical experts with `eplb.physical_to_logical_load`.
             A 2-D tensor is read as ids, a 1-D one as counts.
-        gamma: the bias update speed (> 0; DeepSeek-V3 uses 1e-3).
+        gamma: the bias update speed (finite, > 0; DeepSeek-V3 uses 1e-3).
     Returns:
         bias (the same tensor, updated).
     """
     _float_tensor("bias", bias, "[E]", 1)
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
-        raise ValueError(f"gamma must be a number > 0, got {gamma!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < float("inf"):
+        raise ValueError(f"gamma must be a finite number > 0, got {gamma!r}")
     E = bias.shape[0]
     if not isinstance(load, torch.Tensor):
         raise TypeError(f"load must be a torch.Tensor (ids [T, k] or counts [E]), got {type(load).__name__}")
