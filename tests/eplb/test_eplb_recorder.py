@@ -65,6 +65,17 @@ def test_recorder_argument_errors():
         LoadRecorder(1, 4, window_size=1).set_num_tokens(-1)
 
 
+@pytest.mark.parametrize("num_tokens", [torch.tensor([2.7]), torch.tensor([True]), torch.tensor([2, 3])],
+                         ids=["float_truncated", "bool", "two_values"])
+def test_recorder_num_tokens_tensor_must_be_one_integer(num_tokens):
+    """A float tensor used to be truncated silently (2.7 -> 2) and a [2] one failed inside reshape."""
+    rec = LoadRecorder(1, 4, window_size=1)
+    with pytest.raises(ValueError, match=r"num_tokens as a tensor must be a \[1\] integer tensor"):
+        rec.set_num_tokens(num_tokens)
+    rec.set_num_tokens(torch.tensor(3))  # a 0-d integer tensor is one value
+    assert rec.num_real_tokens.tolist() == [3]
+
+
 class _OpLog(TorchDispatchMode):
     """Records every aten op that runs."""
 

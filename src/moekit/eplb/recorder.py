@@ -50,6 +50,9 @@ class LoadRecorder:
     def set_num_tokens(self, num_tokens) -> None:
         """Rows >= num_tokens of the coming step are padding. An int, or a [1] int tensor (no host sync)."""
         if isinstance(num_tokens, torch.Tensor):
+            if num_tokens.numel() != 1 or num_tokens.is_floating_point() or num_tokens.dtype == torch.bool:
+                raise ValueError(f"num_tokens as a tensor must be a [1] integer tensor, got "
+                                 f"{num_tokens.dtype} {tuple(num_tokens.shape)}")
             self.num_real_tokens.copy_(num_tokens.reshape(1))
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool) and num_tokens >= 0:
             self.num_real_tokens.fill_(num_tokens)
