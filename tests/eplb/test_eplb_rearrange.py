@@ -97,3 +97,23 @@ def test_exchange_does_not_write_and_errors():
         rearrange_layer([torch.zeros(2, 1)], torch.arange(4), torch.arange(4), rank=0, num_ranks=2)
     with pytest.raises(ValueError, match="S=4 rows first"):
         rearrange_layer([torch.zeros(3, 1)], torch.arange(4), torch.arange(4), rank=0, num_ranks=1)
+
+
+@pytest.mark.parametrize("new", [[9, 1, 2, 3], [-1, 1, 2, 3], [4, 1, 2, 3]], ids=["beyond_E", "negative", "unheld"])
+def test_new_placement_with_an_expert_nobody_holds_is_refused(new):
+    """Such a plan used to fail with a bare KeyError (no rank holds the expert to send it)."""
+    with pytest.raises(ValueError, match=r"new_phy2log places expert\(s\) \[-?\d\] that no slot of old_phy2log"):
+        plan_layer([0, 1, 2, 3], new, 2)
+    tensors = [torch.arange(4.0).view(4, 1)]
+    with pytest.raises(ValueError, match="no slot of old_phy2log holds"):
+        rearrange_layer(tensors, torch.arange(4), torch.tensor(new), rank=0, num_ranks=1)
+    assert tensors[0].view(-1).tolist() == [0.0, 1.0, 2.0, 3.0]  # nothing written
+
+
+def test_rearrange_layer_argument_errors():
+    tensors = [torch.arange(4.0).view(4, 1)]
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, num_ranks=1\), got 1"):  # was IndexError
+        rearrange_layer(tensors, torch.arange(4), torch.tensor([1, 0, 2, 3]), rank=1, num_ranks=1)
+    with pytest.raises(TypeError, match="must be integer tensors, got torch.float32"):  # 1.5 was truncated to 1
+        rearrange_layer(tensors, torch.arange(4.0), torch.tensor([1.5, 0, 2, 3]), rank=0, num_ranks=1)
+    assert tensors[0].view(-1).tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -92,6 +92,9 @@ def plan_layer(old_phy2log: Sequence[int], new_phy2log: Sequence[int], num_ranks
     holders: Dict[int, List[int]] = {}
     for (r, e) in sorted(first_slot):
         holders.setdefault(e, []).append(r)
+    unheld = sorted(set(missing) - set(holders))
+    if unheld:  # nobody can send it: a new placement may only use experts the old one holds
+        raise ValueError(f"new_phy2log places expert(s) {unheld} that no slot of old_phy2log holds")
     sends_done = [0] * P
     recvs: List[list] = [[] for _ in range(P)]
     sends: List[list] = [[] for _ in range(P)]
@@ -197,6 +200,11 @@ def rearrange_layer(tensors: Sequence[torch.Tensor], old_phy2log: torch.Tensor, 
     if old_phy2log.shape != new_phy2log.shape or old_phy2log.dim() != 1:
         raise ValueError(f"old_phy2log and new_phy2log must be [R] of one length, got {tuple(old_phy2log.shape)} "
                          f"and {tuple(new_phy2log.shape)}")
+    if old_phy2log.is_floating_point() or new_phy2log.is_floating_point():
+        raise TypeError(f"old_phy2log and new_phy2log must be integer tensors, got {old_phy2log.dtype} "
+                        f"and {new_phy2log.dtype}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an int in [0, num_ranks={num_ranks}), got {rank!r}")
     _check_tensors(tensors, new_phy2log.shape[0] // num_ranks)
     if torch.equal(old_phy2log.cpu(), new_phy2log.cpu()):
         return 0
