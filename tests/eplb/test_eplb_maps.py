@@ -77,3 +77,8 @@ def test_physical_to_logical_load():
     load = torch.tensor([[5, 1, 2, 7]])
     phy2log = torch.tensor([[1, 0, 1, 2]])
     assert physical_to_logical_load(load, phy2log, 3).tolist() == [[1, 7, 7]]
+
+
+def test_initial_placement_needs_an_expert():
+    with pytest.raises(ValueError, match="num_logical must be >= 1, got 0"):  # was ZeroDivisionError
+        initial_placement(1, 0, 3)

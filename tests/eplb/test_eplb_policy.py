@@ -235,3 +235,11 @@ def test_preserve_slots_errors():
         preserve_slots(torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="must divide"):
         preserve_slots(torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.int64), 3)
+
+
+def test_gpu_loads_argument_errors():
+    load = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="num_gpus must be an int >= 1, got 0"):  # was ZeroDivisionError
+        gpu_loads(load, torch.tensor([[0, 1, 2, 3]]), 0)
+    with pytest.raises(ValueError, match=r"phy2log entries must lie in \[0, E=4\), got values in \[0, 9\]"):
+        gpu_loads(load, torch.tensor([[0, 1, 2, 3, 0, 9]]), 2)  # was an index error from gather

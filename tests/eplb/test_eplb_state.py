@@ -247,3 +247,21 @@ def test_async_trigger_through_steps():
     _run_until_idle(state)
     assert state.replica_count[0, :2].sum() >= 4
     assert rel_err(layer(x, logits), plain(x, logits)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(phy2log=torch.tensor([[0, 1, 2, 3, 0.5, 1]])), TypeError,  # 0.5 was truncated to expert 0
+     r"phy2log must be an integer tensor \[L=1, R=6\], got torch.float32"),
+    (dict(phy2log=[[0, 1, 2, 3, 0, 1]]), TypeError, "phy2log must be an integer tensor .* got list"),  # AttributeError
+    (dict(num_logical=4.0), ValueError, "num_logical must be an int >= 1 .* got 4.0"),  # failed inside torch.zeros
+    (dict(num_logical=0), ValueError, "num_logical must be an int >= 1 .* got 0"),  # blamed a "load" argument
+    (dict(weights="not callable"), TypeError, "weights must list, per layer, a callable"),
+], ids=["float_phy2log", "list_phy2log", "float_E", "zero_E", "weights_not_callable"])
+def test_state_argument_errors(kwargs, exc, match):
+    w = ExpertWeights(torch.randn(6, 4, 2), torch.randn(6, 2, 2))
+    args = dict(weights=[lambda: w], num_logical=4, config=EplbConfig(num_redundant=2))
+    if kwargs.get("weights") == "not callable":
+        kwargs = dict(weights=[w])
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        EplbState(args.pop("weights"), args.pop("num_logical"), args.pop("config"), **args)

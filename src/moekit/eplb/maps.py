@@ -49,6 +49,8 @@ def initial_placement(num_layers: int, num_logical: int, num_physical: int) -> t
     Returns:
         phy2log: [L, R] int64.
     """
+    if num_logical < 1:
+        raise ValueError(f"num_logical must be >= 1, got {num_logical}")
     if num_physical < num_logical:
         raise ValueError(f"num_physical={num_physical} must be >= num_logical={num_logical}")
     return (torch.arange(num_physical) % num_logical).expand(num_layers, num_physical).clone()

@@ -327,15 +327,19 @@ def gpu_loads(load: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch
         [L, P] float64.
     """
     L, R = phy2log.shape
-    if R % num_gpus:
-        raise ValueError(f"num_gpus={num_gpus} must divide the number of slots R={R}")
+    P = _positive_int("num_gpus", num_gpus)
+    if R % P:
+        raise ValueError(f"num_gpus={P} must divide the number of slots R={R}")
     w = load.detach().to("cpu", torch.float64)
     phy2log = phy2log.to("cpu", torch.int64)
+    if phy2log.numel() and not 0 <= int(phy2log.min()) <= int(phy2log.max()) < w.shape[-1]:
+        raise ValueError(f"phy2log entries must lie in [0, E={w.shape[-1]}), got values in "
+                         f"[{int(phy2log.min())}, {int(phy2log.max())}]")
     count = torch.zeros_like(w).scatter_add_(-1, phy2log, torch.ones(L, R, dtype=torch.float64))
     if bool((count == 0).any()):
         raise ValueError("phy2log must give every logical expert at least one slot, got an expert with none")
     slot = (w / count).gather(-1, phy2log)
-    return slot.view(L, num_gpus, R // num_gpus).sum(-1)
+    return slot.view(L, P, R // P).sum(-1)
 
 
 def static_gpu_loads(load: torch.Tensor, num_gpus: int) -> torch.Tensor:

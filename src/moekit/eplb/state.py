@@ -128,6 +128,11 @@ class EplbState:
             raise TypeError(f"config must be an EplbConfig, got {type(config).__name__}")
         if len(weights) < 1:
             raise ValueError("weights must list at least one layer, got none")
+        if not all(callable(w) for w in weights):
+            raise TypeError("weights must list, per layer, a callable returning this rank's ExpertWeights, "
+                            f"got {[type(w).__name__ for w in weights if not callable(w)][0]}")
+        if isinstance(num_logical, bool) or not isinstance(num_logical, int) or num_logical < 1:
+            raise ValueError(f"num_logical must be an int >= 1 (E, the logical experts), got {num_logical!r}")
         self.config = config
         # The default group is looked up at each use, never held: a reference kept past
         # destroy_process_group() keeps the gloo backend (and its worker threads) alive into
@@ -153,6 +158,9 @@ class EplbState:
         device = self.layer_tensors(0)[0].device
         if phy2log is None:
             phy2log = initial_placement(L, E, R)
+        elif not isinstance(phy2log, torch.Tensor) or phy2log.is_floating_point() or phy2log.dtype == torch.bool:
+            raise TypeError(f"phy2log must be an integer tensor [L={L}, R={R}], got "
+                            f"{getattr(phy2log, 'dtype', type(phy2log).__name__)}")
         elif tuple(phy2log.shape) != (L, R):
             raise ValueError(f"phy2log must be [L={L}, R={R}], got {tuple(phy2log.shape)}")
         self.phy2log_host = phy2log.to("cpu", torch.int64).clone()  # planning copy (no device reads)
