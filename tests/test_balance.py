@@ -238,6 +238,11 @@ def test_update_correction_bias_bad_input():
     with pytest.raises(ValueError, match="gamma must be a finite number > 0, got inf"):
         update_correction_bias(bias, torch.tensor([3, 0, 1, 0]), gamma=float("inf"))
     assert torch.equal(bias, torch.zeros(4))
+    # a NaN count made every update sign(NaN) = 0: the bias silently stayed where it was
+    for bad in ([float("nan"), 1.0, 2.0, 3.0], [-1.0, 1.0, 2.0, 3.0], [float("inf"), 0.0, 0.0, 0.0]):
+        with pytest.raises(ValueError, match=r"load as counts must be finite and >= 0"):
+            update_correction_bias(bias, torch.tensor(bad))
+    assert torch.equal(bias, torch.zeros(4))
     with pytest.raises(TypeError, match=r"bias must be a float tensor \[E\], got torch.int64"):
         update_correction_bias(torch.zeros(4, dtype=torch.long), torch.ones(4))
     with pytest.raises(ValueError, match=r"bias must be 1-D \[E\], got shape \(2, 2\)"):

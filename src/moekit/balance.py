@@ -282,6 +282,10 @@ def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float 
     elif load.dim() == 1:
         if load.shape[0] != E or load.dtype == torch.bool:
             raise ValueError(f"load as counts must be a numeric [E={E}] tensor, got {load.dtype} {tuple(load.shape)}")
+        # A NaN count makes the mean NaN and sign(NaN) is 0: no bias would move. Checked where
+        # reading values costs no device synchronisation (as _check_ids).
+        if load.device.type == "cpu" and not bool(((load >= 0) & (load < float("inf"))).all()):
+            raise ValueError("load as counts must be finite and >= 0, got a NaN, inf or negative entry")
         counts = load
     else:
         raise ValueError(f"load must be ids [T, k] or counts [E={E}], got shape {tuple(load.shape)}")
