@@ -124,3 +124,15 @@ def test_map_and_record_run_on_meta_tensors():
     physical = run()
     assert physical.device.type == "meta" and physical.shape == (9, 2)
     assert rec.current.device.type == "meta"
+
+
+def test_record_argument_errors():
+    """layer=-1 used to count into the last layer (Python indexing) and 1-D ids failed in unpacking."""
+    rec = LoadRecorder(2, 4, window_size=1)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\), got -1"):
+        rec.record(-1, torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\), got 2"):
+        rec.record(2, torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match=r"physical_ids must be \[T, k\], got shape \(2,\)"):
+        rec.record(0, torch.tensor([0, 1]))
+    assert rec.current.sum() == 0

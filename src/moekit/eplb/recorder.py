@@ -69,6 +69,10 @@ class LoadRecorder:
             layer: index in [0, L).
             physical_ids: [T, k] int physical slot ids in [0, R).
         """
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        if physical_ids.dim() != 2:
+            raise ValueError(f"physical_ids must be [T, k], got shape {tuple(physical_ids.shape)}")
         T, k = physical_ids.shape
         start = self._rows_seen[layer]
         rows = torch.arange(start, start + T, device=physical_ids.device)  # [T]
