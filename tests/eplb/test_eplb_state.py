@@ -232,6 +232,11 @@ def test_close_finishes_an_async_rearrangement():
     for m, p in zip(layers, plain):
         assert rel_err(m(x, logits), p(x, logits)) <= TOL[torch.float32]
     state.close()  # nothing running: a no-op
+    # One process too (no worker group to release): close() used to leave the worker restartable,
+    # and a rearrangement started after it could still be running at interpreter shutdown.
+    with pytest.raises(RuntimeError, match=r"close\(\) has stopped the asynchronous worker"):
+        state.rearrange(load)
+    assert not state.rearranging
 
 
 def test_async_trigger_through_steps():

@@ -318,10 +318,9 @@ class EplbState:
             return
         self._worker.finish()
         worker_group, self._worker.group = self._worker.group, None
-        if worker_group is not None:
-            self._worker.closed = True
-            if self._owns_worker_group:
-                dist.destroy_process_group(worker_group)
+        self._worker.closed = True  # in one process too: a worker started later would outlive the caller's shutdown
+        if worker_group is not None and self._owns_worker_group:
+            dist.destroy_process_group(worker_group)
 
     @property
     def rearranging(self) -> bool:
