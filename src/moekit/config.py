@@ -117,6 +117,9 @@ class RoutingConfig:
                 )
             if self.order != "score_then_topk":
                 raise ValueError(f"num_expert_group needs order='score_then_topk', got order={self.order!r}")
+        elif self.group_score is not None:
+            raise ValueError(f"group_score={self.group_score!r} only applies to grouped top-k; "
+                             "set num_expert_group and topk_group too, or leave group_score at None")
         if self.order != "score_then_topk" and self.scoring != "softmax":
             raise ValueError(
                 f"scoring={self.scoring!r} only applies to order='score_then_topk'; "

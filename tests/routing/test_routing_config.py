@@ -67,6 +67,12 @@ def test_group_fallback_routes_without_groups():
     assert torch.equal(ids, ids2) and torch.equal(w, w2)
 
 
+def test_group_score_without_groups_is_refused():
+    """group_score without num_expert_group was accepted and silently ignored."""
+    with pytest.raises(ValueError, match=r"group_score='max' only applies to grouped top-k"):
+        RoutingConfig(top_k=2, group_score="max")
+
+
 def test_topk_beyond_kept_groups():
     cfg = RoutingConfig(top_k=5, num_expert_group=4, topk_group=1)
     with pytest.raises(ValueError, match="top_k=5 exceeds"):
