@@ -82,3 +82,9 @@ def test_physical_to_logical_load():
 def test_initial_placement_needs_an_expert():
     with pytest.raises(ValueError, match="num_logical must be >= 1, got 0"):  # was ZeroDivisionError
         initial_placement(1, 0, 3)
+
+
+def test_physical_to_logical_load_shape_error():
+    """A load with fewer slots than phy2log failed inside scatter_add_ with torch's index message."""
+    with pytest.raises(ValueError, match=r"load must be \[L, R\] like phy2log \(1, 6\), got \(1, 5\)"):
+        physical_to_logical_load(torch.ones(1, 5), torch.tensor([[0, 1, 2, 3, 0, 1]]), 4)

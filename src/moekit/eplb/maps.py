@@ -88,6 +88,8 @@ def maps_from_phy2log(phy2log: torch.Tensor, num_logical: int, width: int) -> Tu
 
 def physical_to_logical_load(load: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
     """Sum per-slot loads [L, R] into per-expert loads [L, E] (same dtype and device as load)."""
+    if load.dim() != 2 or tuple(load.shape) != tuple(phy2log.shape):
+        raise ValueError(f"load must be [L, R] like phy2log {tuple(phy2log.shape)}, got {tuple(load.shape)}")
     return load.new_zeros(load.shape[0], num_logical).scatter_add_(-1, phy2log.to(load.device), load)
 
 
