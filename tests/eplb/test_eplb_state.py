@@ -239,6 +239,38 @@ def test_close_finishes_an_async_rearrangement():
     assert not state.rearranging
 
 
+def test_a_failure_elsewhere_stops_a_waiting_worker():
+    """A worker waiting with a staged layer when another rank's failed kept waiting, and the next
+    rearrangement's release woke it to carry on with its old plan beside the new worker."""
+    from moekit.eplb.async_worker import FAILED, STAGED
+
+    E, H, I, L = 8, 16, 8, 3
+    routing = moekit.RoutingConfig(top_k=2)
+    layers = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
+    plain = [_plain_copy(m, E, H, I, routing) for m in layers]
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode="async"))
+    worker = state._worker
+    load = (torch.randn(L, E) * 2).exp().round()
+    load[:, -2:] += 1000  # every layer's placement moves
+    state.rearrange(load)
+    deadline = time.monotonic() + 30
+    while worker._status != STAGED and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    stale = worker._thread
+    with worker._lock:  # what the all-reduce reports when another rank's worker failed
+        worker._status = FAILED
+    with pytest.raises(RuntimeError, match="failed on another rank"):
+        state.step()
+    stale.join(timeout=10)
+    assert not stale.is_alive() and not state.rearranging
+    state.rearrange(load)  # a new run completes alone
+    state.close()
+    assert state.rearrangements == 1
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    for m, p in zip(layers, plain):
+        assert rel_err(m(x, logits), p(x, logits)) <= TOL[torch.float32]
+
+
 def test_async_trigger_through_steps():
     E, H, I = 6, 8, 4
     routing = moekit.RoutingConfig(top_k=2)

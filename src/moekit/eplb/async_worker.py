@@ -9,6 +9,9 @@ does every rank commit that layer (weights and maps, in place, between steps) an
 its worker to the next layer. Ranks therefore switch each layer at the same step.
 
 Status codes in that all-reduce: -1 failed, 0 busy, 1 a layer is staged, 2 finished.
+When any rank reports a failure every rank abandons the rearrangement: each run carries a
+generation number, and a worker of an abandoned generation stops at its next wait and writes
+no status over a later run's.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class AsyncRearranger:
         self._error: Optional[BaseException] = None
         self._staged: Optional[Tuple[int, torch.Tensor, StagedLayer]] = None
         self._lock = threading.Lock()
-        self._release = threading.Event()
+        self._release = threading.Event()  # this run's: the main thread lets the worker go on
+        self._generation = 0  # of the run in progress; a worker of an older one stops
         self._thread: Optional[threading.Thread] = None
 
     def start(self, logical_load: torch.Tensor) -> None:
@@ -56,12 +60,24 @@ class AsyncRearranger:
         if self.closed:
             raise RuntimeError("EplbState.close() has stopped the asynchronous worker; no rearrangement can start")
         self.active = True
-        self._status, self._error, self._staged = BUSY, None, None
-        self._release.clear()
-        self._thread = threading.Thread(target=self._run, args=(logical_load,), name="moekit-eplb", daemon=True)
+        with self._lock:
+            self._generation += 1
+            self._status, self._error, self._staged = BUSY, None, None
+            self._release = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(logical_load, self._generation, self._release),
+                                        name="moekit-eplb", daemon=True)
         self._thread.start()
 
-    def _run(self, logical_load: torch.Tensor) -> None:
+    def _report(self, generation: int, **fields) -> bool:
+        """Set status fields if this worker's run is still the current one; returns whether it is."""
+        with self._lock:
+            if generation != self._generation:
+                return False
+            for name, value in fields.items():
+                setattr(self, name, value)
+            return True
+
+    def _run(self, logical_load: torch.Tensor, generation: int, release: threading.Event) -> None:
         state = self.state
         try:
             new = state.plan(logical_load)
@@ -74,15 +90,15 @@ class AsyncRearranger:
                     staged = state.exchange(layer, new[layer], group=self.group)
                 if stream is not None:
                     stream.synchronize()  # the main thread reads the buffer on its own stream
-                with self._lock:
-                    self._staged, self._status = (layer, new[layer], staged), STAGED
-                self._release.wait()
-                self._release.clear()
-            with self._lock:
-                self._status = FINISHED
+                if not self._report(generation, _staged=(layer, new[layer], staged), _status=STAGED):
+                    return
+                release.wait()
+                release.clear()
+                if generation != self._generation:  # abandoned while staged: a failure on some rank
+                    return
+            self._report(generation, _status=FINISHED)
         except BaseException as err:  # reported to the main thread at its next poll
-            with self._lock:
-                self._error, self._status = err, FAILED
+            self._report(generation, _error=err, _status=FAILED)
 
     def poll(self) -> bool:
         """Main thread, once per step: commit the staged layer if every rank has it. Returns whether one was."""
@@ -95,6 +111,9 @@ class AsyncRearranger:
         agreed = int(flag.item())  # between steps: a host read is fine here
         if agreed == FAILED:
             self.active = False
+            with self._lock:  # abandon this run: a worker waiting with a staged layer stops
+                self._generation += 1
+            self._release.set()
             if self._error is not None:
                 raise RuntimeError("the EPLB worker failed on this rank") from self._error
             raise RuntimeError("the EPLB worker failed on another rank")
