@@ -76,3 +76,13 @@ def test_info_refuses_an_unknown_activation_and_scheme(capsys):
     assert exit_.value.code == 2 and "argument --activation: invalid choice: 'no_such_act'" in capsys.readouterr().err
     assert main(["info", "--quant", "no_such_scheme"]) == 2
     assert "moekit info: error: --quant: quant must be one of" in capsys.readouterr().err
+
+
+def test_info_tiles_without_triton_names_the_extra(capsys, monkeypatch):
+    """Without Triton, --tiles ended in a traceback after the whole report."""
+    import sys  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert main(["info", "--tiles", "qwen3-30b-a3b"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--tiles needs Triton" in err and "moekit[gpu]" in err

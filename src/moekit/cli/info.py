@@ -124,6 +124,10 @@ def run(args) -> int:
                 check_fits(scheme, H, I)
         except ValueError as err:
             raise UsageError(str(err)) from None
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            raise UsageError("--tiles needs Triton (the tile tables and rules): pip install 'moekit[gpu]'") from None
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415
