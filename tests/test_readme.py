@@ -18,3 +18,19 @@ def test_readme_commands_and_ci():
     assert head == ["# moekit"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in ci
+
+
+def test_test_files_collect_without_the_optional_extras():
+    """`pytest` collects without the test extra's hypothesis or triton: property tests import
+    through hypothesis_or_skip, and files importing the Triton kernels at the top skip first."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "hypothesis_or_skip.py":
+            continue
+        lines = path.read_text().splitlines()
+        top = [line for line in lines if line.startswith(("import ", "from "))]
+        assert not [line for line in top if re.match(r"(from|import) hypothesis\b", line)], path
+        kernels = next((i for i, line in enumerate(lines) if re.match(r"(from|import) (moekit\.kernels|triton)\b", line)),
+                       None)
+        if kernels is not None:
+            guard = [i for i, line in enumerate(lines[:kernels]) if re.match(r"(\w+ = )?pytest\.importorskip\(", line)]
+            assert guard, f"{path}: imports triton at module level without pytest.importorskip first"

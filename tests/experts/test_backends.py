@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from moekit import ActivationParams, ExpertWeights, RoutingConfig, fused_experts, route
 from moekit.activations import ACTIVATIONS, is_gated
 from moekit.experts.reference import reference_experts
 
 from conftest import TOL, rel_err
+from hypothesis_or_skip import given, settings, st
 
 BACKENDS = ["grouped_mm", "cpu"]
 
