@@ -88,3 +88,18 @@ def test_quant_bench_skips_a_shape_the_scheme_cannot_quantize_and_says_why():
     assert [r["M"] for r in result["records"]] == [16, 4096]
     assert all("multiples of 128" in r["skipped"] and "group_size=64" in r["skipped"] for r in result["records"])
     assert len(said) == 1 and said[0].startswith("gpt-oss-20b int8_w8a16: skipped:")
+
+
+def test_transformers_peers_without_transformers_name_the_extra(capsys, monkeypatch):
+    """Without transformers, --impls hf_eager ended in a ZeroDivisionError, and a plain run left
+    transformers' peers out without a word."""
+    import sys  # noqa: PLC0415
+
+    import moekit.benchmarks.cpu as cpu  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert main(["bench", "--impls", "hf_eager", "moekit_auto"]) == 2
+    assert "transformers' experts need transformers: pip install 'moekit[hf]'" in capsys.readouterr().err
+    monkeypatch.setattr(cpu, "run_cpu_bench", lambda *a, **kw: {"records": []})
+    assert main(["bench", "--M", "1"]) == 0
+    assert "transformers is not installed" in capsys.readouterr().err
