@@ -154,6 +154,7 @@ class ExpertsProblem:
     capturing: bool = False  # the call is being captured in a CUDA graph
 
     def describe(self) -> str:
+        """One line for logs and refusals: device, dtype, scheme, activation and sizes."""
         q = self.quant or "unquantized"
         return (
             f"{self.device} {str(self.dtype).replace('torch.', '')} {q} act={self.activation} "
