@@ -86,3 +86,13 @@ def test_info_tiles_without_triton_names_the_extra(capsys, monkeypatch):
     assert main(["info", "--tiles", "qwen3-30b-a3b"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "--tiles needs Triton" in err and "moekit[gpu]" in err
+
+
+def test_info_lists_triton_where_it_is_not_installed(capsys, monkeypatch):
+    """The backend list left 'triton' out without a word where Triton is not installed."""
+    from moekit.experts import base  # noqa: PLC0415
+
+    monkeypatch.delitem(base.BACKENDS, "triton", raising=False)
+    assert main(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("triton "))
+    assert "no: not installed" in line and "pip install 'moekit[gpu]'" in line

@@ -223,12 +223,12 @@ def register_backend(backend: ExpertsBackend) -> ExpertsBackend:
 
 
 # backends registered only when their optional package imports, and the extra that installs it
-_OPTIONAL_BACKENDS = {"triton": "Triton: pip install 'moekit[gpu]'"}
+OPTIONAL_BACKENDS = {"triton": "Triton: pip install 'moekit[gpu]'"}
 
 
 def get_backend(name: str) -> ExpertsBackend:
-    if name not in BACKENDS and name in _OPTIONAL_BACKENDS:
-        raise ValueError(f"backend {name!r} needs {_OPTIONAL_BACKENDS[name]} (installed here: {sorted(BACKENDS)})")
+    if name not in BACKENDS and name in OPTIONAL_BACKENDS:
+        raise ValueError(f"backend {name!r} needs {OPTIONAL_BACKENDS[name]} (installed here: {sorted(BACKENDS)})")
     if name not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     return BACKENDS[name]
