@@ -69,6 +69,7 @@ def test_available_backends_on_cuda_without_a_gpu_and_a_bad_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     avail = available_backends("cuda")
     assert avail and all(reason and "no CUDA GPU here" in reason for reason in avail.values()), avail
+    assert available_backends(torch.device("cpu")) == available_backends("cpu")
     with pytest.raises(ValueError, match="device must be None, 'cpu' or 'cuda', got 'tpu'"):
         available_backends("tpu")
 

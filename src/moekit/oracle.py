@@ -122,11 +122,13 @@ def _auto_reason(name: str, refusals: List[str]) -> str:
 def available_backends(device: Optional[str] = None) -> Dict[str, Optional[str]]:
     """Every registered backend -> None if it can run on this machine, else why not.
 
-    With device ("cpu", "cuda") it also checks a small bf16/fp32 problem on that device;
+    With device ("cpu", "cuda", or a torch.device) it also checks a small bf16/fp32 problem on that device;
     "cuda" on a machine without a CUDA GPU gives every backend that reason.
     """
     import torch
 
+    if isinstance(device, torch.device):
+        device = device.type
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
     no_gpu = device == "cuda" and not torch.cuda.is_available()
