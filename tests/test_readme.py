@@ -29,8 +29,8 @@ def test_test_files_collect_without_the_optional_extras():
         lines = path.read_text().splitlines()
         top = [line for line in lines if line.startswith(("import ", "from "))]
         assert not [line for line in top if re.match(r"(from|import) hypothesis\b", line)], path
-        kernels = next((i for i, line in enumerate(lines) if re.match(r"(from|import) (moekit\.kernels|triton)\b", line)),
-                       None)
+        triton = r"(from|import) (moekit\.kernels|triton)\b"
+        kernels = next((i for i, line in enumerate(lines) if re.match(triton, line)), None)
         if kernels is not None:
             guard = [i for i, line in enumerate(lines[:kernels]) if re.match(r"(\w+ = )?pytest\.importorskip\(", line)]
             assert guard, f"{path}: imports triton at module level without pytest.importorskip first"
