@@ -77,7 +77,7 @@ class FusedMoE(nn.Module):
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
         correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3; it stays fp32
             through .half() or .to(dtype)).
-        name: used in logs; defaults to "moe<N>".
+        name: its layer_name, used in logs; defaults to "moe<N>".
         parallel: ParallelConfig splitting the layer over a process group (expert or tensor
             parallelism); the layer then holds only this rank's experts (or I-slices), keeps
             `expert_map` [E] int32, and every rank checks at construction that all ranks built
