@@ -103,3 +103,14 @@ def test_transformers_peers_without_transformers_name_the_extra(capsys, monkeypa
     monkeypatch.setattr(cpu, "run_cpu_bench", lambda *a, **kw: {"records": []})
     assert main(["bench", "--M", "1"]) == 0
     assert "transformers is not installed" in capsys.readouterr().err
+
+
+def test_quant_without_triton_names_the_extra(capsys, monkeypatch):
+    """On a GPU without Triton, --quant ended in an ImportError traceback inside the benchmark."""
+    import sys  # noqa: PLC0415
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.setattr(gpu, "run_quant_bench", lambda *a, **kw: pytest.fail("ran without Triton"))
+    assert main(["bench", "--device", "cuda", "--quant", "fp8_w8a8"]) == 2
+    assert "--quant times the Triton kernels, so it needs Triton: pip install 'moekit[gpu]'" in capsys.readouterr().err

@@ -100,6 +100,12 @@ def _check_args(args) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+        if args.quant is not None:
+            try:
+                import triton  # noqa: F401, PLC0415
+            except ImportError:
+                raise UsageError("--quant times the Triton kernels, so it needs Triton: "
+                                 "pip install 'moekit[gpu]'") from None
 
 
 def _has_transformers() -> bool:
