@@ -1,7 +1,10 @@
 """`moekit bench`: argument checks, and what the GPU paths hand to the benchmark functions
 (the functions themselves run on a GPU; here they are replaced by recorders)."""
 
+import importlib.util
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -55,6 +58,8 @@ def test_quant_cases_rounds_and_warm_up_reach_the_quantized_benchmark(monkeypatc
 
     monkeypatch.setattr(gpu, "run_quant_bench", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if importlib.util.find_spec("triton") is None:  # --quant needs Triton installed; the benchmark is a fake here
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     out = tmp_path / "q.json"
     argv = ["bench", "--device", "cuda", "--quant", "fp8_w8a8", "--static-scales", "--shapes", "qwen3-30b-a3b",
             "mixtral-8x7b", "--M", "16", "4096", "--rounds", "2", "--warm-ms", "250", "--out", str(out)]
@@ -93,8 +98,6 @@ def test_quant_bench_skips_a_shape_the_scheme_cannot_quantize_and_says_why():
 def test_transformers_peers_without_transformers_name_the_extra(capsys, monkeypatch):
     """Without transformers, --impls hf_eager ended in a ZeroDivisionError, and a plain run left
     transformers' peers out without a word."""
-    import sys  # noqa: PLC0415
-
     import moekit.benchmarks.cpu as cpu  # noqa: PLC0415
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
@@ -107,8 +110,6 @@ def test_transformers_peers_without_transformers_name_the_extra(capsys, monkeypa
 
 def test_quant_without_triton_names_the_extra(capsys, monkeypatch):
     """On a GPU without Triton, --quant ended in an ImportError traceback inside the benchmark."""
-    import sys  # noqa: PLC0415
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     monkeypatch.setattr(gpu, "run_quant_bench", lambda *a, **kw: pytest.fail("ran without Triton"))
