@@ -43,13 +43,18 @@ def parse(argv=None):
     p.add_argument("--intermediate", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--redundant", type=int, default=2, help="redundant expert slots (replicas of hot experts)")
-    p.add_argument("--max-slots", type=int, default=5, help="expert slots one rank can hold (capacity rule)")
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="expert slots one rank can hold (capacity rule; default: what the 2-rank stage needs, "
+                        "ceil((experts + redundant) / 2))")
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--interval", type=float, default=0.05, help="seconds between submitted batches")
     p.add_argument("--timeout", type=float, default=5.0, help="gloo timeout and heartbeat timeout (s)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_slots is None:
+        args.max_slots = -(-(args.experts + args.redundant) // 2)
+    return args
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -83,6 +83,12 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if args.dispatchers and "p2p_all_to_all" in args.dispatchers and device.type != "cuda":
+        if rank == 0:
+            print("ep_torchrun.py: error: --dispatchers p2p_all_to_all maps GPU memory: it needs CUDA GPUs on one "
+                  f"host; on CPU choose among {list(CPU_DISPATCHERS)}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     dtype = getattr(torch, args.dtype)
     E, k, H, I = args.experts, args.top_k, args.hidden, args.intermediate
     Ts = [args.tokens * (r + 1) // size for r in range(size)]

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from conftest import random_expert_map, rel_err
+from hypothesis_or_skip import given, settings, st
 from moekit import native, quantize_experts
 from moekit.activations import apply_activation
 from moekit.config import ActivationParams

@@ -63,6 +63,17 @@ def test_available_backends_reports_reasons():
         assert avail["triton"]  # a sentence: no GPU and no interpreter here
 
 
+def test_available_backends_on_cuda_without_a_gpu_and_a_bad_device(monkeypatch):
+    """available_backends("cuda") said grouped_mm and reference could run on a machine without a GPU,
+    and an unknown device name was answered rather than refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    avail = available_backends("cuda")
+    assert avail and all(reason and "no CUDA GPU here" in reason for reason in avail.values()), avail
+    assert available_backends(torch.device("cpu")) == available_backends("cpu")
+    with pytest.raises(ValueError, match="device must be None, 'cpu' or 'cuda', got 'tpu'"):
+        available_backends("tpu")
+
+
 def test_capture_needs_a_graph_safe_backend():
     # During CUDA-graph capture only backends without host reads may run; the oracle says why.
     p = problem(device="cuda", dtype=torch.bfloat16, weight_dtype=torch.bfloat16, capturing=True)

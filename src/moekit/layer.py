@@ -43,6 +43,7 @@ class RoutedExperts(nn.Module):
         nn.init.normal_(self.w2, std=I ** -0.5)
 
     def expert_weights(self) -> ExpertWeights:
+        """The held tensors as an ExpertWeights (no copy; one object while the tensors are the same)."""
         tensors = (self.w13, self.w2, self.b13, self.b2)
         return held_weights(self, tensors, lambda: ExpertWeights(*tensors))
 
@@ -76,7 +77,7 @@ class FusedMoE(nn.Module):
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).
         correction_bias: own an e_score_correction_bias [E] fp32 buffer (DeepSeek-V3; it stays fp32
             through .half() or .to(dtype)).
-        name: used in logs; defaults to "moe<N>".
+        name: its layer_name, used in logs; defaults to "moe<N>".
         parallel: ParallelConfig splitting the layer over a process group (expert or tensor
             parallelism); the layer then holds only this rank's experts (or I-slices), keeps
             `expert_map` [E] int32, and every rank checks at construction that all ranks built
@@ -260,6 +261,7 @@ class FusedMoE(nn.Module):
         self.experts.load_quantized(weights)
 
     def correction_bias_or_none(self) -> Optional[torch.Tensor]:
+        """The e_score_correction_bias [E] fp32 buffer, or None for a layer built without one."""
         return self.e_score_correction_bias
 
     def _fused_sources(self) -> list:
@@ -307,6 +309,7 @@ class FusedMoE(nn.Module):
         return self
 
     def side_stream(self):
+        """The CUDA stream the "overlap" shared experts run on (made on first use)."""
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         return self._side_stream

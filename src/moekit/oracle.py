@@ -122,13 +122,19 @@ def _auto_reason(name: str, refusals: List[str]) -> str:
 def available_backends(device: Optional[str] = None) -> Dict[str, Optional[str]]:
     """Every registered backend -> None if it can run on this machine, else why not.
 
-    With device ("cpu", "cuda") it also checks a small bf16/fp32 problem on that device.
+    With device ("cpu", "cuda", or a torch.device) it also checks a small bf16/fp32 problem on that device;
+    "cuda" on a machine without a CUDA GPU gives every backend that reason.
     """
     import torch
 
+    if isinstance(device, torch.device):
+        device = device.type
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+    no_gpu = device == "cuda" and not torch.cuda.is_available()
     out: Dict[str, Optional[str]] = {}
     for name, b in sorted(BACKENDS.items()):
-        reason = b.available()
+        reason = "no CUDA GPU here (torch.cuda.is_available() is False)" if no_gpu else b.available()
         if reason is None and device is not None:
             dtype = torch.bfloat16 if device == "cuda" else torch.float32
             probe = ExpertsProblem(device, dtype, dtype, "silu", False, False, False, 8, 64, 32, 2)

@@ -1,7 +1,10 @@
 """`moekit bench`: argument checks, and what the GPU paths hand to the benchmark functions
 (the functions themselves run on a GPU; here they are replaced by recorders)."""
 
+import importlib.util
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -55,6 +58,8 @@ def test_quant_cases_rounds_and_warm_up_reach_the_quantized_benchmark(monkeypatc
 
     monkeypatch.setattr(gpu, "run_quant_bench", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if importlib.util.find_spec("triton") is None:  # --quant needs Triton installed; the benchmark is a fake here
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     out = tmp_path / "q.json"
     argv = ["bench", "--device", "cuda", "--quant", "fp8_w8a8", "--static-scales", "--shapes", "qwen3-30b-a3b",
             "mixtral-8x7b", "--M", "16", "4096", "--rounds", "2", "--warm-ms", "250", "--out", str(out)]
@@ -88,3 +93,25 @@ def test_quant_bench_skips_a_shape_the_scheme_cannot_quantize_and_says_why():
     assert [r["M"] for r in result["records"]] == [16, 4096]
     assert all("multiples of 128" in r["skipped"] and "group_size=64" in r["skipped"] for r in result["records"])
     assert len(said) == 1 and said[0].startswith("gpt-oss-20b int8_w8a16: skipped:")
+
+
+def test_transformers_peers_without_transformers_name_the_extra(capsys, monkeypatch):
+    """Without transformers, --impls hf_eager ended in a ZeroDivisionError, and a plain run left
+    transformers' peers out without a word."""
+    import moekit.benchmarks.cpu as cpu  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert main(["bench", "--impls", "hf_eager", "moekit_auto"]) == 2
+    assert "transformers' experts need transformers: pip install 'moekit[hf]'" in capsys.readouterr().err
+    monkeypatch.setattr(cpu, "run_cpu_bench", lambda *a, **kw: {"records": []})
+    assert main(["bench", "--M", "1"]) == 0
+    assert "transformers is not installed" in capsys.readouterr().err
+
+
+def test_quant_without_triton_names_the_extra(capsys, monkeypatch):
+    """On a GPU without Triton, --quant ended in an ImportError traceback inside the benchmark."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.setattr(gpu, "run_quant_bench", lambda *a, **kw: pytest.fail("ran without Triton"))
+    assert main(["bench", "--device", "cuda", "--quant", "fp8_w8a8"]) == 2
+    assert "--quant times the Triton kernels, so it needs Triton: pip install 'moekit[gpu]'" in capsys.readouterr().err

@@ -76,3 +76,23 @@ def test_info_refuses_an_unknown_activation_and_scheme(capsys):
     assert exit_.value.code == 2 and "argument --activation: invalid choice: 'no_such_act'" in capsys.readouterr().err
     assert main(["info", "--quant", "no_such_scheme"]) == 2
     assert "moekit info: error: --quant: quant must be one of" in capsys.readouterr().err
+
+
+def test_info_tiles_without_triton_names_the_extra(capsys, monkeypatch):
+    """Without Triton, --tiles ended in a traceback after the whole report."""
+    import sys  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert main(["info", "--tiles", "qwen3-30b-a3b"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--tiles needs Triton" in err and "moekit[gpu]" in err
+
+
+def test_info_lists_triton_where_it_is_not_installed(capsys, monkeypatch):
+    """The backend list left 'triton' out without a word where Triton is not installed."""
+    from moekit.experts import base  # noqa: PLC0415
+
+    monkeypatch.delitem(base.BACKENDS, "triton", raising=False)
+    assert main(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("triton "))
+    assert "no: not installed" in line and "pip install 'moekit[gpu]'" in line

@@ -35,3 +35,13 @@ def test_no_gpu_is_a_clear_refusal(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="moekit tune needs a CUDA GPU"):
         main(["tune", "--shape", "olmoe-1b-7b"])
+
+
+def test_gpu_without_triton_names_the_extra(monkeypatch):
+    """On a GPU without Triton, tune ended in an ImportError traceback from moekit.kernels."""
+    import sys  # noqa: PLC0415
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    with pytest.raises(SystemExit, match=r"needs Triton: `pip install moekit\[gpu\]`"):
+        main(["tune", "--shape", "olmoe-1b-7b"])

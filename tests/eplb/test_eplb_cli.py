@@ -138,3 +138,18 @@ def test_simulate_large_sigma_is_skewed_not_overflowed(capsys):
     assert main(["eplb", "simulate", "--experts", "8", "--layers", "2", "--gpus", "2", "--nodes", "1",
                  "--redundant", "0", "--sigma", "inf"]) == 2
     assert "sigma must be finite and > 0, got inf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["plan", "--gpus", "2", "--nodes", "1", "--redundant", "0"],
+                                     ["simulate", "--layers", "2", "--experts", "8", "--gpus", "2", "--nodes", "1"]])
+def test_plot_without_matplotlib_is_refused_before_the_report(tmp_path, capsys, monkeypatch, command):
+    """Without matplotlib, --plot was refused only after the whole report had been printed."""
+    import sys  # noqa: PLC0415
+
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps([[5, 1, 1, 1]]))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    load = ["--load", str(path)] if command[0] == "plan" else []
+    assert main(["eplb", *command, *load, "--plot", str(tmp_path / "p.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--plot needs matplotlib: pip install moekit[cli]" in err

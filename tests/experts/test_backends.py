@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from moekit import ActivationParams, ExpertWeights, RoutingConfig, fused_experts, route
 from moekit.activations import ACTIVATIONS, is_gated
 from moekit.experts.reference import reference_experts
 
 from conftest import TOL, rel_err
+from hypothesis_or_skip import given, settings, st
 
 BACKENDS = ["grouped_mm", "cpu"]
 
@@ -246,3 +245,15 @@ def test_cpu_decode_path_where_bf16_is_emulated(monkeypatch, T, gen):
     x, weights, w, ids = make_problem(9, 5, 48, 40, 2, torch.bfloat16, gen, bias=True)
     check("cpu", x, weights, w, ids, torch.bfloat16)
     assert blocks  # 18 assignments: the block path
+
+
+def test_triton_backend_without_triton_names_the_extra(monkeypatch):
+    """Where Triton is not installed, backend='triton' was refused as an unknown name."""
+    import moekit  # noqa: PLC0415
+    from moekit.experts import base  # noqa: PLC0415
+
+    monkeypatch.delitem(base.BACKENDS, "triton", raising=False)
+    with pytest.raises(ValueError, match=r"backend 'triton' needs Triton: pip install 'moekit\[gpu\]'"):
+        moekit.FusedMoE(4, 16, 8, moekit.RoutingConfig(top_k=2), backend="triton")
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        base.get_backend("no_such_backend")

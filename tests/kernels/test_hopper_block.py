@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
 from moekit.kernels import hopper_block
 from moekit.kernels.quant_tuning import QuantKnobs
 

@@ -71,3 +71,16 @@ def test_example_under_torchrun():
         assert any(line.strip().startswith(name) and line.rstrip().endswith("match") for line in ok.stdout.splitlines())
     bad = _torchrun("--corrupt-rank", "1", "--dispatchers", "all_to_all")
     assert bad.returncode != 0 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_example_refuses_p2p_on_cpu():
+    """--dispatchers p2p_all_to_all on CPU ended in a traceback on every rank from inside the layer."""
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        pytest.skip("p2p_all_to_all runs where CUDA is")
+    run = _torchrun("--dispatchers", "p2p_all_to_all")
+    assert run.returncode != 0
+    assert "ep_torchrun.py: error: --dispatchers p2p_all_to_all maps GPU memory" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr.split("ep_torchrun.py: error")[0]

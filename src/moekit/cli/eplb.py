@@ -150,6 +150,8 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
 
 def run_plan(args) -> int:
     try:
+        if args.plot:
+            _pyplot()  # a missing matplotlib is said before the work, not after it
         load = read_load(args.load)
         report = plan_report(load, args.gpus, args.nodes, args.redundant, args.groups)
     except ValueError as err:
@@ -213,6 +215,8 @@ def _redundant_list(text: str) -> List[int]:
 
 def run_simulate(args) -> int:
     try:
+        if args.plot:
+            _pyplot()
         load = synthetic_load(args.dist, args.layers, args.experts, args.tokens, sigma=args.sigma,
                               alpha=args.alpha, seed=args.seed)
         rows = []

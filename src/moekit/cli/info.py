@@ -12,7 +12,7 @@ import torch
 import moekit
 from moekit.activations import ACTIVATIONS
 from moekit.cli.main import UsageError
-from moekit.experts.base import ExpertsProblem
+from moekit.experts.base import OPTIONAL_BACKENDS, ExpertsProblem
 from moekit.oracle import available_backends, explain
 
 
@@ -124,6 +124,10 @@ def run(args) -> int:
                 check_fits(scheme, H, I)
         except ValueError as err:
             raise UsageError(str(err)) from None
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            raise UsageError("--tiles needs Triton (the tile tables and rules): pip install 'moekit[gpu]'") from None
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415
@@ -144,6 +148,9 @@ def run(args) -> int:
     for name, reason in available_backends().items():
         desc = moekit.BACKENDS[name].description
         print(f"  {name:12s} {'yes' if reason is None else 'no: ' + reason}  -- {desc}")
+    for name, needs in OPTIONAL_BACKENDS.items():
+        if name not in moekit.BACKENDS:
+            print(f"  {name:12s} no: not installed, it needs {needs}")
     for device in _devices():
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
         wdtype = dtype if scheme is None else scheme.storage_dtype()

@@ -274,6 +274,10 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("moekit tune needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
+        import triton  # noqa: F401, PLC0415
+    except ImportError as err:
+        raise SystemExit("moekit tune times the Triton kernels, so it needs Triton: `pip install moekit[gpu]`") from err
+    try:
         import rich.progress  # noqa: F401, PLC0415
     except ImportError as err:
         raise SystemExit("moekit tune's progress bar needs rich: `pip install moekit[cli]`") from err

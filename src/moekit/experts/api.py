@@ -188,6 +188,8 @@ def fused_experts(
         apply_router_weight_on_input: multiply the expert input by the weight (Llama-4).
         expert_map: [E_global] int32, global -> local id or -1; topk_ids are then global.
         backend: "auto" (the oracle picks) or a backend name.
+        owner: who calls, in the oracle's log of its choice (logged once per owner; a layer
+            passes its name).
     Returns:
         [T, H] in hidden_states' dtype.
     """

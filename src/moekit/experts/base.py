@@ -154,6 +154,7 @@ class ExpertsProblem:
     capturing: bool = False  # the call is being captured in a CUDA graph
 
     def describe(self) -> str:
+        """One line for logs and refusals: device, dtype, scheme, activation and sizes."""
         q = self.quant or "unquantized"
         return (
             f"{self.device} {str(self.dtype).replace('torch.', '')} {q} act={self.activation} "
@@ -221,7 +222,13 @@ def register_backend(backend: ExpertsBackend) -> ExpertsBackend:
     return backend
 
 
+# backends registered only when their optional package imports, and the extra that installs it
+OPTIONAL_BACKENDS = {"triton": "Triton: pip install 'moekit[gpu]'"}
+
+
 def get_backend(name: str) -> ExpertsBackend:
+    if name not in BACKENDS and name in OPTIONAL_BACKENDS:
+        raise ValueError(f"backend {name!r} needs {OPTIONAL_BACKENDS[name]} (installed here: {sorted(BACKENDS)})")
     if name not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     return BACKENDS[name]

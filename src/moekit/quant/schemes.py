@@ -139,6 +139,7 @@ class QuantScheme:
         return torch.uint8
 
     def describe(self) -> str:
+        """The stored layout in words, e.g. "int4 weights per group of 128 columns, float activations"."""
         w = f"{self.weight_dtype} weights per {self.weight_granularity}"
         if self.weight_block is not None:
             w += f" {self.weight_block[0]}x{self.weight_block[1]}"
@@ -173,6 +174,7 @@ def register_scheme(scheme: QuantScheme) -> QuantScheme:
 
 
 def scheme_names() -> Tuple[str, ...]:
+    """The registered scheme names, sorted."""
     return tuple(sorted(SCHEMES))
 
 
