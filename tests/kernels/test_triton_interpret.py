@@ -159,6 +159,15 @@ else:
         c = _check(x, wts, w, ids, emap, direct=False, config=big)
         assert rel_err(a, b) <= 1e-5 and rel_err(b, c) <= 1e-5
 
+    def test_one_token_with_more_slots_than_the_direct_path_holds_takes_the_sorted_path(gen):
+        from moekit.kernels.triton_moe import MAX_TOP_K
+
+        k = MAX_TOP_K + 1
+        x, wts, w, ids, emap = _problem(1, k + 1, k, 16, 16, torch.float32, gen)
+        _check(x, wts, w, ids, emap)
+        with pytest.raises(ValueError, match=f"direct path takes top_k <= {MAX_TOP_K}"):
+            fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=True)
+
     def test_large_alignment_path_end_to_end(gen, monkeypatch):
         import moekit.kernels.launch as launch
 

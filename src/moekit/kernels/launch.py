@@ -199,8 +199,8 @@ def fused_moe(
         raise ValueError(f"w2 holds {E} experts; the Triton kernels take at most {moe.MAX_EXPERTS}")
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
-    if direct is None:
-        direct = use_direct(T, k, E)
+    if direct is None:  # the direct path holds a token's slots in registers: more take the sorted path
+        direct = k <= moe.MAX_TOP_K and use_direct(T, k, E)
     if direct and k > moe.MAX_TOP_K:
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:
