@@ -214,6 +214,25 @@ else:
         with pytest.raises(TypeError, match="topk_ids must be torch.int32"):
             fused_moe(x, wts.w13, wts.w2, None, None, w, ids.long(), None, "silu")
 
+    def test_launcher_rejects_shapes_that_do_not_match(gen):
+        x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float32, gen, bias=True)
+        w13, w2, b13, b2 = wts.w13, wts.w2, wts.b13, wts.b2
+        cases = [
+            (dict(w13=w13[:, :, :16].contiguous()), r"w13 must be \[4, 32, 32\]"),  # H of w13 is not x's
+            (dict(w13=w13[:, :16].contiguous()), r"w13 must be \[4, 32, 32\]"),     # I of w13 is not w2's
+            (dict(w13=w13[:3].contiguous()), r"w13 must be \[4, 32, 32\]"),         # fewer experts than w2
+            (dict(w2=w2[:, :16].contiguous()), r"w2 must be \[E, H=32, I\]"),
+            (dict(b13=b13[:, :16].contiguous()), r"b13 must be \[4, 32\]"),
+            (dict(b2=b2[:, :16].contiguous()), r"b2 must be \[4, 32\]"),
+            (dict(w=w[:, :1].contiguous()), "topk_weights must have the shape of topk_ids"),
+            (dict(w=w[:2].contiguous(), ids=ids[:2].contiguous()), r"topk_ids must be \[T=3, k\]"),
+            (dict(x=x[None]), "x must be 2-D"),
+        ]
+        for change, match in cases:
+            a = dict(dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2, w=w, ids=ids), **change)
+            with pytest.raises(ValueError, match=match):
+                fused_moe(a["x"], a["w13"], a["w2"], a["b13"], a["b2"], a["w"], a["ids"], None, "silu")
+
     def test_custom_op_fake_and_schema(gen):
         x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float16, gen)
         for out_dtype in (torch.float32, torch.float16):
