@@ -94,6 +94,18 @@ def test_bad_values_in_a_user_file_name_the_file_and_key(entry, pattern, quant, 
         quant_tuning.load_quant_configs.cache_clear()
 
 
+def test_a_user_file_that_is_not_text_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / config_file_name(7, 96, "Fake_GPU")
+    path.write_bytes(b'{"1": \xff\xfe}')
+    monkeypatch.setattr(tuning, "settings", dataclasses.replace(settings, tuned_config_dir=str(tmp_path)))
+    tuning.load_configs.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=re.escape(str(path)) + " is not UTF-8 text"):
+            tuning.load_configs(7, 96, "Fake_GPU", None)
+    finally:
+        tuning.load_configs.cache_clear()
+
+
 def test_mismatched_row_blocks_are_an_error():
     with pytest.raises(ValueError, match="gemm2.BLOCK_SIZE_M"):
         MoEConfig(TileConfig(16, 64, 64), TileConfig(32, 64, 64))

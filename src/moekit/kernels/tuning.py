@@ -385,7 +385,11 @@ def read_table(name: str, parse):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
-                return parse(fh.read(), path)
+                try:
+                    text = fh.read()
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{path} is not UTF-8 text: {err}") from None
+            return parse(text, path)
     logger.info("moekit: no tuned Triton table %s in %s: the untuned rules pick the tiles (`moekit tune` "
                 "writes one; MOEKIT_TUNED_CONFIG_DIR points at a folder of them)", name, " or ".join(folders))
     return None
