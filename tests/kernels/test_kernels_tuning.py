@@ -66,6 +66,46 @@ def test_parse_errors_name_the_problem(text, match):
         parse_configs(text, "f.json")
 
 
+@pytest.mark.parametrize("entry,pattern,quant", [
+    (dict(ENTRY, BLOCK_SIZE_N=48), r"\[64\]: BLOCK_SIZE_N must be a power of two", None),
+    (dict(ENTRY, num_warps="4"), r"\[64\]: num_warps must be an int", None),
+    (dict(ENTRY, gemm2={"BLOCK_SIZE_K": 24}), r"\[64\]\.gemm2: BLOCK_SIZE_K", None),
+    (dict(ENTRY, SPLIT_K=2), r"\[64\]: gemm1\.SPLIT_K must be 1", None),
+    (dict(ENTRY, prefill={"tma": 3}), r"\[64\]\.prefill: prefill tma", None),
+    (dict(ENTRY, quant={"split_k": 0}), r"\[64\]\.quant: split_k", "quant"),
+    (dict(ENTRY, quant={"fold_w": 1}), r"\[64\]\.quant: fold_w must be a bool", "quant"),
+])
+def test_bad_values_in_a_user_file_name_the_file_and_key(entry, pattern, quant, tmp_path, monkeypatch):
+    from moekit.kernels import quant_tuning
+
+    name = config_file_name(7, 96, "Fake_GPU", "int8_w8a16" if quant else None)
+    (tmp_path / name).write_text(json.dumps({"1": ENTRY, "64": entry}))
+    monkeypatch.setattr(tuning, "settings", dataclasses.replace(settings, tuned_config_dir=str(tmp_path)))
+    tuning.load_configs.cache_clear()
+    quant_tuning.load_quant_configs.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / name)) + pattern):
+            if quant:
+                quant_tuning.load_quant_configs(7, 96, "Fake_GPU", "int8_w8a16", None)
+            else:
+                tuning.load_configs(7, 96, "Fake_GPU", None)
+    finally:
+        tuning.load_configs.cache_clear()
+        quant_tuning.load_quant_configs.cache_clear()
+
+
+def test_a_user_file_that_is_not_text_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / config_file_name(7, 96, "Fake_GPU")
+    path.write_bytes(b'{"1": \xff\xfe}')
+    monkeypatch.setattr(tuning, "settings", dataclasses.replace(settings, tuned_config_dir=str(tmp_path)))
+    tuning.load_configs.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=re.escape(str(path)) + " is not UTF-8 text"):
+            tuning.load_configs(7, 96, "Fake_GPU", None)
+    finally:
+        tuning.load_configs.cache_clear()
+
+
 def test_mismatched_row_blocks_are_an_error():
     with pytest.raises(ValueError, match="gemm2.BLOCK_SIZE_M"):
         MoEConfig(TileConfig(16, 64, 64), TileConfig(32, 64, 64))

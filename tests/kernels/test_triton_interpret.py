@@ -159,6 +159,15 @@ else:
         c = _check(x, wts, w, ids, emap, direct=False, config=big)
         assert rel_err(a, b) <= 1e-5 and rel_err(b, c) <= 1e-5
 
+    def test_one_token_with_more_slots_than_the_direct_path_holds_takes_the_sorted_path(gen):
+        from moekit.kernels.triton_moe import MAX_TOP_K
+
+        k = MAX_TOP_K + 1
+        x, wts, w, ids, emap = _problem(1, k + 1, k, 16, 16, torch.float32, gen)
+        _check(x, wts, w, ids, emap)
+        with pytest.raises(ValueError, match=f"direct path takes top_k <= {MAX_TOP_K}"):
+            fused_moe(x, wts.w13, wts.w2, None, None, w, ids, None, "silu", direct=True)
+
     def test_large_alignment_path_end_to_end(gen, monkeypatch):
         import moekit.kernels.launch as launch
 
@@ -204,6 +213,25 @@ else:
             fused_moe(x, wts.w13.transpose(1, 2).contiguous().transpose(1, 2), wts.w2, None, None, w, ids, None, "silu")
         with pytest.raises(TypeError, match="topk_ids must be torch.int32"):
             fused_moe(x, wts.w13, wts.w2, None, None, w, ids.long(), None, "silu")
+
+    def test_launcher_rejects_shapes_that_do_not_match(gen):
+        x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float32, gen, bias=True)
+        w13, w2, b13, b2 = wts.w13, wts.w2, wts.b13, wts.b2
+        cases = [
+            (dict(w13=w13[:, :, :16].contiguous()), r"w13 must be \[4, 32, 32\]"),  # H of w13 is not x's
+            (dict(w13=w13[:, :16].contiguous()), r"w13 must be \[4, 32, 32\]"),     # I of w13 is not w2's
+            (dict(w13=w13[:3].contiguous()), r"w13 must be \[4, 32, 32\]"),         # fewer experts than w2
+            (dict(w2=w2[:, :16].contiguous()), r"w2 must be \[E, H=32, I\]"),
+            (dict(b13=b13[:, :16].contiguous()), r"b13 must be \[4, 32\]"),
+            (dict(b2=b2[:, :16].contiguous()), r"b2 must be \[4, 32\]"),
+            (dict(w=w[:, :1].contiguous()), "topk_weights must have the shape of topk_ids"),
+            (dict(w=w[:2].contiguous(), ids=ids[:2].contiguous()), r"topk_ids must be \[T=3, k\]"),
+            (dict(x=x[None]), "x must be 2-D"),
+        ]
+        for change, match in cases:
+            a = dict(dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2, w=w, ids=ids), **change)
+            with pytest.raises(ValueError, match=match):
+                fused_moe(a["x"], a["w13"], a["w2"], a["b13"], a["b2"], a["w"], a["ids"], None, "silu")
 
     def test_custom_op_fake_and_schema(gen):
         x, wts, w, ids, emap = _problem(3, 4, 2, 32, 16, torch.float16, gen)

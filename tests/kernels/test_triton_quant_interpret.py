@@ -294,6 +294,20 @@ else:
         out = fused_experts(x, wts, None, torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.int32), backend="triton")
         assert out.shape == (0, 40) and out.dtype == torch.float16
 
+    def test_launcher_rejects_routing_of_another_shape(gen):
+        from moekit.kernels.launch_quant import fused_moe_quant
+        from moekit.quant.layout import scheme_of
+
+        wts = _weights("int8_w8a8", {}, 3, 64, 32, gen)
+        w, ids = _routing(4, 3, 2, gen)
+        x = torch.randn(4, 64, generator=gen).half()
+        s = wts.scales
+        for w_, ids_, match in ((w[:, :1].contiguous(), ids, "topk_weights must have the shape of topk_ids"),
+                                (w[:2].contiguous(), ids[:2].contiguous(), r"topk_ids must be \[T=4, k\]")):
+            with pytest.raises(ValueError, match=match):
+                fused_moe_quant(x, wts.w13, wts.w2, None, None, s["w13_scale"], s["w2_scale"], None, None, None, None,
+                                w_, ids_, None, scheme_of(wts), "silu")
+
     def test_refusals_name_the_reason():
         fp8, int4 = get_scheme("fp8_w8a8_block128"), get_scheme("int4_w4a16")
         assert "8.9" in quant_unsupported(fp8, torch.bfloat16, (8, 0), 256, 256)

@@ -135,6 +135,31 @@ def _check(name: str, t: Optional[torch.Tensor], device: torch.device, dtype=Non
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
 
 
+def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """x [T, H], topk_ids [T, k] and topk_weights of its shape."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [T={x.shape[0]}, k], got shape {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+
+
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
+                   b2: Optional[torch.Tensor], gated: bool) -> None:
+    """w2 [E, H, I] with x's H; w13 [E, 2I or I, H]; b13 [E, 2I or I], b2 [E, H]."""
+    H = x.shape[1]
+    if w2.dim() != 3 or w2.shape[1] != H:
+        raise ValueError(f"w2 must be [E, H={H}, I], got shape {tuple(w2.shape)}")
+    E, _, I = w2.shape
+    rows = 2 * I if gated else I
+    for name, t, want in (("w13", w13, (E, rows, H)), ("b13", b13, (E, rows)), ("b2", b2, (E, H))):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {list(want)} to match w2 [E, H, I] = {list(w2.shape)}, "
+                             f"got {tuple(t.shape)}")
+
+
 def _launch_kwargs(cfg: TileConfig):
     return dict(BM=cfg.BLOCK_SIZE_M, BN=cfg.BLOCK_SIZE_N, BK=cfg.BLOCK_SIZE_K, GROUP_M=cfg.GROUP_SIZE_M,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -191,16 +216,18 @@ def fused_moe(
     _check("expert_map", expert_map, dev, torch.int32)
     if out_dtype not in (torch.float32, x.dtype):
         raise TypeError(f"out_dtype must be torch.float32 or x's dtype {x.dtype}, got {out_dtype}")
+    check_routing(x, topk_weights, topk_ids)
+    gated = is_gated(activation)
+    _check_weights(x, w13, w2, b13, b2, gated)
     T, H = x.shape
     E, _, I = w2.shape
     k = topk_ids.shape[1]
-    gated = is_gated(activation)
     if E > moe.MAX_EXPERTS:
         raise ValueError(f"w2 holds {E} experts; the Triton kernels take at most {moe.MAX_EXPERTS}")
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
-    if direct is None:
-        direct = use_direct(T, k, E)
+    if direct is None:  # the direct path holds a token's slots in registers: more take the sorted path
+        direct = k <= moe.MAX_TOP_K and use_direct(T, k, E)
     if direct and k > moe.MAX_TOP_K:
         raise ValueError(f"the direct path takes top_k <= {moe.MAX_TOP_K}, got {k}")
     if config is None:

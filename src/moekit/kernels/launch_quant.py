@@ -374,6 +374,7 @@ def fused_moe_quant(
         raise ValueError("a13_scale and a2_scale (static scales) go together and only with per-tensor activations")
     if knobs is not None and not isinstance(knobs, QuantKnobs):
         raise TypeError(f"knobs must be a QuantKnobs or None, got {type(knobs).__name__}")
+    launch.check_routing(x, topk_weights, topk_ids)
     modes = modes_of(scheme)
     T, H = x.shape
     E = w2.shape[0]

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..quant.schemes import QuantScheme
 from .tuning import (FP8_MIN_TILE_ROWS, MoEConfig, PrefillConfig, TileConfig, config_file_name, nearest_m, parse_table,
-                     read_table, use_direct)
+                     built, read_table, use_direct)
 
 __all__ = ["QuantKnobs", "W_CONVERT", "swap_fits", "quant_file_dtype", "quant_file_name", "parse_quant_configs", "load_quant_configs",
            "lookup_quant_config", "quant_search_space", "fp8_prefill_space", "untuned_w8a8"]
@@ -146,7 +146,7 @@ class QuantKnobs:
         entry = dict(entry)
         if "static_prefill" in entry:
             entry["static_prefill"] = MoEConfig.from_json(entry["static_prefill"], f"{where}.static_prefill")
-        return cls(**entry)
+        return built(where, cls, **entry)
 
 
 def quant_file_dtype(scheme: QuantScheme) -> Tuple[str, Optional[Tuple[int, int]]]:

@@ -39,6 +39,7 @@ __all__ = [
     "load_configs",
     "read_table",
     "parse_table",
+    "built",
     "default_config",
     "hopper_default",
     "on_hopper",
@@ -200,7 +201,7 @@ class PrefillConfig:
         names = [f.name for f in fields(cls)]
         if not isinstance(entry, dict) or set(entry) - set(names):
             raise ValueError(f"{where} must be an object holding some of {names}, got {entry!r}")
-        return cls(**entry)
+        return built(where, cls, **entry)
 
 
 @dataclass(frozen=True)
@@ -261,16 +262,26 @@ class MoEConfig:
         missing = [key for key in _KEYS if key not in entry]
         if missing:
             raise ValueError(f"{where} lacks {missing}")
-        g1 = TileConfig(**{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
+        g1 = built(where, TileConfig, **{key: entry[key] for key in _KEYS + tuple(_OPTIONAL) if key in entry})
         prefill = PrefillConfig.from_json(entry["prefill"], f"{where}.prefill") if "prefill" in entry else None
         if "gemm2" not in entry:  # one config for both GEMMs (fusing them is GEMM1's knob alone)
-            return cls(g1, replace(g1, FUSED=0), prefill)
+            return built(where, cls, g1, replace(g1, FUSED=0), prefill)
         down = entry["gemm2"]
         allowed = _KEYS[1:] + tuple(_OPTIONAL)
         if not isinstance(down, dict) or set(down) - set(allowed):
             raise ValueError(f"{where}.gemm2 must hold some of {list(allowed)}, got {down!r}")
         # The knobs of GEMM2 are its own: left out means the default, not GEMM1's value.
-        return cls(g1, replace(g1, **dict(_OPTIONAL, **down)), prefill)
+        g2 = built(f"{where}.gemm2", replace, g1, **dict(_OPTIONAL, **down))
+        return built(where, cls, g1, g2, prefill)
+
+
+def built(where: str, make, *args, **kwargs):
+    """make(*args, **kwargs) for an entry of a tuned file: its checks' errors as ValueErrors
+    that name the entry (`where`: the file and key)."""
+    try:
+        return make(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def device_name(device: Optional[torch.device] = None) -> str:
@@ -374,7 +385,11 @@ def read_table(name: str, parse):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
-                return parse(fh.read(), path)
+                try:
+                    text = fh.read()
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{path} is not UTF-8 text: {err}") from None
+            return parse(text, path)
     logger.info("moekit: no tuned Triton table %s in %s: the untuned rules pick the tiles (`moekit tune` "
                 "writes one; MOEKIT_TUNED_CONFIG_DIR points at a folder of them)", name, " or ".join(folders))
     return None
