@@ -82,3 +82,18 @@ def test_capture_needs_a_graph_safe_backend():
     reasons = dict(explain(p))
     assert "cannot be captured" in reasons["reference"]
     assert "cannot be captured" not in (reasons.get("grouped_mm") or "")
+
+
+def test_triton_refuses_static_scales_beyond_its_slots():
+    """Static fp8 activation scales hold a token's slots in registers (top_k <= 32): the oracle used
+    not to know a call had them, so `auto` could pick triton on CUDA and the launcher then raised."""
+    pytest.importorskip("triton")
+    from moekit.experts.triton_experts import TritonBackend
+
+    def problem(k, static):
+        return ExpertsProblem("cuda", torch.bfloat16, torch.float8_e4m3fn, "silu", False, False, False, 64, 256, 128,
+                              k, quant="fp8_w8a8", static_scales=static)
+
+    assert "static activation scales take top_k <= 32" in (TritonBackend().unsupported(problem(33, True)) or "")
+    for k, static in ((33, False), (8, True)):
+        assert "static activation scales" not in (TritonBackend().unsupported(problem(k, static)) or "")

@@ -151,6 +151,7 @@ def problem_of(
         top_k=top_k,
         quant=weights.quant,
         capturing=cuda_capturing(x),
+        static_scales="a13_scale" in weights.scales,
         requires_grad=torch.is_grad_enabled() and (
             x.requires_grad or any(t.requires_grad for _, t in weights.per_expert_tensors())
             or (topk_weights is not None and topk_weights.requires_grad)),

@@ -152,6 +152,7 @@ class ExpertsProblem:
     quant: Optional[str] = None
     requires_grad: bool = False
     capturing: bool = False  # the call is being captured in a CUDA graph
+    static_scales: bool = False  # quantized with static per-tensor activation scales (a13_scale / a2_scale)
 
     def describe(self) -> str:
         """One line for logs and refusals: device, dtype, scheme, activation and sizes."""

@@ -27,7 +27,7 @@ from torch import library
 from ..config import settings
 from ..kernels.launch import fused_moe
 from ..kernels.launch_quant import fused_moe_quant, quant_unsupported
-from ..kernels.triton_moe import MAX_EXPERTS
+from ..kernels.triton_moe import MAX_EXPERTS, MAX_TOP_K
 from ..kernels.tuning import cuda_capability
 from ..quant.layout import scheme_of
 from ..quant.schemes import SCHEMES, get_scheme
@@ -163,6 +163,9 @@ class TritonBackend(ExpertsBackend):
             return f"quantization scheme {problem.quant!r} is not registered (known: {sorted(SCHEMES)})"
         if problem.num_experts > MAX_EXPERTS:
             return f"takes at most {MAX_EXPERTS} local experts, got {problem.num_experts}"
+        if problem.static_scales and problem.top_k > MAX_TOP_K:
+            return (f"static activation scales take top_k <= {MAX_TOP_K} (a token's slots are held in registers), "
+                    f"got {problem.top_k}")
         capability = None
         if problem.device == "cuda":
             if settings.triton_interpret:
