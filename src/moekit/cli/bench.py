@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from moekit.cli.main import UsageError
+from moekit.cli.main import UsageError, installed
 
 
 def add_parser(sub) -> None:
@@ -88,7 +88,7 @@ def _check_args(args) -> None:
         if unknown:
             raise UsageError(f"--impls on {args.device} must be among {list(known)}, got {unknown}")
         hf = [n for n in args.impls if n.startswith("hf_")]
-        if hf and not _has_transformers():
+        if hf and not installed("transformers"):
             raise UsageError(f"--impls {' '.join(hf)}: transformers' experts need transformers: "
                              "pip install 'moekit[hf]'")
     if args.rounds < 1 or args.warm_ms < 0:
@@ -100,20 +100,8 @@ def _check_args(args) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
-        if args.quant is not None:
-            try:
-                import triton  # noqa: F401, PLC0415
-            except ImportError:
-                raise UsageError("--quant times the Triton kernels, so it needs Triton: "
-                                 "pip install 'moekit[gpu]'") from None
-
-
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
+        if args.quant is not None and not installed("triton"):
+            raise UsageError("--quant times the Triton kernels, so it needs Triton: pip install 'moekit[gpu]'")
 
 
 def _quant_cases(args):
@@ -151,7 +139,7 @@ def run(args) -> int:
         from moekit.benchmarks.cpu import CPU_SHAPES, run_cpu_bench  # noqa: PLC0415
 
         shapes = [s for s in CPU_SHAPES if args.shapes is None or s[0] in args.shapes]
-        if args.impls is None and not _has_transformers():
+        if args.impls is None and not installed("transformers"):
             say("transformers is not installed: its eager and grouped_mm experts (hf_eager, hf_grouped_mm) "
                 "are left out; pip install 'moekit[hf]' to time them")
         result = run_cpu_bench(shapes, Ms=args.M or (1, 32, 512), reps=args.reps, budget_s=args.budget,

@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from moekit.cli.main import UsageError
+from moekit.cli.main import UsageError, installed
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -211,9 +211,7 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
-    try:
-        import transformers  # noqa: F401, PLC0415
-    except ImportError:
+    if not installed("transformers"):
         print("moekit demo needs Hugging Face transformers: pip install 'moekit[hf]'")
         return 2
     _check_args(args)

@@ -11,7 +11,7 @@ import torch
 
 import moekit
 from moekit.activations import ACTIVATIONS
-from moekit.cli.main import UsageError
+from moekit.cli.main import UsageError, installed
 from moekit.experts.base import OPTIONAL_BACKENDS, ExpertsProblem
 from moekit.oracle import available_backends, explain
 
@@ -86,9 +86,7 @@ def _router_line() -> str:
     here = "torch ops on CPU tensors, under autograd and in torch.compile"
     if not torch.cuda.is_available():
         return here + "; one Triton launch on CUDA tensors (no CUDA here)"
-    try:
-        import triton  # noqa: F401, PLC0415
-    except ImportError:
+    if not installed("triton"):
         return here + "; on CUDA too (triton is not installed: pip install 'moekit[gpu]')"
     return "one Triton launch on CUDA tensors (every variant but custom functions); " + here
 
@@ -124,10 +122,8 @@ def run(args) -> int:
                 check_fits(scheme, H, I)
         except ValueError as err:
             raise UsageError(str(err)) from None
-        try:
-            import triton  # noqa: F401, PLC0415
-        except ImportError:
-            raise UsageError("--tiles needs Triton (the tile tables and rules): pip install 'moekit[gpu]'") from None
+        if not installed("triton"):
+            raise UsageError("--tiles needs Triton (the tile tables and rules): pip install 'moekit[gpu]'")
     print(f"moekit {moekit.__version__}  torch {torch.__version__}  python {platform.python_version()}")
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     from moekit import native  # noqa: PLC0415

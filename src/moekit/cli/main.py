@@ -12,6 +12,15 @@ from typing import List, Optional
 COMMANDS = ("info", "demo", "bench", "tune", "eplb")
 
 
+def installed(module: str) -> bool:
+    """Whether an optional package imports here (the commands name its extra when it does not)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 class UsageError(ValueError):
     """A command's option that cannot be used as given: `main` prints
     `moekit COMMAND: error: MESSAGE` on stderr and exits with status 2, as argparse does."""

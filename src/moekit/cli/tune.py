@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from moekit.cli.main import UsageError
+from moekit.cli.main import UsageError, installed
 
 __all__ = ["add_parser", "run", "plan_shape", "search_shape", "write_configs", "confirm_fastest", "BudgetedTimings"]
 
@@ -273,14 +273,10 @@ def run(args) -> int:
         raise UsageError(f"--out-dir must be a folder (made if missing), got the file {args.out_dir!r}")
     if not torch.cuda.is_available():
         raise SystemExit("moekit tune needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        import triton  # noqa: F401, PLC0415
-    except ImportError as err:
-        raise SystemExit("moekit tune times the Triton kernels, so it needs Triton: `pip install moekit[gpu]`") from err
-    try:
-        import rich.progress  # noqa: F401, PLC0415
-    except ImportError as err:
-        raise SystemExit("moekit tune's progress bar needs rich: `pip install moekit[cli]`") from err
+    if not installed("triton"):
+        raise SystemExit("moekit tune times the Triton kernels, so it needs Triton: `pip install moekit[gpu]`")
+    if not installed("rich.progress"):
+        raise SystemExit("moekit tune's progress bar needs rich: `pip install moekit[cli]`")
     from moekit.benchmarks.gpu import precompile  # noqa: PLC0415
     from moekit.config import settings  # noqa: PLC0415
     from moekit.kernels.tuning import device_name  # noqa: PLC0415
