@@ -16,7 +16,7 @@ import torch.distributed as dist
 import moekit
 from conftest import TOL, rel_err
 from dist_harness import run_world
-from moekit.eplb import EplbConfig, EplbState, enable_eplb
+from moekit.eplb import EplbConfig, EplbState, enable_eplb, gpu_loads
 from moekit.eplb.maps import initial_placement, local_slots, map_to_physical
 from moekit.experts.base import ExpertWeights
 
@@ -121,8 +121,10 @@ def _check_rearrangement(rank, size):
         slots = local_slots(R, size, rank)
         start = initial_placement(L, E, R)
         locals_ = [_rows(logical[i], start[i, slots.start:slots.stop]) for i in range(L)]
+        # min_improvement=None: this window's plan only swaps two equally loaded experts across
+        # ranks, which the default would skip; the move itself is what is checked here.
         config = EplbConfig(num_redundant=R - E, step_interval=8 if mode == "sync" else 10 ** 6, window_size=8,
-                            mode=mode)
+                            mode=mode, min_improvement=None)
         state = EplbState([lambda w_=w_: w_ for w_ in locals_], E, config, group=dist.group.WORLD)
         for i in range(L):
             assert torch.equal(_output(state, i, locals_[i], x, w, ids), refs[i])
@@ -200,8 +202,41 @@ def _check_ep_layer(rank, size):
     assert rel_err(layer(x, logits), plain(x, logits)) <= tol
 
 
+# Loads under which DeepSeek's greedy plan (with preserved slots) is LESS balanced than the
+# starting placement [0, 1, 2, 3, 4, 5, 0, 1]: the busiest rank's load, start -> plan.
+_WORSE_PLAN = {2: ([3, 3, 0, 4, 1, 3], 7.0, 7.5), 4: ([0, 8, 3, 0, 0, 4], 4.0, 16 / 3)}
+
+
+def _check_worse_plan_kept(rank, size):
+    """The default min_improvement keeps a placement the plan would worsen, moving nothing."""
+    counter = _CountP2P()
+    dist.batch_isend_irecv = counter
+    gen = torch.Generator().manual_seed(5)
+    logical = [_logical_weights(gen) for _ in range(L)]
+    row, peak_start, peak_plan = _WORSE_PLAN[size]
+    load = torch.tensor([row] * L, dtype=torch.float64)
+    start = initial_placement(L, E, R)
+    assert torch.allclose(gpu_loads(load, start, size).amax(-1), torch.tensor(peak_start, dtype=torch.float64))
+    moved = {}
+    for min_improvement in (0.0, None):
+        slots = local_slots(R, size, rank)
+        locals_ = [_rows(logical[i], start[i, slots.start:slots.stop]) for i in range(L)]
+        config = EplbConfig(num_redundant=R - E, step_interval=10 ** 6, min_improvement=min_improvement)
+        state = EplbState([lambda w_=w_: w_ for w_ in locals_], E, config, group=dist.group.WORLD)
+        calls = counter.calls
+        moved[min_improvement] = state.rearrange(load)
+        if min_improvement is None:
+            peak = gpu_loads(load, state.phy2log_host, size).amax(-1)
+            assert torch.allclose(peak, torch.tensor(peak_plan, dtype=torch.float64)), peak
+        else:
+            assert torch.equal(state.phy2log.cpu(), start) and counter.calls == calls
+        _check_bytes(state, locals_, logical)
+    assert moved == {0.0: False, None: True}
+
+
 def _all_checks(rank, size):
     _check_rearrangement(rank, size)
+    _check_worse_plan_kept(rank, size)
     _check_ep_layer(rank, size)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit.eplb.policy import (balanced_packing, balancedness, gpu_loads, preserve_slots, rebalance_experts,
+from moekit.eplb.policy import (balanced_packing, balancedness, gpu_loads, improves, preserve_slots, rebalance_experts,
                                 rebalance_experts_loop, replicate_experts, static_gpu_loads)
 
 from hypothesis_or_skip import given, settings, st
@@ -243,3 +243,16 @@ def test_gpu_loads_argument_errors():
         gpu_loads(load, torch.tensor([[0, 1, 2, 3]]), 0)
     with pytest.raises(ValueError, match=r"phy2log entries must lie in \[0, E=4\), got values in \[0, 9\]"):
         gpu_loads(load, torch.tensor([[0, 1, 2, 3, 0, 9]]), 2)  # was an index error from gather
+
+
+def test_improves_compares_the_busiest_gpu():
+    """DeepSeek's greedy plan for this load is less balanced than the contiguous placement."""
+    load = torch.tensor([[6, 3, 6, 1, 6, 8, 8, 8, 0]], dtype=torch.float64)
+    start = torch.arange(9).view(1, 9)  # GPU loads 15, 15, 16
+    plan, _, _ = rebalance_experts(load, 9, 1, 1, 3)
+    assert gpu_loads(load, plan, 3).tolist() == [[17.0, 15.0, 14.0]]
+    assert improves(load, start, plan, 3).tolist() == [False]
+    assert improves(load, plan, start, 3).tolist() == [True]  # 17 -> 16: a 5.9 % lower peak
+    assert improves(load, plan, start, 3, min_improvement=0.05).tolist() == [True]
+    assert improves(load, plan, start, 3, min_improvement=0.06).tolist() == [False]
+    assert improves(torch.zeros(1, 9), plan, start, 3).tolist() == [False]  # no load: nothing to gain

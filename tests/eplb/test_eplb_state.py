@@ -7,7 +7,7 @@ import torch
 
 import moekit
 from conftest import TOL, rel_err
-from moekit.eplb import EplbConfig, EplbState, enable_eplb
+from moekit.eplb import EplbConfig, EplbState, enable_eplb, initial_placement
 from moekit.experts.base import ExpertWeights
 
 
@@ -74,7 +74,9 @@ def test_fused_moe_with_redundant_experts_matches_plain_layer(bias, shared):
     for m, p in zip(layers, plains):
         if shared is not None:
             p.shared.load_state_dict(m.shared.state_dict())
-    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=4, window_size=3))
+    # One rank is always balanced, so the default min_improvement would keep every placement;
+    # None applies the policy's plans, whose moves are what this test checks.
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=4, window_size=3, min_improvement=None))
     assert layers[0].experts.w13.shape[0] == E + 4
     for slot, e in enumerate(state.phy2log[0].tolist()):  # replicas are exact copies
         assert torch.equal(layers[0].experts.w13[slot], plains[0].experts.w13[e])
@@ -204,7 +206,8 @@ def test_async_mode_gives_the_sync_result():
     load[:, -2:] += 1000  # the last experts get the replicas: the placement must move
     for mode in ("sync", "async"):
         layers = [_plain_copy(m, E, H, I, routing) for m in base]
-        state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode=mode))
+        state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode=mode,
+                                               min_improvement=None))  # one rank: apply the plan regardless
         state.rearrange(load)
         _run_until_idle(state)
         assert state.rearrangements == 1
@@ -220,7 +223,8 @@ def test_close_finishes_an_async_rearrangement():
     routing = moekit.RoutingConfig(top_k=2)
     layers = [moekit.FusedMoE(E, H, I, routing) for _ in range(L)]
     plain = [_plain_copy(m, E, H, I, routing) for m in layers]
-    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode="async"))
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode="async",
+                                           min_improvement=None))  # one rank: apply the plan regardless
     load = (torch.randn(L, E) * 2).exp().round()
     load[:, -2:] += 1000  # the last experts get the replicas: the placement must move
     state.rearrange(load)
@@ -302,3 +306,25 @@ def test_state_argument_errors(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         EplbState(args.pop("weights"), args.pop("num_logical"), args.pop("config"), **args)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_rank_keeps_its_placement_by_default(mode):
+    """One rank holds every slot, so no plan lowers its load: the default moves no weights."""
+    E, H, I, L = 8, 16, 8, 2
+    layers = [moekit.FusedMoE(E, H, I, moekit.RoutingConfig(top_k=2)) for _ in range(L)]
+    state = enable_eplb(layers, EplbConfig(num_redundant=4, step_interval=10_000, mode=mode))
+    before = [m.experts.w13.detach().clone() for m in layers]
+    load = torch.ones(L, E)
+    load[:, -2:] += 1000  # a plan would give the hot experts the spare slots
+    assert torch.equal(state.plan(load), state.phy2log_host)
+    assert not state.rearrange(load)
+    _run_until_idle(state)
+    assert torch.equal(state.phy2log.cpu(), initial_placement(L, E, E + 4))
+    assert all(torch.equal(m.experts.w13, b) for m, b in zip(layers, before))
+
+
+def test_min_improvement_must_be_a_fraction():
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="min_improvement must be None or a number in \\[0, 1\\)"):
+            EplbConfig(min_improvement=bad)

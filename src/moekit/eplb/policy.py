@@ -31,6 +31,7 @@ __all__ = [
     "gpu_loads",
     "static_gpu_loads",
     "balancedness",
+    "improves",
 ]
 
 
@@ -358,6 +359,21 @@ def static_gpu_loads(load: torch.Tensor, num_gpus: int) -> torch.Tensor:
     owner = torch.repeat_interleave(torch.arange(P), sizes)  # [E]
     w = load.detach().to("cpu", torch.float64)
     return w.new_zeros(L, P).index_add_(1, owner, w)
+
+
+def improves(load: torch.Tensor, old: torch.Tensor, new: torch.Tensor, num_gpus: int,
+             min_improvement: float = 0.0) -> torch.Tensor:
+    """Per layer, whether placement `new` lowers the busiest GPU's load below `old`'s by more
+    than the fraction min_improvement (a layer without load never improves).
+
+    Args:
+        load: [L, E] logical loads.  old, new: [L, R] int64 placements.  num_gpus: P.
+    Returns:
+        [L] bool.
+    """
+    peak_old = gpu_loads(load, old, num_gpus).amax(-1)  # [L]
+    peak_new = gpu_loads(load, new, num_gpus).amax(-1)  # [L]
+    return peak_new < peak_old * (1.0 - min_improvement)
 
 
 def balancedness(gpu_load: torch.Tensor) -> Tuple[torch.Tensor, float]:

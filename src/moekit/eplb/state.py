@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..experts.base import ExpertWeights
 from .maps import initial_placement, local_slots, map_to_physical, maps_from_phy2log, physical_expert_map
 from .maps import physical_to_logical_load
-from .policy import check_policy_args, check_sizes, preserve_slots, rebalance_experts
+from .policy import check_policy_args, check_sizes, improves, preserve_slots, rebalance_experts
 from .rearrange import StagedLayer, commit_layer, exchange_layer, plan_layer
 from .recorder import LoadRecorder
 
@@ -47,6 +47,11 @@ class EplbConfig:
         preserve_slots: keep experts that stay on a rank in their slot (fewer copies).
         mode: "sync" (plan and move everything inside step()) or "async" (a background
             worker plans and stages one layer at a time; step() commits staged layers).
+        min_improvement: a layer moves to its new placement only when, under the window's
+            load, the plan lowers the load of its busiest rank by more than this fraction of
+            the current placement's (0.0: any strict improvement). DeepSeek's greedy policy
+            can plan a placement less balanced than the one in place, and moving weights
+            costs transfers; None applies every plan as the policy makes it.
     """
 
     num_redundant: int = 0
@@ -56,6 +61,7 @@ class EplbConfig:
     num_nodes: int = 1
     preserve_slots: bool = True
     mode: str = "sync"
+    min_improvement: Optional[float] = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_redundant, bool) or not isinstance(self.num_redundant, int) or self.num_redundant < 0:
@@ -66,6 +72,9 @@ class EplbConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        m = self.min_improvement
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0):
+            raise ValueError(f"min_improvement must be None or a number in [0, 1), got {m!r}")
 
     def check_fits(self, num_logical: int, num_ranks: int) -> None:
         """Raise ValueError, naming the field, unless this config fits E experts over P ranks
@@ -238,12 +247,18 @@ class EplbState:
         return physical_to_logical_load(load, self.phy2log, self.num_logical).cpu()
 
     def plan(self, logical_load: torch.Tensor) -> torch.Tensor:
-        """The new placement [L, R] int64 CPU for a load [L, E] (policy, then preserve slots)."""
+        """The new placement [L, R] int64 CPU for a load [L, E] (policy, then preserve slots).
+
+        A layer whose plan does not beat its current placement by more than
+        config.min_improvement keeps its current row (see EplbConfig)."""
         self._check_load(logical_load)
         c = self.config
         new, _, _ = rebalance_experts(logical_load, self.num_physical, c.num_groups, c.num_nodes, self.num_ranks)
         if c.preserve_slots:
             new = preserve_slots(self.phy2log_host, new, self.num_ranks)
+        if c.min_improvement is not None:
+            keep = ~improves(logical_load, self.phy2log_host, new, self.num_ranks, c.min_improvement)  # [L]
+            new[keep] = self.phy2log_host[keep]
         return new
 
     def rearrange(self, logical_load: Optional[torch.Tensor] = None) -> bool:
