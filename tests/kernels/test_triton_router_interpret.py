@@ -93,7 +93,9 @@ else:
 
     @pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_k=3, scoring="sigmoid"),
                                     dict(top_k=3, order="topk_then_softmax"),
-                                    dict(top_k=4, num_expert_group=4, topk_group=2, scoring="sigmoid")])
+                                    dict(top_k=4, num_expert_group=4, topk_group=2, scoring="sigmoid"),
+                                    dict(top_k=2, num_expert_group=8, topk_group=2, scoring="sigmoid",
+                                         group_score="top2_sum")])
     def test_neg_inf_logits_come_last(kw, gen):
         # rows with fewer finite logits than k: the -inf experts fill up in index order
         cfg = RoutingConfig(**kw)
@@ -102,6 +104,8 @@ else:
         z[1, 1:] = -math.inf
         z[2, ::2] = -math.inf
         z[3, :14] = -math.inf
+        z[4] = -3.0  # two experts a group (the last config): group 2 = (6, -inf) must win
+        z[4, 4], z[4, 5] = 6.0, -math.inf
         _same(z, cfg)
 
     def test_neg_inf_logits_lose_to_any_bias_and_underflow(gen):

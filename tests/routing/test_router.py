@@ -198,6 +198,15 @@ def test_neg_inf_logits_are_never_picked(gen):
     assert not (ids == 0).any()
 
 
+def test_a_never_picked_expert_does_not_sink_its_group():
+    """Regression: with two experts a group, an -inf logit made its group's top-2 sum -inf, so
+    the group's strong other expert could never be picked."""
+    z = torch.tensor([[4.0, float("-inf"), -1.0, -1.0, -1.0, -1.0, -1.0, -1.0]])
+    cfg = RoutingConfig(top_k=1, scoring="sigmoid", num_expert_group=4, topk_group=1)
+    _, ids = route(z, cfg, torch.zeros(8))  # group scores: sigmoid(4) = 0.98 against 2 sigmoid(-1) = 0.54
+    assert ids.tolist() == [[0]]
+
+
 @pytest.mark.parametrize("row", [[float("inf")] + [0.0] * 7, [float("-inf")] * 8], ids=["+inf", "all--inf"])
 def test_logits_no_expert_can_take_raise(row):
     z = torch.randn(3, 8)

@@ -119,7 +119,7 @@ def route_kernel(
                 s = m1
                 if TOP2:
                     m2, _i2 = _first_max(c, in_g & (cols[None, :] != i1[:, None]), cols, EP)
-                    s = m1 + m2
+                    s = m1 + tl.where(m2 == float("-inf"), 0.0, m2)  # a never-picked second adds nothing
                 gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
             gavail = (gcols < G)[None, :] & (rows >= 0)[:, None]
             kept = (cols < 0)[None, :] & (rows >= 0)[:, None]  # [R, EP], all false

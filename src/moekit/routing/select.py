@@ -22,13 +22,18 @@ def group_mask(c: torch.Tensor, num_groups: int, topk_group: int, group_score: s
 
     Group score: "top2_sum" = sum of the two largest entries of the group (DeepSeek-V3),
     "max" = the largest entry (DeepSeek-V2). Entries outside the kept groups become -inf.
+    An -inf entry (an expert never picked) adds nothing in second place: a group whose
+    only pickable expert is strong still competes with its score alone.
     Returns [T, E] fp32.
     """
     T, E = c.shape
     c_TGn = c.view(T, num_groups, E // num_groups)
     if group_score == "top2_sum":
-        n = min(2, E // num_groups)
-        g_TG = c_TGn.topk(n, dim=-1).values.sum(dim=-1)
+        top_TGn = c_TGn.topk(min(2, E // num_groups), dim=-1).values
+        g_TG = top_TGn[..., 0]
+        if top_TGn.shape[-1] == 2:
+            second_TG = top_TGn[..., 1]
+            g_TG = g_TG + second_TG.masked_fill(second_TG == float("-inf"), 0.0)
     else:
         g_TG = c_TGn.amax(dim=-1)
     keep_Tg = stable_topk(g_TG, topk_group)
