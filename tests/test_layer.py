@@ -117,9 +117,29 @@ def test_load_weights_round_trip():
 
 
 def test_explicit_backend_is_honoured_or_refused():
-    layer = FusedMoE(E, 45, 19, RoutingConfig(top_k=2), backend="grouped_mm")
-    with pytest.raises(ValueError, match="backend='grouped_mm' cannot run"):
-        layer(torch.randn(3, 45), torch.randn(3, E))
+    # What the call brings (here inputs that require grad) is refused per call, with the reason.
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference", quant="int8_w8a8")
+    layer.load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    with pytest.raises(ValueError, match="backend='reference' cannot run .*no gradient flows"):
+        layer(torch.randn(3, H, requires_grad=True), torch.randn(3, E))
+
+
+@pytest.mark.parametrize("backend,quant,sizes,why", [
+    ("grouped_mm", None, (45, 19), "grouped_mm"),  # odd sizes: no device or dtype helps
+    ("cpu_int8", None, (H, I), "runs quant='int8_w8a8' only"),  # an int8 backend on float weights
+    ("cpu_wo", "int8_w8a8", (H, I), "weight-only"),  # a weight-only backend on 8-bit activations
+    ("grouped_mm", "fp8_w8a8", (H, I), "unquantized weights only"),
+], ids=["odd-sizes", "int8-backend-float-layer", "weight-only-backend-w8a8", "float-backend-fp8"])
+def test_explicit_backend_that_can_never_serve_is_refused_at_construction(backend, quant, sizes, why):
+    """Regression: such a layer was built and failed at its first forward."""
+    with pytest.raises(ValueError, match=f"backend='{backend}' can never run this layer .*{why}"):
+        FusedMoE(E, *sizes, RoutingConfig(top_k=2), backend=backend, quant=quant)
+
+
+def test_explicit_backend_for_another_device_is_kept_for_later():
+    """A CPU-built layer may name a GPU backend: .to('cuda') comes later."""
+    layer = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="triton")
+    assert layer.runner.backend == "triton"
 
 
 def test_oracle_logs_choice_once(caplog):

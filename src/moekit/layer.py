@@ -196,6 +196,23 @@ class FusedMoE(nn.Module):
         self._fused_cache = None
         self._side_stream = None
         self._graphs = EagerGraphs(eager_graphs)
+        if backend != "auto":
+            self._check_backend(backend, activation, bias, dtype or torch.get_default_dtype())
+
+    def _check_backend(self, backend: str, activation: str, bias: bool, dtype: torch.dtype) -> None:
+        """Refuse an explicit backend that no device or dtype would let serve this layer."""
+        from .experts.base import ExpertsProblem, get_backend  # noqa: PLC0415
+        from .oracle import refusal_anywhere  # noqa: PLC0415
+
+        w13 = self.experts.w13
+        problem = ExpertsProblem(
+            w13.device.type, dtype, w13.dtype, activation, bias, self.expert_map is not None,
+            self.routing.apply_router_weight_on_input, w13.shape[0], self.hidden_size, self.experts.w2.shape[-1],
+            self.routing.top_k, quant=self.quant)
+        reason = refusal_anywhere(get_backend(backend), problem)
+        if reason is not None:
+            what = problem.describe().split(" ", 2)[2]  # without device and dtype: every one was tried
+            raise ValueError(f"backend={backend!r} can never run this layer ({what}) on any device or dtype: {reason}")
 
     def _routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.runner.forward(self, x, router_logits)

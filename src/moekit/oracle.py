@@ -8,6 +8,7 @@ that backend's own reason (never a silent fallback). Each choice is logged once 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -16,7 +17,8 @@ import torch
 
 from .experts.base import BACKENDS, ExpertsBackend, ExpertsProblem, get_backend
 
-__all__ = ["PRIORITIES", "Choice", "choose_backend", "explain", "refusal", "available_backends", "precision_of"]
+__all__ = ["PRIORITIES", "Choice", "choose_backend", "explain", "refusal", "refusal_anywhere", "available_backends",
+           "precision_of"]
 
 logger = logging.getLogger("moekit")
 
@@ -62,6 +64,24 @@ def _why_not(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
 def refusal(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
     """Why `backend` cannot run `problem`, or None when it can."""
     return _why_not(backend, problem)
+
+
+def refusal_anywhere(backend: ExpertsBackend, problem: ExpertsProblem) -> Optional[str]:
+    """Why `backend` cannot run `problem` on any device or float dtype, or None when some
+    (device, dtype) would do: the facts a layer fixes at construction (scheme, activation,
+    sizes, biases) already rule the backend out, whatever `.to()` does later.
+
+    Unquantized problems move their weight dtype with the activation dtype."""
+    reasons = []
+    for device in ("cpu", "cuda"):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            wdtype = dtype if problem.quant is None else problem.weight_dtype
+            reason = backend.unsupported(dataclasses.replace(problem, device=device, dtype=dtype, weight_dtype=wdtype))
+            if reason is None:
+                return None
+            if reason not in reasons:
+                reasons.append(reason)
+    return "; ".join(reasons)
 
 
 def explain(problem: ExpertsProblem) -> List[Tuple[str, Optional[str]]]:

@@ -205,10 +205,9 @@ def test_device_moves_still_apply_to_the_quantized_buffers():
     assert q.experts.w13.dtype == torch.int8 and q.experts.w13_scale.dtype == torch.float32
 
 
-def test_an_explicit_backend_that_cannot_run_the_scheme_says_why(gen):
-    q = _layer("int4_w4a16", backend="cpu_int8")
-    with pytest.raises(ValueError, match=r"backend='cpu_int8' cannot run .*runs quant='int8_w8a8' only"):
-        q(torch.randn(2, H, generator=gen).to(torch.bfloat16), torch.randn(2, E, generator=gen))
+def test_an_explicit_backend_that_cannot_run_the_scheme_says_why():
+    with pytest.raises(ValueError, match=r"backend='cpu_int8' can never run this layer .*runs quant='int8_w8a8' only"):
+        _layer("int4_w4a16", backend="cpu_int8")  # refused when built, not at the first call
 
 
 @pytest.mark.parametrize("name", ["int4_w4a16", "int8_w8a8"])
@@ -220,7 +219,7 @@ def test_eplb_moves_scales_with_the_weights(name, bf16_layer, gen):
     q.load_weights(bf16_layer.experts.w13.detach(), bf16_layer.experts.w2.detach())
     x, logits = torch.randn(12, H, generator=gen).to(torch.bfloat16), torch.randn(12, E, generator=gen)
     before = q(x, logits)
-    state = enable_eplb(q, EplbConfig(num_redundant=4))
+    state = enable_eplb(q, EplbConfig(num_redundant=4, min_improvement=None))  # one rank: apply the plan regardless
     assert q.experts.w13.shape[0] == E + 4 and q.experts.w13_scale.shape[0] == E + 4
     skewed = torch.tensor([[100, 1, 1, 1, 90, 1, 1, 80]])
     assert state.rearrange(skewed)

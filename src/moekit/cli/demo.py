@@ -80,7 +80,10 @@ def _models(args, dtype):
     if args.model is None:
         eager = tiny_deepseek_v3(args.seed, dtype)
         ours = copy.deepcopy(eager)
-        mh.patch_model(ours, backend=args.backend)
+        try:  # an explicit backend that can never run the model's layers is refused here
+            mh.patch_model(ours, backend=args.backend)
+        except ValueError as err:
+            raise UsageError(f"--backend {args.backend}: {err}") from None
         return eager, ours, "built-in tiny DeepSeek-V3"
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
