@@ -77,11 +77,15 @@ class MoERunner:
                        more: Optional[bool] = None) -> Tuple[torch.Tensor, bool]:
         """One round: (output [T, H] in x's dtype, whether any rank has another round).
         more: this rank has tokens after these (dispatchers with rounds_in_dispatch only)."""
-        topk = route(router_logits, self.routing, layer.correction_bias_or_none(), hidden_states=x)
+        try:
+            topk = route(router_logits, self.routing, layer.correction_bias_or_none(), hidden_states=x)
+            weights_Tk, ids_Tk = topk
+            if self.eplb is not None:
+                ids_Tk = self.eplb.map_ids(ids_Tk)
+        except Exception:
+            self.dispatcher.refuse(x)  # under expert parallelism: the other ranks raise too, none waits
+            raise
         self.last_topk = topk
-        weights_Tk, ids_Tk = topk
-        if self.eplb is not None:
-            ids_Tk = self.eplb.map_ids(ids_Tk)
         shared = layer.shared
         shared_out = None
         stream = None

@@ -236,6 +236,69 @@ def test_chunk_rounds_are_agreed_in_the_count_exchange():
     assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
 
 
+def check_refusal_reaches_every_rank(rank, size, base_seed):
+    """A call refused on one rank before dispatch raises on every rank, then the next call works.
+
+    Regression: the other ranks waited in the count exchange until the process group's timeout.
+    Cases: NaN logits on rank 1; NaN in rank 0's third chunk round (chunk 2; T = 5, 1, 0); rank 2
+    over max_tokens_per_rank."""
+    from moekit import FusedMoE, RoutingConfig
+
+    E, H, I, Ts = 6, 16, 8, (5, 1, 0)
+    g = torch.Generator().manual_seed(base_seed)
+    x_all, logits = torch.randn(sum(Ts), H, generator=g), torch.randn(sum(Ts), E, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
+    ref = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference")
+    ref.load_weights(w13, w2)
+    start = sum(Ts[:rank])
+    mine = slice(start, start + Ts[rank])
+    failures = []
+
+    def layer(**kw):
+        m = FusedMoE(E, H, I, RoutingConfig(top_k=2), backend="reference", parallel=ParallelConfig(
+            ep_size=size, ep_rank=rank, dispatcher="all_to_all", timeout_s=20, **kw))
+        m.load_weights(w13, w2)
+        return m
+
+    def expect(name, m, x, z, refuser, own_error, rows=None):
+        try:
+            m(x, z)
+            failures.append(f"rank {rank}, {name}: no error")
+        except ValueError as err:
+            if rank != refuser or own_error not in str(err):
+                failures.append(f"rank {rank}, {name}: {err}")
+        except RuntimeError as err:
+            if rank == refuser or f"rank(s) [{refuser}] refused this call" not in str(err):
+                failures.append(f"rank {rank}, {name}: {err}")
+        out = m(x_all[mine][:rows], logits[mine][:rows])  # every rank is at the same collective again
+        if not torch.allclose(out, ref(x_all, logits)[mine][:rows], rtol=1e-5, atol=1e-6):
+            failures.append(f"rank {rank}, {name}: the next call differs from the single-process layer")
+
+    with torch.no_grad():
+        m = layer()
+        z = logits[mine].clone()
+        if rank == 1:
+            z[0, 2] = float("nan")
+        expect("NaN logits", m, x_all[mine], z, 1, "router_logits contains NaN")
+        m.runner.chunk_size = 2
+        z = logits[mine].clone()
+        if rank == 0:
+            z[4, 0] = float("nan")  # the third round (rows 4..5)
+        expect("NaN in a later round", m, x_all[mine], z, 0, "router_logits contains NaN")
+        capped = layer(max_tokens_per_rank=4)
+        n = 5 if rank == 2 else min(Ts[rank], 4)
+        expect("over capacity", capped, torch.randn(n, H), torch.randn(n, E), 2, "more than max_tokens_per_rank=4",
+               rows=4)
+    return failures
+
+
+def test_a_call_refused_on_one_rank_raises_on_every_rank():
+    base_seed = random.randrange(2 ** 31)
+    results = run_world(3, check_refusal_reaches_every_rank, base_seed, timeout_s=120, gloo_timeout_s=30)
+    failures = [f for r in sorted(results) for f in results[r]]
+    assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+
+
 @pytest.mark.parametrize("name", ["all_to_all", "allgather_reducescatter", "static_all_to_all"])
 def test_routing_weights_that_require_grad_are_refused_before_any_collective(name):
     """Regression: a trainable gate over frozen experts (only the routing weights require grad)

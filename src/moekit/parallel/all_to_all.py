@@ -8,7 +8,8 @@ Dispatch (per call):
   3. ONE host read of the exchanged counts (the only host synchronisation of this path; it
      sizes the buffers), then one all_to_all_single of the rows with per-rank split sizes.
 The count exchange also carries whether each rank has tokens after this round, so the
-runner's chunk loop needs no collective of its own (rounds_in_dispatch).
+runner's chunk loop needs no collective of its own (rounds_in_dispatch), and whether a rank
+refused the call before dispatching (refuse): then every rank raises, none waits.
 Receivers run their local experts on every received token (the expert_map turns the ids
 of experts held elsewhere into -1, which every backend skips) and return the weighted
 partial sums; combine sends them back with the reversed split sizes and sums each
@@ -31,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Dispatched
-from .ep_common import (MORE_ROUNDS, ExpertParallelDispatcher, check_no_grad, combine_rows, destination_mask, pack_rows,
-                        read_exchange, row_sources, send_rows, sum_partials, unpack_rows)
+from .ep_common import (MORE_ROUNDS, REFUSED, ExpertParallelDispatcher, check_no_grad, combine_rows, destination_mask,
+                        pack_rows, read_exchange, row_sources, send_rows, sum_partials, unpack_rows)
 
 __all__ = ["AllToAllDispatcher"]
 
@@ -106,6 +107,15 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         dist.all_to_all_single(recv, send, recv_list, send_list, group=self.group)
         x_r, w_r, ids_r = unpack_rows(recv, layout)  # [n_recv, H], [n_recv, k], [n_recv, k]
         return Dispatched(x_r, w_r, ids_r, emap, AllToAllHandle(send_list, recv_list, T, rows, meta), more_rounds)
+
+    def refuse(self, x: torch.Tensor) -> None:
+        """Send every rank status REFUSED and no rows in this round's count exchange, in the
+        dtype the others use (int32 on the Triton path, int64 on the torch path)."""
+        P = self.size
+        dtype = torch.int32 if self.triton_for(x) is not None else torch.int64
+        info = torch.full((4 * P,), REFUSED, dtype=dtype, device=x.device)
+        info[:2 * P:2] = 0  # (rows, status) per destination
+        dist.all_to_all_single(info[2 * P:], info[:2 * P], group=self.group)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y [n_recv, H] weighted partial outputs -> [T, H] fp32 for this rank's tokens."""

@@ -60,6 +60,12 @@ class Dispatcher:
         """y [T_recv, H] fp32 partial outputs -> [T, H] fp32 for this rank's own tokens."""
         raise NotImplementedError
 
+    def refuse(self, x: torch.Tensor) -> None:
+        """Called by a rank that refuses the call before dispatching x [T, H] (it raises next):
+        join the round's first collective so the other ranks raise too, rather than wait for
+        this rank until the process group's timeout. Dispatchers without a status to carry
+        that (every one but `all_to_all`) do nothing."""
+
     def num_chunks(self, x: torch.Tensor, chunk_size: int) -> int:
         """How many dispatch rounds the runner makes for x [T, H] (at least one, even for T = 0).
 

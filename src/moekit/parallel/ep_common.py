@@ -20,7 +20,9 @@ rows and sums.
 
 Count exchange (dynamic dispatchers): each rank sends every rank a pair (rows for you,
 ids outside [0, E) here), so the one host read that sizes the buffers also tells every
-rank whether any rank got bad ids: all of them raise, none is left waiting.
+rank whether any rank got bad ids: all of them raise, none is left waiting. A rank that
+refuses the call before dispatching (NaN router logits, more tokens than its capacity)
+still joins the exchange, with status REFUSED, so the others raise with it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "sum_partials",
     "read_exchange",
     "MORE_ROUNDS",
+    "REFUSED",
     "all_gather_single",
     "reduce_scatter_single",
     "check_no_grad",
@@ -66,6 +69,9 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
 # Added to a rank's bad-id count in the count exchange when it has tokens after this round
 # (bad-id counts stay below it: dispatch refuses T * k >= MORE_ROUNDS).
 MORE_ROUNDS = 1 << 30
+# The status a rank sends in the count exchange when it refuses the call before dispatching
+# (its own error is raised there; every other rank raises RuntimeError naming it).
+REFUSED = -1
 
 
 def check_no_grad(t: torch.Tensor, name: str) -> None:
@@ -224,12 +230,18 @@ def read_exchange(info: List[int], num_ranks: int, num_experts: int) -> Tuple[Li
 
     Args:
         info: [4P] ints: per destination (rows, status here), then per source (rows, status
-            there); status = bad ids (ids outside [0, E)) + MORE_ROUNDS if that rank has more tokens.
+            there); status = bad ids (ids outside [0, E)) + MORE_ROUNDS if that rank has more
+            tokens, or REFUSED.
     Raises:
+        RuntimeError when another rank refused the call (that rank raises its own reason);
         ValueError on every rank when any rank got topk_ids outside [0, E).
     """
     P = num_ranks
     status = info[2 * P + 1::2]
+    refused = [r for r, s in enumerate(status) if s < 0]
+    if refused:
+        raise RuntimeError(f"rank(s) {refused} refused this call before dispatching its tokens (the reason is "
+                           "raised there), so no rank computes it")
     bad = {r: s % MORE_ROUNDS for r, s in enumerate(status) if s % MORE_ROUNDS}
     if bad:
         raise ValueError(
@@ -322,6 +334,7 @@ class ExpertParallelDispatcher(Dispatcher):
         T = x.shape[0]
         if self.max_tokens_per_rank is not None:
             if T > self.max_tokens_per_rank:
+                self.refuse(x)
                 raise ValueError(
                     f"this rank got {T} tokens, more than max_tokens_per_rank={self.max_tokens_per_rank} "
                     "(raise it in ParallelConfig)"
