@@ -35,6 +35,13 @@ def _swigluoai(g: torch.Tensor, u: torch.Tensor, p: ActivationParams) -> torch.T
     return g * torch.sigmoid(p.alpha * g) * (u + 1)
 
 
+def _swiglu_limit(g: torch.Tensor, u: torch.Tensor, p: ActivationParams) -> torch.Tensor:
+    # SwiGLU with gpt-oss's clamps and nothing else (DeepSeek-V4, GLM-5, HunYuan-V4): silu, no +1.
+    g = g.clamp(max=p.limit)
+    u = u.clamp(min=-p.limit, max=p.limit)
+    return F.silu(g) * u
+
+
 def _relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
@@ -44,6 +51,7 @@ GATED: Dict[str, Callable] = {
     "gelu": _gelu_mul,
     "gelu_tanh": _gelu_tanh_mul,
     "swigluoai": _swigluoai,
+    "swiglu_limit": _swiglu_limit,
 }
 
 NON_GATED: Dict[str, Callable] = {
@@ -73,7 +81,8 @@ def apply_activation(
     Args:
         h: [N, 2I] for gated activations (gate | up), [N, I] otherwise; any float dtype.
         activation: a name from ACTIVATIONS.
-        params: ActivationParams for "swigluoai" (defaults: alpha 1.702, limit 7.0).
+        params: ActivationParams for "swigluoai" (defaults: alpha 1.702, limit 7.0) and
+            "swiglu_limit" (its limit).
     Returns:
         [N, I] in h's dtype.
     """

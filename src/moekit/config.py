@@ -173,7 +173,8 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ActivationParams:
-    """Parameters of the swigluoai activation (gpt-oss): out = g*sigmoid(alpha*g)*(u+1), g<=limit, |u|<=limit."""
+    """Parameters of the clamped SwiGLUs, g <= limit and |u| <= limit first:
+    swigluoai (gpt-oss) out = g*sigmoid(alpha*g)*(u+1); swiglu_limit out = silu(g)*u (limit only)."""
 
     alpha: float = 1.702
     limit: float = 7.0

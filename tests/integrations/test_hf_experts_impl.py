@@ -154,7 +154,27 @@ def _standalone(cls_path, config_path, **cfg):
     (("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeExperts"),
      ("transformers.models.lfm2_moe.configuration_lfm2_moe", "Lfm2MoeConfig"),
      dict(hidden_size=64, moe_intermediate_size=32, num_experts=4)),
-], ids=["aria-transposed", "nemotron_h-non-gated", "privacy_filter-transposed-bias", "lfm2_moe-functional-silu"])
+    # SwiGLU with gpt-oss's clamps and no alpha / +1 ("swiglu_limit"); limits the values cross
+    (("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts"),
+     ("transformers.models.deepseek_v4.configuration_deepseek_v4", "DeepseekV4Config"),
+     dict(hidden_size=64, intermediate_size=32, num_local_experts=4, swiglu_limit=0.5)),
+    (("transformers.models.glm5_next.modeling_glm5_next", "Glm5NextTextExperts"),
+     ("transformers.models.glm5_next.configuration_glm5_next", "Glm5NextTextConfig"),
+     dict(hidden_size=64, moe_intermediate_size=32, num_local_experts=4, swiglu_limit=0.5)),
+    (("transformers.models.hy_v4.modeling_hy_v4", "HYV4Experts"),
+     ("transformers.models.hy_v4.configuration_hy_v4", "HYV4Config"),
+     dict(hidden_size=64, moe_intermediate_size=32, num_local_experts=4, swiglu_limit=0.5)),
+    # swigluoai concatenated, its alpha and limit under other names
+    (("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLExperts"),
+     ("transformers.models.minimax_m3_vl.configuration_minimax_m3_vl", "MiniMaxM3VLTextConfig"),
+     dict(hidden_size=64, intermediate_size=32, num_local_experts=4, swiglu_alpha=1.3, swiglu_limit=0.5)),
+    # the default gate computed in fp32
+    (("transformers.models.beam.modeling_beam", "BeamExperts"),
+     ("transformers.models.beam.configuration_beam", "BeamConfig"),
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4)),
+], ids=["aria-transposed", "nemotron_h-non-gated", "privacy_filter-transposed-bias", "lfm2_moe-functional-silu",
+        "deepseek_v4-swiglu_limit", "glm5_next-swiglu_limit", "hy_v4-swiglu_limit", "minimax_m3-swigluoai-named",
+        "beam-fp32-gate"])
 def test_other_experts_layouts_match_eager(case):
     try:
         module, config = _standalone(*case[:2], **case[2])
@@ -193,6 +213,20 @@ def _toy_experts(act="silu", custom_gate=None):
         ToyExperts._apply_gate = custom_gate
     cls = use_experts_implementation(ToyExperts)
     return cls(types.SimpleNamespace(hidden_act=act, _experts_implementation="moekit"))
+
+
+def test_deepseek_v4_gate_with_another_act_fn_is_refused():
+    """DeepSeek-V4's gate applies act_fn where moekit's swiglu_limit has SiLU."""
+    try:
+        module, config = _standalone(("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts"),
+                                     ("transformers.models.deepseek_v4.configuration_deepseek_v4", "DeepseekV4Config"),
+                                     hidden_size=64, intermediate_size=32, num_local_experts=4, hidden_act="gelu")
+    except (ImportError, AttributeError):
+        pytest.skip("DeepseekV4Experts is not in this transformers version")
+    config._experts_implementation = "moekit"
+    with pytest.raises(ValueError, match=r"DeepseekV4Experts\._apply_gate with act_fn GELUActivation: moekit's "
+                                         r"swiglu_limit takes SiLU"):
+        module(torch.randn(3, 64), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
 
 
 @pytest.mark.parametrize("kind, match", [

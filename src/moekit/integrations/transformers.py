@@ -178,21 +178,43 @@ def activation_name(act_fn, gated: bool, owner: str) -> str:
 
 @dataclass(frozen=True)
 class _KnownGate:
-    """A transformers `_apply_gate` moekit reproduces: swigluoai with the module's alpha/limit."""
+    """A transformers `_apply_gate` moekit reproduces.
 
-    interleaved: bool
-    alpha_attr: str
-    limit_attr: str
+    Fields:
+        activation: the moekit activation it computes; None: the module's act_fn as in the
+            default gate (a gate that only computes it in fp32, which moekit's backends do).
+        interleaved: gate and up alternate along 2I.
+        alpha_attr, limit_attr: the module attributes holding ActivationParams' alpha / limit.
+        silu_act_fn: the gate calls the module's act_fn where the formula has silu, so that
+            act_fn must be SiLU.
+    """
+
+    activation: Optional[str] = None
+    interleaved: bool = False
+    alpha_attr: Optional[str] = None
+    limit_attr: Optional[str] = None
+    silu_act_fn: bool = False
+
+
+_SWIGLU_LIMIT = _KnownGate("swiglu_limit", limit_attr="swiglu_limit")
 
 
 @functools.lru_cache(maxsize=None)
 def _known_gates() -> Dict[str, _KnownGate]:
     """Signatures of the custom `_apply_gate` functions of the installed transformers that moekit
-    computes exactly (gpt-oss: interleaved swigluoai; OpenAI privacy filter: concatenated)."""
+    computes exactly: swigluoai interleaved (gpt-oss) or concatenated (OpenAI privacy filter,
+    MiniMax-M3), SwiGLU with clamps only (DeepSeek-V4, GLM-5-Next, HunYuan-V4), the default
+    gate in fp32 (Beam)."""
     found: Dict[str, _KnownGate] = {}
     for module, cls, gate in (
-        ("gpt_oss", "GptOssExperts", _KnownGate(True, "alpha", "limit")),
-        ("openai_privacy_filter", "OpenAIPrivacyFilterExperts", _KnownGate(False, "alpha", "limit")),
+        ("gpt_oss", "GptOssExperts", _KnownGate("swigluoai", True, "alpha", "limit")),
+        ("openai_privacy_filter", "OpenAIPrivacyFilterExperts", _KnownGate("swigluoai", False, "alpha", "limit")),
+        ("minimax_m3_vl", "MiniMaxM3VLExperts", _KnownGate("swigluoai", False, "swiglu_alpha", "swiglu_limit")),
+        ("deepseek_v4", "DeepseekV4Experts", _KnownGate("swiglu_limit", limit_attr="limit", silu_act_fn=True)),
+        ("glm5_next", "Glm5NextTextExperts", _SWIGLU_LIMIT),
+        ("hy_v4", "HYV4Experts", _SWIGLU_LIMIT),
+        ("hy_v4_vl", "HYV4VLExperts", _SWIGLU_LIMIT),
+        ("beam", "BeamExperts", _KnownGate()),
     ):
         try:
             experts_cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
@@ -236,9 +258,14 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
     known = _gate_of(cls)
     if known is None:
         raise ValueError(f"{owner}._apply_gate is a custom gate function moekit does not reproduce exactly")
-    params = ActivationParams(alpha=float(getattr(module, known.alpha_attr)),
-                              limit=float(getattr(module, known.limit_attr)))
-    return ExpertsLayout("swigluoai", transposed, known.interleaved, bias, params)
+    if known.activation is None:
+        return ExpertsLayout(activation_name(module.act_fn, True, owner), transposed, known.interleaved, bias)
+    if known.silu_act_fn and activation_name(module.act_fn, True, owner) != "silu":
+        raise ValueError(f"{owner}._apply_gate with act_fn {type(module.act_fn).__name__}: moekit's "
+                         f"{known.activation} takes SiLU")
+    params = ActivationParams(**{field: float(getattr(module, attr)) for field, attr in
+                                 (("alpha", known.alpha_attr), ("limit", known.limit_attr)) if attr is not None})
+    return ExpertsLayout(known.activation, transposed, known.interleaved, bias, params)
 
 
 def _module_tensors(module: nn.Module, layout: ExpertsLayout):

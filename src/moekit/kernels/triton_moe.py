@@ -118,6 +118,10 @@ def _apply_act(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         return gc * _sigmoid(alpha * gc, FAST) * (uc + 1.0)
+    elif ACT == "swiglu_limit":
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return gc * _sigmoid(gc, FAST) * uc
     elif ACT == "silu_no_mul":
         return g * _sigmoid(g, FAST)
     elif ACT == "gelu_no_mul":

@@ -60,8 +60,9 @@ _ISA_FLAGS = {
 
 
 # moekit.activations' names -> moekit_decode's activation codes
-ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3, "silu_no_mul": 4, "gelu_no_mul": 5,
-                    "relu2_no_mul": 6}
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3, "swiglu_limit": 4, "silu_no_mul": 5,
+                    "gelu_no_mul": 6, "relu2_no_mul": 7}
+GATED_CODES = 5  # codes below it are the gated activations
 
 
 class _ProjectionStruct(ctypes.Structure):
@@ -318,8 +319,9 @@ class NativeLibrary:
             b13: [E, 2I] fp32 or None.  experts, starts, trusted: as in `int8_gemm`.
         """
         code = ACTIVATION_CODES.get(activation)
-        if code is None or code > 3:
-            raise ValueError(f"bf16_gate_up wants a gated activation {[a for a, c in ACTIVATION_CODES.items() if c < 4]}, "
+        if code is None or code >= GATED_CODES:
+            raise ValueError(f"bf16_gate_up wants a gated activation "
+                             f"{[a for a, c in ACTIVATION_CODES.items() if c < GATED_CODES]}, "
                              f"got {activation!r}")
         if (x.dtype, out.dtype) != (torch.bfloat16, torch.bfloat16):
             raise TypeError(f"bf16_gate_up wants bf16 x and out; got {x.dtype}, {out.dtype}")

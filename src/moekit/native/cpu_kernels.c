@@ -2032,8 +2032,13 @@ static inline float activate1(int act, float alpha, float limit, float g, float 
         const float up = u > limit ? limit : (u < -limit ? -limit : u);
         return (g * (1.0f / (1.0f + expf(-(alpha * g))))) * (up + 1.0f);
     }
-    case 4: return g / (1.0f + expf(-g));                                                      /* silu_no_mul */
-    case 5: return (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f));                       /* gelu_no_mul */
+    case 4: {                                                                                  /* swiglu_limit */
+        g = g > limit ? limit : g;
+        const float up = u > limit ? limit : (u < -limit ? -limit : u);
+        return (g / (1.0f + expf(-g))) * up;
+    }
+    case 5: return g / (1.0f + expf(-g));                                                      /* silu_no_mul */
+    case 6: return (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f));                       /* gelu_no_mul */
     default: { const float r = g < 0.0f ? 0.0f : g; return r * r; }                           /* relu2_no_mul */
     }
 }
@@ -2057,15 +2062,17 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* The gated activation of 16 lanes (silu and swigluoai as vectors, the others lane by lane). */
+/* The gated activation of 16 lanes (silu, swigluoai and swiglu_limit as vectors, the others lane by lane). */
 static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m512 u) {
     const __m512 one = _mm512_set1_ps(1.0f);
     if (act == 0)  /* silu: g / (1 + e^-g) times u */
         return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
-    if (act == 3) {  /* swigluoai: g clamped above, u both ways (NaN passes, as torch's clamp) */
+    if (act == 3 || act == 4) {  /* swigluoai / swiglu_limit: g clamped above, u both ways (NaN passes, as torch's) */
         const __m512 lim = _mm512_set1_ps(limit);
         g = _mm512_min_ps(lim, g);
         u = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), _mm512_min_ps(lim, u));
+        if (act == 4)  /* silu(g) times u */
+            return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
         const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_mul_ps(_mm512_set1_ps(-alpha), g))));
         return _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_add_ps(u, one));
     }
@@ -2076,18 +2083,18 @@ static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m
 }
 #endif
 
-/* a [I] = the activation of h (gated: [gate | up], 2 I values): silu and swigluoai (and silu
+/* a [I] = the activation of h (gated: [gate | up], 2 I values): silu, swigluoai, swiglu_limit (and silu
  * alone) 16 lanes a step on the vector exp where the build has AVX-512, the rest lane by lane. */
 static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    if (act == 0 || act == 3 || act == 4)
+    if (act == 0 || act == 3 || act == 4 || act == 5)
         for (; i + 16 <= I; i += 16) {
-            const __m512 u = act == 4 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(h + I + i);
-            _mm512_storeu_ps(a + i, activate16(act == 4 ? 0 : act, alpha, limit, _mm512_loadu_ps(h + i), u));
+            const __m512 u = act == 5 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(h + I + i);
+            _mm512_storeu_ps(a + i, activate16(act == 5 ? 0 : act, alpha, limit, _mm512_loadu_ps(h + i), u));
         }
 #endif
-    for (; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 4 ? h[I + i] : 0.0f);
+    for (; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 5 ? h[I + i] : 0.0f);
 }
 
 #ifdef BF16_DOT
@@ -2138,7 +2145,7 @@ static void gate_up_item(const gate_up_call *c, int64_t item, float *h, uint16_t
 
 /* Gated GEMM1 of sorted bf16 rows with its activation, on vdpbf16ps: a[j] = bf16(act(W13[e] x[j]
  * + b13[e])) for the rows j of each segment (expert e), fp32 sums and activation (silu and
- * swigluoai vectorized; exp within 2e-7 of expf); act 0-3 (the gated ones), I = w13's rows / 2.
+ * swigluoai, swiglu_limit vectorized; exp within 2e-7 of expf); act 0-4 (the gated ones), I = w13's rows / 2.
  * Returns 0, 1 when the scratch cannot be allocated, 2 for a non-gated act, 4 without AVX-512
  * BF16. */
 int moekit_bf16_gate_up_segments(int wtype, const void *w13, const float *scale, const uint8_t *zero, int64_t g,
@@ -2146,7 +2153,7 @@ int moekit_bf16_gate_up_segments(int wtype, const void *w13, const float *scale,
                                  int64_t x_stride, int64_t I, int64_t K, int act, float alpha, float limit,
                                  const float *b13, uint16_t *a, int threads) {
 #ifdef BF16_DOT
-    if (act < 0 || act > 3 || wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
+    if (act < 0 || act > 4 || wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
     int64_t most = 0;
     for (int64_t s = 0; s < segments; s++) {
         const int64_t n = seg_begin(starts, s + 1) - seg_begin(starts, s);
@@ -2233,7 +2240,7 @@ int moekit_decode(const moekit_projection *p13, const moekit_projection *p2, int
                   int map_int64, int64_t map_size, int64_t E, int on_input, const float *x, const float *b13, const float *b2,
                   float *out, int threads) {
     const int64_t H = p13->K;
-    if (act < 0 || act > 6 || p2->N != H || p13->N != (act < 4 ? 2 * p2->K : p2->K) || k <= 0) return 2;
+    if (act < 0 || act > 7 || p2->N != H || p13->N != (act < 5 ? 2 * p2->K : p2->K) || k <= 0) return 2;
     int64_t *experts = (int64_t *)malloc((size_t)k * (sizeof(int64_t) + sizeof(float)));
     if (experts == NULL) return 1;
     float *slot_w = (float *)(experts + k);
