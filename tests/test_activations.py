@@ -20,6 +20,8 @@ FORMULAS = {  # (gate, up, params) -> output, in float64
                                   * (u.clamp(-p.limit, p.limit) + 1)),
     # DeepSeek-V4 / GLM-5-Next / HunYuan-V4: the same clamps around a plain SwiGLU (alpha unused)
     "swiglu_limit": lambda g, u, p: g.clamp(max=p.limit) * _sig(g.clamp(max=p.limit)) * u.clamp(-p.limit, p.limit),
+    # Step-3.5 / 3.7, Bailing-hybrid: the clamp after the SiLU
+    "swiglustep": lambda g, u, p: (g * _sig(g)).clamp(max=p.limit) * u.clamp(-p.limit, p.limit),
     "silu_no_mul": lambda g, u, p: g * _sig(g),
     "gelu_no_mul": lambda g, u, p: 0.5 * g * (1 + torch.erf(g / 2 ** 0.5)),
     "relu2_no_mul": lambda g, u, p: g.clamp(min=0) ** 2,

@@ -42,6 +42,11 @@ def _swiglu_limit(g: torch.Tensor, u: torch.Tensor, p: ActivationParams) -> torc
     return F.silu(g) * u
 
 
+def _swiglustep(g: torch.Tensor, u: torch.Tensor, p: ActivationParams) -> torch.Tensor:
+    # Step-3.5 / Step-3.7, Bailing-hybrid: the clamp comes after the SiLU (up is clamped both ways).
+    return F.silu(g).clamp(max=p.limit) * u.clamp(min=-p.limit, max=p.limit)
+
+
 def _relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
@@ -52,6 +57,7 @@ GATED: Dict[str, Callable] = {
     "gelu_tanh": _gelu_tanh_mul,
     "swigluoai": _swigluoai,
     "swiglu_limit": _swiglu_limit,
+    "swiglustep": _swiglustep,
 }
 
 NON_GATED: Dict[str, Callable] = {
@@ -81,8 +87,8 @@ def apply_activation(
     Args:
         h: [N, 2I] for gated activations (gate | up), [N, I] otherwise; any float dtype.
         activation: a name from ACTIVATIONS.
-        params: ActivationParams for "swigluoai" (defaults: alpha 1.702, limit 7.0) and
-            "swiglu_limit" (its limit).
+        params: ActivationParams for "swigluoai" (defaults: alpha 1.702, limit 7.0),
+            "swiglu_limit" and "swiglustep" (their limit).
     Returns:
         [N, I] in h's dtype.
     """

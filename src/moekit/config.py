@@ -173,8 +173,9 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ActivationParams:
-    """Parameters of the clamped SwiGLUs, g <= limit and |u| <= limit first:
-    swigluoai (gpt-oss) out = g*sigmoid(alpha*g)*(u+1); swiglu_limit out = silu(g)*u (limit only)."""
+    """Parameters of the clamped SwiGLUs, |u| <= limit in each: swigluoai (gpt-oss)
+    out = g*sigmoid(alpha*g)*(u+1) with g <= limit; swiglu_limit out = silu(g)*u with g <= limit;
+    swiglustep out = min(silu(g), limit)*u (the last two take the limit only)."""
 
     alpha: float = 1.702
     limit: float = 7.0

@@ -71,7 +71,7 @@ class FusedMoE(nn.Module):
         quant: quantization scheme name or moekit.quant.QuantScheme (see moekit.quant), or None.
             Weights are stored quantized; load_weights quantizes a float checkpoint,
             load_quantized takes a pre-quantized one.
-        activation_params: ActivationParams for swigluoai and swiglu_limit.
+        activation_params: ActivationParams for swigluoai, swiglu_limit and swiglustep.
         gate: own a router gate Linear(H, E) used when forward gets no router_logits.
         gate_bias: the gate has a bias (gpt-oss).
         router_dtype: dtype the gate runs in (None: x's dtype; DeepSeek-V3 uses float32).

@@ -215,6 +215,33 @@ def _toy_experts(act="silu", custom_gate=None):
     return cls(types.SimpleNamespace(hidden_act=act, _experts_implementation="moekit"))
 
 
+@pytest.mark.parametrize("family,cls", [("step3p7", "Step3p7Experts"), ("bailing_hybrid", "BailingHybridExperts")])
+@pytest.mark.parametrize("layer,activation", [(0, "swiglustep"), (1, "silu")], ids=["limited", "limit-0-disabled"])
+def test_clamp_after_the_silu_matches_eager(family, cls, layer, activation):
+    """Step-3.7 / Bailing-hybrid clamp silu(gate) and up by a per-layer limit (0: none)."""
+    import importlib
+
+    try:
+        experts_cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls)
+    except (ImportError, AttributeError):
+        pytest.skip(f"{cls} is not in this transformers version")
+    config = types.SimpleNamespace(num_local_experts=4, hidden_size=64, moe_intermediate_size=32, hidden_act="silu",
+                                   swiglu_limits=[0.5, 0], limit_after_act=True, _experts_implementation="eager")
+    torch.manual_seed(0)
+    module = experts_cls(config, layer)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    x, w = torch.randn(9, 64), torch.rand(9, 2)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    with torch.no_grad():
+        ref = module(x, ids, w)
+        config._experts_implementation = "moekit"
+        out = module(x, ids, w)
+    assert experts_layout(module).activation == activation
+    assert rel_err(out, ref) <= 1e-5
+
+
 def test_deepseek_v4_gate_with_another_act_fn_is_refused():
     """DeepSeek-V4's gate applies act_fn where moekit's swiglu_limit has SiLU."""
     try:

@@ -182,10 +182,10 @@ def fused_experts(
             ExpertWeights (then w2, b13, b2 must be None / are taken from it).
         w2: [E, H, I].
         topk_weights: [T, k] float (fp32 expected).  topk_ids: [T, k] int32.
-        activation: "silu", "gelu", "gelu_tanh", "swigluoai", "swiglu_limit", "silu_no_mul",
-            "gelu_no_mul", "relu2_no_mul".
+        activation: "silu", "gelu", "gelu_tanh", "swigluoai", "swiglu_limit", "swiglustep",
+            "silu_no_mul", "gelu_no_mul", "relu2_no_mul".
         b13: [E, 2I] or [E, I] optional.  b2: [E, H] optional.
-        activation_params: ActivationParams (swigluoai alpha/limit, swiglu_limit limit).
+        activation_params: ActivationParams (swigluoai alpha/limit; swiglu_limit, swiglustep limit).
         apply_router_weight_on_input: multiply the expert input by the weight (Llama-4).
         expert_map: [E_global] int32, global -> local id or -1; topk_ids are then global.
         backend: "auto" (the oracle picks) or a backend name.

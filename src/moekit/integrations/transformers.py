@@ -187,6 +187,7 @@ class _KnownGate:
         alpha_attr, limit_attr: the module attributes holding ActivationParams' alpha / limit.
         silu_act_fn: the gate calls the module's act_fn where the formula has silu, so that
             act_fn must be SiLU.
+        limit_optional: a limit of None clamps nothing (the default gate of act_fn).
     """
 
     activation: Optional[str] = None
@@ -194,9 +195,12 @@ class _KnownGate:
     alpha_attr: Optional[str] = None
     limit_attr: Optional[str] = None
     silu_act_fn: bool = False
+    limit_optional: bool = False
 
 
 _SWIGLU_LIMIT = _KnownGate("swiglu_limit", limit_attr="swiglu_limit")
+# act_fn, then the clamps; a per-layer limit of None (0 in the config) clamps nothing
+_SWIGLUSTEP = _KnownGate("swiglustep", limit_attr="limit", silu_act_fn=True, limit_optional=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +208,7 @@ def _known_gates() -> Dict[str, _KnownGate]:
     """Signatures of the custom `_apply_gate` functions of the installed transformers that moekit
     computes exactly: swigluoai interleaved (gpt-oss) or concatenated (OpenAI privacy filter,
     MiniMax-M3), SwiGLU with clamps only (DeepSeek-V4, GLM-5-Next, HunYuan-V4), the default
-    gate in fp32 (Beam)."""
+    gate in fp32 (Beam), SwiGLU clamped after the SiLU (Step-3.7, Bailing-hybrid)."""
     found: Dict[str, _KnownGate] = {}
     for module, cls, gate in (
         ("gpt_oss", "GptOssExperts", _KnownGate("swigluoai", True, "alpha", "limit")),
@@ -215,6 +219,8 @@ def _known_gates() -> Dict[str, _KnownGate]:
         ("hy_v4", "HYV4Experts", _SWIGLU_LIMIT),
         ("hy_v4_vl", "HYV4VLExperts", _SWIGLU_LIMIT),
         ("beam", "BeamExperts", _KnownGate()),
+        ("step3p7", "Step3p7Experts", _SWIGLUSTEP),
+        ("bailing_hybrid", "BailingHybridExperts", _SWIGLUSTEP),
     ):
         try:
             experts_cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
@@ -258,7 +264,7 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
     known = _gate_of(cls)
     if known is None:
         raise ValueError(f"{owner}._apply_gate is a custom gate function moekit does not reproduce exactly")
-    if known.activation is None:
+    if known.activation is None or (known.limit_optional and getattr(module, known.limit_attr) is None):
         return ExpertsLayout(activation_name(module.act_fn, True, owner), transposed, known.interleaved, bias)
     if known.silu_act_fn and activation_name(module.act_fn, True, owner) != "silu":
         raise ValueError(f"{owner}._apply_gate with act_fn {type(module.act_fn).__name__}: moekit's "

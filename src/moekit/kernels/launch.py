@@ -200,7 +200,7 @@ def fused_moe(
         x: [T, H] bf16/fp16/fp32.  w13: [E, 2I, H] (gated) or [E, I, H].  w2: [E, H, I].
         b13: [E, 2I] or [E, I] or None.  b2: [E, H] or None.  (all in x's dtype)
         topk_weights: [T, k] fp32.  topk_ids: [T, k] int32.  expert_map: [E_global] int32 or None.
-        activation: a name of moekit.activations; alpha, limit: swigluoai / swiglu_limit parameters.
+        activation: a name of moekit.activations; alpha, limit: the clamped SwiGLUs' parameters.
         on_input: the routed weight multiplies the expert input (k = 1) instead of its output.
         config: tiles (None: tuned file or heuristic).  direct: force the no-sort path (None: by shape).
         out_dtype: float32 or x's dtype (the sum over k is fp32 either way; x's dtype saves a cast).

@@ -122,6 +122,9 @@ def _apply_act(g, u, ACT: tl.constexpr, alpha, limit, FAST: tl.constexpr = False
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         return gc * _sigmoid(gc, FAST) * uc
+    elif ACT == "swiglustep":
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return tl.minimum(g * _sigmoid(g, FAST), limit) * uc
     elif ACT == "silu_no_mul":
         return g * _sigmoid(g, FAST)
     elif ACT == "gelu_no_mul":

@@ -60,9 +60,9 @@ _ISA_FLAGS = {
 
 
 # moekit.activations' names -> moekit_decode's activation codes
-ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3, "swiglu_limit": 4, "silu_no_mul": 5,
-                    "gelu_no_mul": 6, "relu2_no_mul": 7}
-GATED_CODES = 5  # codes below it are the gated activations
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3, "swiglu_limit": 4, "swiglustep": 5,
+                    "silu_no_mul": 6, "gelu_no_mul": 7, "relu2_no_mul": 8}
+GATED_CODES = 6  # codes below it are the gated activations (cpu_kernels.c: GATED_ACTS)
 
 
 class _ProjectionStruct(ctypes.Structure):

@@ -2017,8 +2017,10 @@ static void product_free(product *p) {
     if (p->kind == 2 && p->wo.scratch) wo_free(&p->wo);
 }
 
-/* The activations of moekit.activations, in the order of its ACTIVATIONS (the gated ones take
- * h = [gate | up] of 2 I values, the others I), computed as torch's CPU kernels write them. */
+/* The activations of moekit.activations, in the order of its ACTIVATIONS (the GATED_ACTS gated
+ * ones take h = [gate | up] of 2 I values, the others I), computed as torch's CPU kernels write them. */
+#define GATED_ACTS 6
+#define NUM_ACTS 9
 static inline float activate1(int act, float alpha, float limit, float g, float u) {
     switch (act) {
     case 0: return (g / (1.0f + expf(-g))) * u;                                                /* silu */
@@ -2037,8 +2039,13 @@ static inline float activate1(int act, float alpha, float limit, float g, float 
         const float up = u > limit ? limit : (u < -limit ? -limit : u);
         return (g / (1.0f + expf(-g))) * up;
     }
-    case 5: return g / (1.0f + expf(-g));                                                      /* silu_no_mul */
-    case 6: return (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f));                       /* gelu_no_mul */
+    case 5: {                                                                                  /* swiglustep */
+        const float s = g / (1.0f + expf(-g));
+        const float up = u > limit ? limit : (u < -limit ? -limit : u);
+        return (s > limit ? limit : s) * up;
+    }
+    case 6: return g / (1.0f + expf(-g));                                                      /* silu_no_mul */
+    case 7: return (g * 0.5f) * (1.0f + erff(g * 0.70710678118654752f));                       /* gelu_no_mul */
     default: { const float r = g < 0.0f ? 0.0f : g; return r * r; }                           /* relu2_no_mul */
     }
 }
@@ -2088,13 +2095,13 @@ static inline __m512 activate16(int act, float alpha, float limit, __m512 g, __m
 static void activate(int act, float alpha, float limit, const float *h, int64_t I, float *a) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    if (act == 0 || act == 3 || act == 4 || act == 5)
+    if (act == 0 || act == 3 || act == 4 || act == 6)
         for (; i + 16 <= I; i += 16) {
-            const __m512 u = act == 5 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(h + I + i);
-            _mm512_storeu_ps(a + i, activate16(act == 5 ? 0 : act, alpha, limit, _mm512_loadu_ps(h + i), u));
+            const __m512 u = act == 6 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(h + I + i);
+            _mm512_storeu_ps(a + i, activate16(act == 6 ? 0 : act, alpha, limit, _mm512_loadu_ps(h + i), u));
         }
 #endif
-    for (; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < 5 ? h[I + i] : 0.0f);
+    for (; i < I; i++) a[i] = activate1(act, alpha, limit, h[i], act < GATED_ACTS ? h[I + i] : 0.0f);
 }
 
 #ifdef BF16_DOT
@@ -2153,7 +2160,7 @@ int moekit_bf16_gate_up_segments(int wtype, const void *w13, const float *scale,
                                  int64_t x_stride, int64_t I, int64_t K, int act, float alpha, float limit,
                                  const float *b13, uint16_t *a, int threads) {
 #ifdef BF16_DOT
-    if (act < 0 || act > 4 || wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
+    if (act < 0 || act >= GATED_ACTS || wtype < -1 || wtype > 2 || (wtype >= 0 && (g <= 0 || g % 32 || K % g))) return 2;
     int64_t most = 0;
     for (int64_t s = 0; s < segments; s++) {
         const int64_t n = seg_begin(starts, s + 1) - seg_begin(starts, s);
@@ -2240,7 +2247,8 @@ int moekit_decode(const moekit_projection *p13, const moekit_projection *p2, int
                   int map_int64, int64_t map_size, int64_t E, int on_input, const float *x, const float *b13, const float *b2,
                   float *out, int threads) {
     const int64_t H = p13->K;
-    if (act < 0 || act > 7 || p2->N != H || p13->N != (act < 5 ? 2 * p2->K : p2->K) || k <= 0) return 2;
+    if (act < 0 || act >= NUM_ACTS || p2->N != H || p13->N != (act < GATED_ACTS ? 2 * p2->K : p2->K) || k <= 0)
+        return 2;
     int64_t *experts = (int64_t *)malloc((size_t)k * (sizeof(int64_t) + sizeof(float)));
     if (experts == NULL) return 1;
     float *slot_w = (float *)(experts + k);
