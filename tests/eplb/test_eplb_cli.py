@@ -85,6 +85,34 @@ def test_plan_errors(tmp_path, capsys, content, args, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_plan_from_the_current_placement_keeps_layers_it_would_worsen(tmp_path, capsys):
+    """--current re-plans as EplbState does: layer 0's greedy plan is worse than the placement in
+    use (busiest GPU 7 -> 7.5 tokens) and is kept; layer 1's is better and moves."""
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps([[3, 3, 0, 4, 1, 3], [1, 1, 1, 1, 30, 1]]))
+    current = tmp_path / "current.json"
+    start = [[0, 1, 2, 3, 4, 5, 0, 1]] * 2
+    current.write_text(json.dumps({"phy2log": start}))
+    out = tmp_path / "plan.json"
+    args = ["eplb", "plan", "--load", str(load), "--gpus", "2", "--nodes", "1", "--redundant", "2",
+            "--current", str(current), "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["kept_layers"] == [0] and report["phy2log"][0] == start[0] and report["phy2log"][1] != start[1]
+    before, _ = balancedness(gpu_loads(torch.tensor([[3, 3, 0, 4, 1, 3], [1, 1, 1, 1, 30, 1]]), torch.tensor(start), 2))
+    assert report["balancedness"]["before"] == pytest.approx(before.tolist(), abs=1e-6)
+    assert report["balancedness"]["after"][0] == report["balancedness"]["before"][0]
+    assert report["balancedness"]["after"][1] > report["balancedness"]["before"][1]
+    assert sum(report["replica_count"][0]) == 8 and report["log2phy"][0][0][:2] == [0, 6]
+    assert "kept: the plan is no better" in capsys.readouterr().out
+    assert main(args + ["--min-improvement", "0.5"]) == 0  # layer 1's busiest GPU: 32 -> 22 tokens, < half off
+    assert json.loads(out.read_text())["kept_layers"] == [0, 1]
+    capsys.readouterr()
+    current.write_text(json.dumps([[0, 1, 2, 3, 4, 5, 0]]))
+    assert main(args) == 2
+    assert "--current: expected integer expert ids [L=2, R=8]" in capsys.readouterr().err
+
+
 def test_read_load_rejects_unknown_extension(tmp_path):
     path = tmp_path / "load.csv"
     path.write_text("1,2")

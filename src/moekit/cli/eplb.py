@@ -2,12 +2,16 @@
 synthetic skewed loads.
 
     moekit eplb plan --load FILE --gpus P --nodes N --redundant R [--groups G] [--out placement.json] [--plot out.png]
+                     [--current placement.json [--min-improvement 0.0]]
     moekit eplb simulate [--experts E --layers L --gpus P --nodes N --groups G]
                          [--redundant 0,16,32] [--dist lognormal --sigma 1.0 | --dist zipf --alpha 1.0]
 
 FILE holds token counts [L, E] (layers x logical experts) as .npy, .pt or .json (a nested
 list, or an object with a "load" entry). "before" is the placement without EPLB: experts in
-contiguous blocks over the GPUs, no replicas. Balancedness = mean / max load per GPU.
+contiguous blocks over the GPUs, no replicas; with --current, the placement in that file (an
+earlier plan's JSON), re-planned as a running EplbState would: slots preserved, and a layer
+kept as it is unless the plan lowers its busiest GPU's load by more than --min-improvement.
+Balancedness = mean / max load per GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Dict, List
 
 import torch
 
-from moekit.eplb.policy import balancedness, check_sizes, gpu_loads, rebalance_experts, static_gpu_loads
+from moekit.eplb.maps import maps_from_phy2log
+from moekit.eplb.policy import (balancedness, check_sizes, gpu_loads, improves, preserve_slots, rebalance_experts,
+                                static_gpu_loads)
 
 __all__ = ["add_parser", "read_load", "plan_report", "synthetic_load"]
 
@@ -36,6 +42,11 @@ def add_parser(sub) -> None:
     _placement_args(plan, redundant_help="redundant experts (physical slots = E + this)", redundant_type=int)
     plan.add_argument("--out", default=None, help="write the placement as JSON here")
     plan.add_argument("--plot", default=None, help="draw per-GPU load before/after into this image (matplotlib)")
+    plan.add_argument("--current", default=None,
+                      help="the placement in use (an earlier plan's JSON): plan from it instead of the static one")
+    plan.add_argument("--min-improvement", type=float, default=0.0,
+                      help="with --current: keep a layer unless the plan lowers its busiest GPU's load by more "
+                           "than this fraction (default 0.0: any gain; EplbConfig.min_improvement)")
     plan.set_defaults(func=run_plan)
     sim = actions.add_parser("simulate", help="balancedness on synthetic skewed loads, per redundant count")
     sim.add_argument("--experts", type=int, default=256, help="E logical experts (default 256)")
@@ -109,8 +120,33 @@ def read_load(path: str) -> torch.Tensor:
     return data.to(torch.float64)
 
 
-def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, groups: int) -> Dict:
-    """Plan a placement for load [L, E] and measure it; returns the JSON-ready dict."""
+def read_placement(path: str, num_layers: int, num_slots: int) -> torch.Tensor:
+    """phy2log [L, R] int64 from a JSON file: an earlier plan's report (its "phy2log") or a bare list."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--current: cannot read {path} as JSON: {err}") from None
+    if isinstance(data, dict):
+        if "phy2log" not in data:
+            raise ValueError(f"--current: the JSON object in {path} needs a 'phy2log' entry [L, R]")
+        data = data["phy2log"]
+    try:
+        phy2log = torch.tensor(data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--current: {path} must hold a rectangular list of expert ids [L, R]: {err}") from None
+    if phy2log.is_floating_point() or phy2log.dtype == torch.bool or tuple(phy2log.shape) != (num_layers, num_slots):
+        raise ValueError(f"--current: expected integer expert ids [L={num_layers}, R={num_slots}] (the load's layers, "
+                         f"E + --redundant slots), got {phy2log.dtype} {tuple(phy2log.shape)}")
+    return phy2log.to(torch.int64)
+
+
+def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, groups: int,
+                current: torch.Tensor = None, min_improvement: float = 0.0) -> Dict:
+    """Plan a placement for load [L, E] and measure it; returns the JSON-ready dict.
+
+    With current ([L, R] phy2log in use), "before" is that placement, slots are preserved and a
+    layer whose plan does not beat it by more than min_improvement keeps it (EplbState.plan)."""
     L, E = load.shape
     if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
         raise ValueError(f"--redundant must be an int >= 0, got {redundant!r}")
@@ -122,7 +158,18 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
         "E": f"the E={E} experts", "R": f"the {R} physical slots (E={E} experts + --redundant {redundant})",
         "G": f"--groups {groups}", "N": f"--nodes {nodes}", "P": f"--gpus {gpus}"})
     phy2log, log2phy, count = rebalance_experts(load, R, groups, nodes, gpus)
-    before, overall_before = balancedness(static_gpu_loads(load, gpus))
+    kept: List[int] = []
+    if current is None:
+        before, overall_before = balancedness(static_gpu_loads(load, gpus))
+    else:
+        if isinstance(min_improvement, bool) or not 0.0 <= min_improvement < 1.0:
+            raise ValueError(f"--min-improvement must be in [0, 1), got {min_improvement!r}")
+        before, overall_before = balancedness(gpu_loads(load, current, gpus))  # checks the ids
+        phy2log = preserve_slots(current, phy2log, gpus)
+        keep = ~improves(load, current, phy2log, gpus, min_improvement)  # [L]
+        phy2log[keep] = current[keep]
+        kept = keep.nonzero().flatten().tolist()
+        log2phy, count = maps_from_phy2log(phy2log, E, R - E + 1)
     after_loads = gpu_loads(load, phy2log, gpus)
     after, overall_after = balancedness(after_loads)
     return {
@@ -135,6 +182,9 @@ def plan_report(load: torch.Tensor, gpus: int, nodes: int, redundant: int, group
         "num_groups": groups,
         "policy": "hierarchical" if groups % nodes == 0 else "global",
         "slots_per_gpu": R // gpus,
+        "before": "the static placement (contiguous blocks, no replicas)" if current is None else
+                  "the current placement (--current)",
+        "kept_layers": kept,
         "layout": "slot i lives on GPU i // slots_per_gpu; log2phy rows are padded with -1",
         "phy2log": phy2log.tolist(),
         "log2phy": log2phy.tolist(),
@@ -153,16 +203,19 @@ def run_plan(args) -> int:
         if args.plot:
             _pyplot()  # a missing matplotlib is said before the work, not after it
         load = read_load(args.load)
-        report = plan_report(load, args.gpus, args.nodes, args.redundant, args.groups)
+        current = None
+        if args.current is not None:
+            current = read_placement(args.current, load.shape[0], load.shape[1] + args.redundant)
+        report = plan_report(load, args.gpus, args.nodes, args.redundant, args.groups, current, args.min_improvement)
     except ValueError as err:
         print(f"moekit eplb plan: error: {err}", file=sys.stderr)
         return 2
     b = report["balancedness"]
     print(f"{report['num_layers']} layers, E={report['num_logical_experts']} -> R={report['num_physical_experts']} "
           f"slots on {args.gpus} GPUs in {args.nodes} nodes, G={args.groups} ({report['policy']} policy)")
-    print("layer  balancedness before -> after")
+    print(f"layer  balancedness before -> after (before: {report['before']})")
     for i, (x, y) in enumerate(zip(b["before"], b["after"])):
-        print(f"{i:5d}  {x:.4f} -> {y:.4f}")
+        print(f"{i:5d}  {x:.4f} -> {y:.4f}" + ("  kept: the plan is no better" if i in report["kept_layers"] else ""))
     print(f"overall (sum of means / sum of maxima): {b['overall_before']:.4f} -> {b['overall_after']:.4f}")
     try:
         if args.out:
@@ -170,7 +223,7 @@ def run_plan(args) -> int:
                 json.dump(report, f)
             print(f"placement written to {args.out}")
         if args.plot:
-            _plot_plan(load, report, args.plot)
+            _plot_plan(load, report, args.plot, current)
             print(f"plot written to {args.plot}")
     except (OSError, ValueError) as err:
         print(f"moekit eplb plan: error: {err}", file=sys.stderr)
@@ -266,12 +319,14 @@ def _pyplot():
     return plt
 
 
-def _plot_plan(load: torch.Tensor, report: Dict, path: str) -> None:
+def _plot_plan(load: torch.Tensor, report: Dict, path: str, current: torch.Tensor = None) -> None:
     """Per-GPU load of the most imbalanced layer before/after, and per-layer balancedness."""
     plt = _pyplot()
     b = report["balancedness"]
     worst = min(range(len(b["before"])), key=lambda i: b["before"][i])
-    before = static_gpu_loads(load[worst:worst + 1], report["num_gpus"])[0]
+    w = slice(worst, worst + 1)
+    before = (static_gpu_loads(load[w], report["num_gpus"]) if current is None else
+              gpu_loads(load[w], current[w], report["num_gpus"]))[0]
     after = gpu_loads(load[worst:worst + 1], torch.tensor(report["phy2log"][worst:worst + 1]), report["num_gpus"])[0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     gpus = torch.arange(report["num_gpus"]).tolist()
