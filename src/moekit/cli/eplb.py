@@ -327,7 +327,7 @@ def _plot_plan(load: torch.Tensor, report: Dict, path: str, current: torch.Tenso
     w = slice(worst, worst + 1)
     before = (static_gpu_loads(load[w], report["num_gpus"]) if current is None else
               gpu_loads(load[w], current[w], report["num_gpus"]))[0]
-    after = gpu_loads(load[worst:worst + 1], torch.tensor(report["phy2log"][worst:worst + 1]), report["num_gpus"])[0]
+    after = gpu_loads(load[w], torch.tensor(report["phy2log"][w]), report["num_gpus"])[0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     gpus = torch.arange(report["num_gpus"]).tolist()
     ax1.bar([g - 0.2 for g in gpus], before.tolist(), width=0.4, label="before")

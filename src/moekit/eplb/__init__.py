@@ -3,7 +3,8 @@ state and trigger, weight rearrangement between ranks, and the asynchronous mode
 
 from .enable import enable_eplb
 from .maps import initial_placement, map_to_physical, maps_from_phy2log, physical_expert_map, physical_to_logical_load
-from .policy import balanced_packing, balancedness, gpu_loads, improves, preserve_slots, rebalance_experts, replicate_experts
+from .policy import (balanced_packing, balancedness, gpu_loads, improves, preserve_slots, rebalance_experts,
+                     replicate_experts)
 from .rearrange import RankPlan, StagedLayer, commit_layer, exchange_layer, plan_layer, rearrange_layer
 from .recorder import LoadRecorder
 from .state import EplbConfig, EplbLayerHook, EplbState
