@@ -108,6 +108,22 @@ def test_family_routing_configs():
     assert moe.gate.bias is not None and moe.experts.b13 is not None
 
 
+@pytest.mark.parametrize("method, groups", [("group_limited_greedy", (4, 2, "max")), ("greedy", (None, None, None))])
+def test_deepseek_v2_routing(method, groups):
+    """Softmax without renormalisation, times the scaling factor; groups by their best score."""
+    model = build("deepseek_v2", topk_method=method)
+    patched, _ = _patched(model)
+    r = patched.model.layers[0].mlp.moe.routing
+    assert (r.scoring, r.renormalize, r.routed_scaling_factor) == ("softmax", False, 2.5)
+    assert (r.num_expert_group, r.topk_group, r.group_score) == groups
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= 1e-5
+    model.model.layers[0].mlp.gate.topk_method = "noaux_tc"
+    with pytest.raises(ValueError, match=r"topk_method='noaux_tc' is not reproduced by moekit"):
+        mh.patch_model(model)
+
+
 @pytest.mark.parametrize("family, like", [("minimax", "mixtral"), ("glm4_moe", "deepseek_v3")])
 def test_structural_clones_are_recognised(family, like):
     model = build(family)

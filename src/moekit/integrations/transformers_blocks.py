@@ -7,7 +7,7 @@ already are in the canonical layout. Only the given model changes: no class, fun
 global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V3, GPT-OSS; and any other family whose block, router and shared-MLP forward code
+DeepSeek-V2, DeepSeek-V3, GPT-OSS; and any other family whose block, router and shared-MLP forward code
 is the same as one of these (comments, docstrings, annotations and names aside), e.g.
 MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as DeepSeek-V3). Anything
 else with an `experts` child is refused by name, before the model is modified.
@@ -58,6 +58,18 @@ def _grouped_sigmoid(r) -> RoutingConfig:
     )
 
 
+def _softmax_scaled(r) -> RoutingConfig:
+    """DeepSeek-V2: softmax in fp32, no renormalisation, times routed_scaling_factor; its
+    "group_limited_greedy" keeps the topk_group groups of the highest score (ROUTING.md 5, V2)."""
+    groups = {}
+    if r.topk_method == "group_limited_greedy":
+        groups = dict(num_expert_group=int(r.num_group), topk_group=int(r.topk_group), group_score="max")
+    elif r.topk_method != "greedy":
+        raise ValueError(f"topk_method={r.topk_method!r} is not reproduced by moekit (greedy, group_limited_greedy)")
+    return RoutingConfig(top_k=int(r.top_k), scoring="softmax", renormalize=False,
+                         routed_scaling_factor=float(r.routed_scaling_factor), **groups)
+
+
 def _topk_softmax(r) -> RoutingConfig:
     return RoutingConfig(top_k=int(r.top_k), order="topk_then_softmax")
 
@@ -102,6 +114,8 @@ FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "gate", _softmax_norm_topk),
     BlockFamily("deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter", "gate", _grouped_sigmoid,
                 router_dtype=torch.float32, correction_bias=True, shared_cls="DeepseekV3MLP", shared="shared_experts"),
+    BlockFamily("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter", "gate", _softmax_scaled,
+                router_dtype=torch.float32, shared_cls="DeepseekV2MLP", shared="shared_experts"),
     BlockFamily("gpt_oss", "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "router", _topk_softmax,
                 router_bias=True, returns_scores=True),
 )
