@@ -1,10 +1,11 @@
-"""Tiny transformers *ForCausalLM models of the seven families (hidden 64, 2 layers, 4 heads,
+"""Tiny transformers *ForCausalLM models of the nine families (hidden 64, 2 layers, 4 heads,
 vocab 128) with seeded random weights, and tie-free prompts for bf16 comparisons."""
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "minimax_m2", "jamba",
+            "gpt_oss")
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -23,6 +24,11 @@ CONFIGS = {
                         n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=32,
                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         routed_scaling_factor=2.5, rope_parameters=ROPE),
+    "minimax_m2": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+    # attention in layer 1, mamba (its torch path) in layer 0, experts in both
+    "jamba": dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=2,
+                  use_mamba_kernels=False),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=ROPE),
     # structural clones of the six (same block/router/shared code)

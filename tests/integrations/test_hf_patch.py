@@ -14,6 +14,9 @@ from conftest import rel_err  # noqa: E402
 from hf_tiny_models import FAMILIES, TOL, build, greedy, tie_free_prompt  # noqa: E402
 
 
+_BLOCK = {"jamba": "feed_forward"}  # the sparse-MoE block's name in a decoder layer, where not "mlp"
+
+
 def _patched(model, **kw):
     twin = copy.deepcopy(model)
     names = mh.patch_model(twin, **kw)
@@ -25,7 +28,7 @@ def _patched(model, **kw):
 def test_logits_match_eager(family, dtype):
     model = build(family, dtype)
     patched, names = _patched(model)
-    assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert names == [f"model.layers.{i}.{_BLOCK.get(family, 'mlp')}" for i in (0, 1)]
     assert all(isinstance(patched.get_submodule(n), mh.MoEBlock) for n in names)
     ids = tie_free_prompt(model, length=8, min_margin=0.02)
     with torch.no_grad():
@@ -44,9 +47,10 @@ def test_greedy_generation_identical_fp32(family):
 def test_block_keeps_its_return_contract(family):
     """Each block alone, on T=1 and T=9 tokens: same outputs, same (tuple or tensor) contract."""
     model = build(family)
-    block = model.model.layers[1].mlp
+    name = f"model.layers.1.{_BLOCK.get(family, 'mlp')}"
+    block = model.get_submodule(name)
     patched, _ = _patched(model)
-    new = patched.model.layers[1].mlp
+    new = patched.get_submodule(name)
     for T in (1, 9):
         x = torch.randn(1, T, 64)
         with torch.no_grad():

@@ -197,6 +197,7 @@ class MoEKeys:
         prefixes: candidate block prefixes, each ending in "." (e.g. "model.layers.0.mlp.",
             "model.layers.0.block_sparse_moe."); exactly one may hold tensors.
         router: the router's name ("gate", "router").  experts: the experts' name.
+        correction_bias: the selection bias's name (None: "{router}.e_score_correction_bias").
         shared: the shared-expert MLP's name, or None.  shared_gate: the Linear(H, 1) scaling
             the shared output through a sigmoid, or None.
         transposed / interleaved: layout of the stacked experts.gate_up_proj / down_proj.
@@ -204,6 +205,7 @@ class MoEKeys:
 
     prefixes: Tuple[str, ...]
     router: str = "gate"
+    correction_bias: Optional[str] = None
     experts: str = "experts"
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
@@ -330,7 +332,8 @@ def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
         if layer.gate.bias is not None:
             plan[f"{p}{keys.router}.bias"] = _entry((E,), layer.gate.bias.data)
     if layer.e_score_correction_bias is not None:
-        plan[f"{p}{keys.router}.e_score_correction_bias"] = _entry((E,), layer.e_score_correction_bias)
+        plan[p + (keys.correction_bias or f"{keys.router}.e_score_correction_bias")] = _entry(
+            (E,), layer.e_score_correction_bias)
     _expert_plan(layer, ckpt, p, keys, plan, groups)
     if layer.shared is not None:
         if keys.shared is None:

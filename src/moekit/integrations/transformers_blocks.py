@@ -7,7 +7,7 @@ already are in the canonical layout. Only the given model changes: no class, fun
 global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3, GPT-OSS; and any other family whose block, router and shared-MLP forward code
+DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, GPT-OSS; and any other family whose block, router and shared-MLP forward code
 is the same as one of these (comments, docstrings, annotations and names aside), e.g.
 MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as DeepSeek-V3). Anything
 else with an `experts` child is refused by name, before the model is modified.
@@ -25,6 +25,7 @@ transformers and moekit.hf.from_pretrained both read the saved folder back.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -48,6 +49,14 @@ def _softmax_renorm(r) -> RoutingConfig:
 
 def _softmax_norm_topk(r) -> RoutingConfig:
     return RoutingConfig(top_k=int(r.top_k), scoring="softmax", renormalize=bool(r.norm_topk_prob))
+
+
+def _softmax_no_renorm(r) -> RoutingConfig:
+    return RoutingConfig(top_k=int(r.top_k), scoring="softmax", renormalize=False)
+
+
+def _sigmoid_renorm(r) -> RoutingConfig:
+    return RoutingConfig(top_k=int(r.top_k), scoring="sigmoid", renormalize=True)
 
 
 def _grouped_sigmoid(r) -> RoutingConfig:
@@ -83,7 +92,9 @@ class BlockFamily:
         block, router_cls, shared_cls: class names of the block, its router and shared MLP.
         router: attribute of the router in the block.  routing: router module -> RoutingConfig.
         router_dtype: the router logits' dtype (None: the input's).
-        router_bias / correction_bias: the router owns a bias [E] / e_score_correction_bias [E].
+        router_bias: the router owns a bias [E].
+        correction_bias: the name, within the block, of the selection bias [E]
+            ("gate.e_score_correction_bias"), or None.
         shared / shared_gate: attributes of the shared MLP and of its Linear(H, 1) sigmoid gate.
         returns_scores: forward returns (hidden, router_scores [T, k]) rather than hidden.
         legacy_block: the block's name in older checkpoints (Mixtral: "block_sparse_moe").
@@ -97,7 +108,7 @@ class BlockFamily:
     routing: Callable[[nn.Module], RoutingConfig]
     router_dtype: Optional[torch.dtype] = None
     router_bias: bool = False
-    correction_bias: bool = False
+    correction_bias: Optional[str] = None
     shared_cls: Optional[str] = None
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
@@ -113,7 +124,11 @@ FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "gate", _softmax_norm_topk),
     BlockFamily("olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "gate", _softmax_norm_topk),
     BlockFamily("deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter", "gate", _grouped_sigmoid,
-                router_dtype=torch.float32, correction_bias=True, shared_cls="DeepseekV3MLP", shared="shared_experts"),
+                router_dtype=torch.float32, correction_bias="gate.e_score_correction_bias", shared_cls="DeepseekV3MLP",
+                shared="shared_experts"),
+    BlockFamily("minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter", "gate", _sigmoid_renorm,
+                correction_bias="e_score_correction_bias", legacy_block="block_sparse_moe"),
+    BlockFamily("jamba", "jamba", "JambaSparseMoeBlock", "JambaTopKRouter", "router", _softmax_no_renorm),
     BlockFamily("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter", "gate", _softmax_scaled,
                 router_dtype=torch.float32, shared_cls="DeepseekV2MLP", shared="shared_experts"),
     BlockFamily("gpt_oss", "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "router", _topk_softmax,
@@ -199,7 +214,8 @@ class MoEBlock(nn.Module):
         prefixes = [name + "."]
         if self.family.legacy_block and "." in name:
             prefixes.append(name.rsplit(".", 1)[0] + "." + self.family.legacy_block + ".")
-        return MoEKeys(tuple(prefixes), router=self.family.router, shared=self.family.shared,
+        return MoEKeys(tuple(prefixes), router=self.family.router, correction_bias=self.family.correction_bias,
+                       shared=self.family.shared,
                        shared_gate=self.family.shared_gate, transposed=self.layout.transposed,
                        interleaved=self.layout.interleaved)
 
@@ -288,7 +304,7 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
         E, H, I, family.routing(router), activation=layout.activation, bias=layout.bias,
         shared_experts=shared_cfg, dtype=w.w13.dtype, device="meta", backend=backend,
         activation_params=layout.activation_params, gate=True, gate_bias=family.router_bias,
-        router_dtype=family.router_dtype, correction_bias=family.correction_bias, name=name,
+        router_dtype=family.router_dtype, correction_bias=family.correction_bias is not None, name=name,
         eager_graphs=eager_graphs,
     )
     _adopt(moe.experts, "w13", w.w13, up)
@@ -299,8 +315,9 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
     _adopt(moe.gate, "weight", _check(owner, "router weight", router.weight, (E, H)), router.weight)
     if family.router_bias:
         _adopt(moe.gate, "bias", _check(owner, "router bias", router.bias, (E,)), router.bias)
-    if family.correction_bias:
-        moe.e_score_correction_bias = _check(owner, "e_score_correction_bias", router.e_score_correction_bias, (E,))
+    if family.correction_bias is not None:
+        bias = functools.reduce(getattr, family.correction_bias.split("."), block)
+        moe.e_score_correction_bias = _check(owner, family.correction_bias, bias, (E,))
     if shared is not None:
         gate_up, down, gate = shared
         _adopt(moe.shared, "gate_up", gate_up, down)

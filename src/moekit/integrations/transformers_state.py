@@ -5,7 +5,7 @@ state_dict, and so `save_pretrained`, carries the replaced block's tensors under
 transformers names and in their layout, and `load_state_dict` takes them back:
 
     moe.gate.weight, moe.gate.bias    {router}.weight [E, H], {router}.bias [E]
-    moe.e_score_correction_bias       {router}.e_score_correction_bias [E]
+    moe.e_score_correction_bias       the family's correction_bias ({router}.e_score_correction_bias) [E]
     moe.experts.w13, moe.experts.b13  experts.gate_up_proj [E, 2I, H], experts.gate_up_proj_bias [E, 2I]
                                       (non-gated: up_proj, up_proj_bias); transposed ([E, H, 2I])
                                       and gate/up interleaved when the block stored them so
@@ -121,7 +121,7 @@ def renames(block: nn.Module) -> List[Rename]:
     if moe.gate.bias is not None:
         out.append(Rename("moe.gate.bias", (f"{r}.bias",), (E,)))
     if moe.e_score_correction_bias is not None:
-        out.append(Rename("moe.e_score_correction_bias", (f"{r}.e_score_correction_bias",), (E,)))
+        out.append(Rename("moe.e_score_correction_bias", (family.correction_bias,), (E,)))
     out += _experts_renames(moe, block.layout)
     if moe.shared is not None:
         out += _shared_renames(moe, family)
