@@ -31,7 +31,7 @@ CONFIGS = {
                   use_mamba_kernels=False),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=ROPE),
-    # structural clones of the six (same block/router/shared code)
+    # structural clones of those families (same block/router/shared code)
     "minimax": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16),
     "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                      n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, head_dim=16),

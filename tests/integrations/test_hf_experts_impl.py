@@ -1,4 +1,4 @@
-"""The "moekit" experts implementation registered with transformers: whole tiny models of the six
+"""The "moekit" experts implementation registered with transformers: whole tiny models of the
 families against transformers eager, standalone experts layouts, weight caching and refusals."""
 
 import types
