@@ -8,7 +8,8 @@ Three ways in, from the least to the most moekit:
    `fused_experts`; routers and shared experts stay transformers' own.
 2. Whole-block replacement. `patch_model(model)` swaps each sparse-MoE block (router,
    experts, shared experts) for a FusedMoE, for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-   DeepSeek-V3, GPT-OSS and code-identical clones; other blocks are refused by name.
+   DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, GPT-OSS and
+   code-identical clones; other blocks are refused by name.
 3. Loading. `from_pretrained(path)` builds the model from its config, patches it and
    loads the safetensors checkpoint (legacy per-expert or stacked layout, single file or
    sharded) straight into the canonical layout with `load_checkpoint`.
@@ -17,7 +18,7 @@ Three ways in, from the least to the most moekit:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -56,7 +57,10 @@ def load_checkpoint(model: nn.Module, path: Union[str, Path, SafetensorsCheckpoi
 
     MoE blocks replaced by `patch_model` read their router, experts (per-expert or stacked
     layout) and shared experts through moekit's converter; every other parameter and
-    persistent buffer is read by its name. Nothing is copied unless everything fits.
+    persistent buffer is read by its name. Nothing is copied unless everything fits. A path
+    that does not fit as stored is read again through the renamings transformers applies to
+    the model type's original checkpoints (HunYuan-V3's `mlp.router.gate`, Laguna's
+    `mlp.shared_expert.`, ...); when neither fits, the error with fewer problems is raised.
 
     Args:
         model: the model, usually after `patch_model`.
@@ -69,7 +73,35 @@ def load_checkpoint(model: nn.Module, path: Union[str, Path, SafetensorsCheckpoi
     """
     blocks = moe_blocks(model)
     layers = {name: (block.moe, block.checkpoint_keys(name)) for name, block in blocks.items()}
-    return load_model_checkpoint(model, path, layers, strict=strict)
+    if isinstance(path, SafetensorsCheckpoint):
+        return load_model_checkpoint(model, path, layers, strict=strict)
+    try:
+        return load_model_checkpoint(model, path, layers, strict=strict)
+    except CheckpointError as as_stored:
+        rename = checkpoint_renaming(getattr(getattr(model, "config", None), "model_type", None))
+        if rename is None:
+            raise
+        try:
+            return load_model_checkpoint(model, SafetensorsCheckpoint(path, rename=rename), layers, strict=strict)
+        except CheckpointError as renamed:
+            raise (renamed if str(renamed).count("\n") < str(as_stored).count("\n") else as_stored) from None
+
+
+def checkpoint_renaming(model_type: Optional[str]) -> Optional[Callable[[str], str]]:
+    """transformers' key renamings for a model type's original checkpoints (its conversion
+    mapping's WeightRenaming entries; the expert merges are moekit's own), or None when the
+    installed transformers has none."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: PLC0415
+        from transformers.core_model_loading import WeightRenaming, apply_renamings  # noqa: PLC0415
+    except ImportError:
+        return None
+    if model_type is None:
+        return None
+    renamings = [t for t in (get_checkpoint_conversion_mapping(model_type) or []) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return None
+    return lambda key: apply_renamings(key, renamings)
 
 
 def from_pretrained(path: Union[str, Path], *, dtype: torch.dtype = torch.float32, backend: str = "auto",

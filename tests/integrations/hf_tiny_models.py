@@ -1,11 +1,11 @@
-"""Tiny transformers *ForCausalLM models of the nine families (hidden 64, 2 layers, 4 heads,
+"""Tiny transformers *ForCausalLM models of the families whole-block replacement reproduces (hidden 64, 2 layers, 4 heads,
 vocab 128) with seeded random weights, and tie-free prompts for bf16 comparisons."""
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "minimax_m2", "jamba",
-            "gpt_oss")
+            "hy_v3", "laguna", "lara_mini", "gpt_oss")
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -29,6 +29,13 @@ CONFIGS = {
     "jamba": dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                   expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=2,
                   use_mamba_kernels=False),
+    "hy_v3": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  num_shared_experts=1, router_scaling_factor=2.5, head_dim=16, mlp_layer_types=["sparse", "sparse"]),
+    "laguna": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                   num_experts_per_tok=2, head_dim=16, moe_routed_scaling_factor=2.0,
+                   layer_types=["full_attention"] * 2, mlp_layer_types=["sparse", "sparse"]),
+    "lara_mini": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                      head_dim=16, layer_types=["full_attention"] * 2),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=ROPE),
     # structural clones of those families (same block/router/shared code)
@@ -67,18 +74,21 @@ def routing_margin(model, ids) -> float:
     of the eager model (and between kept and dropped groups for grouped routing), in units
     comparable to logits. A small margin means a near-tie that rounding could flip."""
     captured = []
-    hooks = [r.register_forward_hook(lambda mod, i, o: captured.append((mod, o[0].float()))) for r in _routers(model)]
+    # a selection bias lives on the router or is passed to it by its block (MiniMax-M2, HunYuan-V3)
+    hooks = [r.register_forward_hook(lambda mod, i, o: captured.append(
+        (mod, o[0].float(), i[1] if len(i) > 1 else getattr(mod, "e_score_correction_bias", None))))
+        for r in _routers(model)]
     with torch.no_grad():
         model(ids)
     for h in hooks:
         h.remove()
     margin = float("inf")
-    for router, logits in captured:
+    for router, logits, bias in captured:
         k = router.top_k
         c = logits
-        if hasattr(router, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid + bias, groups
-            c = (logits.sigmoid() + router.e_score_correction_bias.float()) * 4  # sigmoid' <= 1/4
-            G, g = router.num_group, router.topk_group
+        if bias is not None:  # sigmoid + bias (DeepSeek-V3 also in groups)
+            c = (logits.sigmoid() + bias.float()) * 4  # sigmoid' <= 1/4
+            G, g = getattr(router, "num_group", 1), getattr(router, "topk_group", 1)
             grp = c.view(c.shape[0], G, -1).topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True).values
             if g < G:
                 margin = min(margin, (grp[:, g - 1] - grp[:, g]).min().item())

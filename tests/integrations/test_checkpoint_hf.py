@@ -157,3 +157,29 @@ def test_loading_into_a_meta_model_is_refused(tmp_path):
     layer = mh.moe_blocks(empty)["model.layers.0.mlp"].moe
     with pytest.raises(CheckpointError, match=r"^experts.w13 is on the meta device"):
         load_fused_moe(layer, tmp_path, mh.moe_blocks(empty)["model.layers.0.mlp"].checkpoint_keys("model.layers.0.mlp"))
+
+
+def test_original_checkpoint_names_are_read_through_transformers_renamings(tmp_path):
+    """HunYuan-V3's save_pretrained writes its original names (mlp.router.gate, mlp.expert_bias,
+    mlp.shared_mlp); the loader reads them as transformers would, and an error names the tensor
+    as read, not every original name."""
+    model, path = _saved(tmp_path, "hy_v3")
+    keys = load_file(str(path))
+    assert any(".mlp.router.gate.weight" in k for k in keys) and any(".mlp.expert_bias" in k for k in keys)
+    _same_outputs(mh.from_pretrained(tmp_path), model)
+    del keys["model.layers.1.mlp.expert_bias"]
+    save_file(keys, str(path))
+    with pytest.raises(CheckpointError) as err:
+        mh.load_checkpoint(_target("hy_v3"), tmp_path)
+    assert "missing tensor 'model.layers.1.mlp.e_score_correction_bias'" in str(err.value)
+    assert str(err.value).count("\n") == 1  # that one problem
+
+
+def test_a_renaming_that_merges_two_tensors_is_refused(tmp_path):
+    from moekit.integrations.checkpoint import SafetensorsCheckpoint
+
+    save_file({"a.x": torch.zeros(1), "b.x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'c\.x' appears twice: .* as 'b\.x'"):
+        SafetensorsCheckpoint(tmp_path, rename=lambda k: "c.x")
+    ckpt = SafetensorsCheckpoint(tmp_path, rename=lambda k: k.replace("a.", "z."))
+    assert ckpt.keys() == ["b.x", "z.x"] and ckpt.shape("z.x") == (1,) and ckpt.get("z.x").shape == (1,)

@@ -108,12 +108,15 @@ class SafetensorsCheckpoint:
 
     Args:
         path: a .safetensors file, a model.safetensors.index.json, or a folder with either.
+        rename: stored name -> the name the tensor is read by (e.g. a family's original
+            checkpoint names to transformers' module names), or None.
     """
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, path: Union[str, Path], rename: Optional[Callable[[str], str]] = None) -> None:
         self.path = Path(path)
         self._handles: Dict[Path, object] = {}
         self._where: Dict[str, Path] = {}
+        self._stored: Dict[str, str] = {}  # read name -> stored name, where they differ
         for file, expected in self._files().items():
             keys = set(self._handle(file).keys())
             if expected is not None:
@@ -123,10 +126,14 @@ class SafetensorsCheckpoint:
                 absent = sorted(expected - keys)
                 if absent:
                     raise CheckpointError(f"{file}: the index json lists tensor {absent[0]!r} but the shard lacks it")
-            for key in keys:
+            for stored in keys:
+                key = stored if rename is None else rename(stored)
                 if key in self._where:
-                    raise CheckpointError(f"tensor {key!r} appears in both {self._where[key]} and {file}")
+                    raise CheckpointError(f"tensor {key!r} appears twice: in {self._where[key]} and as "
+                                          f"{stored!r} in {file}")
                 self._where[key] = file
+                if key != stored:
+                    self._stored[key] = stored
         self._keys = sorted(self._where)
 
     def _files(self) -> Dict[Path, Optional[set]]:
@@ -174,17 +181,17 @@ class SafetensorsCheckpoint:
         return key in self._where
 
     def shape(self, key: str) -> Tuple[int, ...]:
-        return tuple(self._handle(self._where[key]).get_slice(key).get_shape())
+        return tuple(self._handle(self._where[key]).get_slice(self._stored.get(key, key)).get_shape())
 
     def dtype(self, key: str) -> str:
         """The stored dtype as safetensors names it ("BF16", "F32", "I64", ...)."""
-        return self._handle(self._where[key]).get_slice(key).get_dtype()
+        return self._handle(self._where[key]).get_slice(self._stored.get(key, key)).get_dtype()
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor named {key!r}")
         try:
-            return self._handle(self._where[key]).get_tensor(key)
+            return self._handle(self._where[key]).get_tensor(self._stored.get(key, key))
         except Exception as err:
             raise CheckpointError(f"{self._where[key]}: tensor {key!r} cannot be read ({err})") from None
 

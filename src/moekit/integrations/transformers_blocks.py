@@ -7,7 +7,8 @@ already are in the canonical layout. Only the given model changes: no class, fun
 global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, GPT-OSS; and any other family whose block, router and shared-MLP forward code
+DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, GPT-OSS; and any
+other family whose block, router and shared-MLP forward code
 is the same as one of these (comments, docstrings, annotations and names aside), e.g.
 MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as DeepSeek-V3). Anything
 else with an `experts` child is refused by name, before the model is modified.
@@ -25,6 +26,7 @@ transformers and moekit.hf.from_pretrained both read the saved folder back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
@@ -57,6 +59,19 @@ def _softmax_no_renorm(r) -> RoutingConfig:
 
 def _sigmoid_renorm(r) -> RoutingConfig:
     return RoutingConfig(top_k=int(r.top_k), scoring="sigmoid", renormalize=True)
+
+
+def _sigmoid_renorm_scaled(r) -> RoutingConfig:
+    """HunYuan-V3: sigmoid, renormalised, times router_scaling_factor."""
+    return RoutingConfig(top_k=int(r.top_k), scoring="sigmoid", renormalize=True,
+                         routed_scaling_factor=float(r.router_scaling_factor))
+
+
+def _sigmoid_renorm_uncapped(r) -> RoutingConfig:
+    """Laguna: sigmoid, renormalised; its optional tanh softcap of the logits is not reproduced."""
+    if r.router_logit_softcapping > 0.0:
+        raise ValueError(f"router logit softcapping ({r.router_logit_softcapping}) is not reproduced by moekit")
+    return _sigmoid_renorm(r)
 
 
 def _grouped_sigmoid(r) -> RoutingConfig:
@@ -96,6 +111,8 @@ class BlockFamily:
         correction_bias: the name, within the block, of the selection bias [E]
             ("gate.e_score_correction_bias"), or None.
         shared / shared_gate: attributes of the shared MLP and of its Linear(H, 1) sigmoid gate.
+        output_scale: the block attribute scaling the routed output before the shared experts
+            are added (Laguna), or None.
         returns_scores: forward returns (hidden, router_scores [T, k]) rather than hidden.
         legacy_block: the block's name in older checkpoints (Mixtral: "block_sparse_moe").
     """
@@ -112,6 +129,7 @@ class BlockFamily:
     shared_cls: Optional[str] = None
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
+    output_scale: Optional[str] = None
     returns_scores: bool = False
     legacy_block: Optional[str] = None
 
@@ -129,6 +147,14 @@ FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter", "gate", _sigmoid_renorm,
                 correction_bias="e_score_correction_bias", legacy_block="block_sparse_moe"),
     BlockFamily("jamba", "jamba", "JambaSparseMoeBlock", "JambaTopKRouter", "router", _softmax_no_renorm),
+    BlockFamily("hy_v3", "hy_v3", "HYV3MoE", "HYV3TopKRouter", "gate", _sigmoid_renorm_scaled,
+                router_dtype=torch.float32, correction_bias="e_score_correction_bias", shared_cls="HYV3MLP",
+                shared="shared_experts"),
+    BlockFamily("laguna", "laguna", "LagunaSparseMoeBlock", "LagunaTopKRouter", "gate", _sigmoid_renorm_uncapped,
+                correction_bias="gate.e_score_correction_bias", shared_cls="LagunaMLP", shared="shared_experts",
+                output_scale="routed_scaling_factor"),
+    BlockFamily("lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniTopKRouter", "gate", _softmax_norm_topk,
+                router_dtype=torch.float32, shared_cls="LaraMiniMLP", shared="shared_expert"),
     BlockFamily("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter", "gate", _softmax_scaled,
                 router_dtype=torch.float32, shared_cls="DeepseekV2MLP", shared="shared_experts"),
     BlockFamily("gpt_oss", "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "router", _topk_softmax,
@@ -300,8 +326,12 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
                          transposed=layout.transposed, interleaved=layout.interleaved)
     E, H, I = w.w2.shape
     shared_cfg, shared = (None, None) if family.shared is None else _shared_mlp(block, family, owner)
+    routing = family.routing(router)
+    if family.output_scale is not None:
+        routing = dataclasses.replace(routing, routed_scaling_factor=float(getattr(block, family.output_scale)),
+                                      scale_on="output")
     moe = FusedMoE(
-        E, H, I, family.routing(router), activation=layout.activation, bias=layout.bias,
+        E, H, I, routing, activation=layout.activation, bias=layout.bias,
         shared_experts=shared_cfg, dtype=w.w13.dtype, device="meta", backend=backend,
         activation_params=layout.activation_params, gate=True, gate_bias=family.router_bias,
         router_dtype=family.router_dtype, correction_bias=family.correction_bias is not None, name=name,
