@@ -14,7 +14,7 @@ from conftest import rel_err  # noqa: E402
 from hf_tiny_models import FAMILIES, TOL, build, greedy, tie_free_prompt  # noqa: E402
 
 
-_BLOCK = {"jamba": "feed_forward"}  # the sparse-MoE block's name in a decoder layer, where not "mlp"
+_BLOCK = {"jamba": "feed_forward", "granitemoe": "block_sparse_moe"}  # the sparse-MoE block's name in a decoder layer, where not "mlp"
 
 
 def _patched(model, **kw):

@@ -7,8 +7,8 @@ already are in the canonical layout. Only the given model changes: no class, fun
 global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, GPT-OSS; and any
-other family whose block, router and shared-MLP forward code
+DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash,
+MiniCPM-5-MoE, Granite-MoE, GPT-OSS; and any other family whose block, router and shared-MLP forward code
 is the same as one of these (comments, docstrings, annotations and names aside), e.g.
 MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as DeepSeek-V3). Anything
 else with an `experts` child is refused by name, before the model is modified.
@@ -153,6 +153,13 @@ FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("laguna", "laguna", "LagunaSparseMoeBlock", "LagunaTopKRouter", "gate", _sigmoid_renorm_uncapped,
                 correction_bias="gate.e_score_correction_bias", shared_cls="LagunaMLP", shared="shared_experts",
                 output_scale="routed_scaling_factor"),
+    # DeepSeek-V3's routing without shared experts / with its router forced to fp32 under autocast
+    BlockFamily("mimo_v2_flash", "mimo_v2_flash", "MiMoV2FlashMoE", "MiMoV2FlashTopkRouter", "gate", _grouped_sigmoid,
+                router_dtype=torch.float32, correction_bias="gate.e_score_correction_bias"),
+    BlockFamily("minicpm5_moe", "minicpm5_moe", "MiniCPM5MoeMoE", "MiniCPM5MoeTopkRouter", "gate", _grouped_sigmoid,
+                router_dtype=torch.float32, correction_bias="gate.e_score_correction_bias",
+                shared_cls="MiniCPM5MoeMLP", shared="shared_experts"),
+    BlockFamily("granitemoe", "granitemoe", "GraniteMoeMoE", "GraniteMoeTopKRouter", "router", _topk_softmax),
     BlockFamily("lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniTopKRouter", "gate", _softmax_norm_topk,
                 router_dtype=torch.float32, shared_cls="LaraMiniMLP", shared="shared_expert"),
     BlockFamily("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter", "gate", _softmax_scaled,
