@@ -31,7 +31,8 @@ from .integrations.transformers import (
     moekit_experts_forward,
     register_experts_implementation,
 )
-from .integrations.transformers_blocks import FAMILIES, BlockFamily, MoEBlock, family_of, moe_blocks, patch_model
+from .integrations.transformers_blocks import MoEBlock, family_of, moe_blocks, patch_model
+from .integrations.transformers_families import FAMILIES, BlockFamily
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",

@@ -126,11 +126,11 @@ class SafetensorsCheckpoint:
                 absent = sorted(expected - keys)
                 if absent:
                     raise CheckpointError(f"{file}: the index json lists tensor {absent[0]!r} but the shard lacks it")
-            for stored in keys:
+            for stored in sorted(keys):
                 key = stored if rename is None else rename(stored)
                 if key in self._where:
-                    raise CheckpointError(f"tensor {key!r} appears twice: in {self._where[key]} and as "
-                                          f"{stored!r} in {file}")
+                    raise CheckpointError(f"tensor {key!r} appears twice: as {self._stored.get(key, key)!r} in "
+                                          f"{self._where[key]} and as {stored!r} in {file}")
                 self._where[key] = file
                 if key != stored:
                     self._stored[key] = stored
