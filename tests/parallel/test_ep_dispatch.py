@@ -157,11 +157,16 @@ def check_dispatch_cases(rank, size, kernels, base_seed):
 
 
 @pytest.mark.slow
-def test_dispatch_rows_and_sums_on_three_ranks():
+def _on_three_ranks(check, *args):
+    """Run check(rank, size, *args, base_seed) on three gloo ranks; fail with every rank's failures."""
     base_seed = random.randrange(2 ** 31)
-    results = run_world(3, check_dispatch_cases, "torch", base_seed, timeout_s=120, gloo_timeout_s=30)
+    results = run_world(3, check, *args, base_seed, timeout_s=120, gloo_timeout_s=30)
     failures = [f for r in sorted(results) for f in results[r]]
     assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+
+
+def test_dispatch_rows_and_sums_on_three_ranks():
+    _on_three_ranks(check_dispatch_cases, "torch")
 
 
 def test_kernels_argument_is_checked():
@@ -230,10 +235,7 @@ def check_rounds_agreed_in_dispatch(rank, size, base_seed):
 
 
 def test_chunk_rounds_are_agreed_in_the_count_exchange():
-    base_seed = random.randrange(2 ** 31)
-    results = run_world(3, check_rounds_agreed_in_dispatch, base_seed, timeout_s=120, gloo_timeout_s=30)
-    failures = [f for r in sorted(results) for f in results[r]]
-    assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+    _on_three_ranks(check_rounds_agreed_in_dispatch)
 
 
 def check_refusal_reaches_every_rank(rank, size, base_seed):
@@ -293,10 +295,7 @@ def check_refusal_reaches_every_rank(rank, size, base_seed):
 
 
 def test_a_call_refused_on_one_rank_raises_on_every_rank():
-    base_seed = random.randrange(2 ** 31)
-    results = run_world(3, check_refusal_reaches_every_rank, base_seed, timeout_s=120, gloo_timeout_s=30)
-    failures = [f for r in sorted(results) for f in results[r]]
-    assert not failures, f"base seed {base_seed}:\n" + "\n".join(failures)
+    _on_three_ranks(check_refusal_reaches_every_rank)
 
 
 @pytest.mark.parametrize("name", ["all_to_all", "allgather_reducescatter", "static_all_to_all"])
