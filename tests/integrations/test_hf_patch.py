@@ -128,6 +128,20 @@ def test_deepseek_v2_routing(method, groups):
         mh.patch_model(model)
 
 
+def test_ernie_without_shared_experts():
+    """Ernie-4.5 builds its shared MLP only when moe_num_shared_experts > 0; its bias is [1, E]."""
+    model = build("ernie4_5_moe", moe_num_shared_experts=0)
+    patched, _ = _patched(model)
+    moe = patched.model.layers[0].mlp.moe
+    assert moe.shared is None and moe.e_score_correction_bias.shape == (8,)
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= 1e-5
+    state = patched.state_dict()
+    assert state["model.layers.0.mlp.gate.moe_statics.e_score_correction_bias"].shape == (1, 8)
+    assert not any("shared_experts" in k for k in state)
+
+
 @pytest.mark.parametrize("family, like", [("minimax", "mixtral"), ("glm4_moe", "deepseek_v3")])
 def test_structural_clones_are_recognised(family, like):
     model = build(family)

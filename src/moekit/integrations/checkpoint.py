@@ -205,6 +205,7 @@ class MoEKeys:
             "model.layers.0.block_sparse_moe."); exactly one may hold tensors.
         router: the router's name ("gate", "router").  experts: the experts' name.
         correction_bias: the selection bias's name (None: "{router}.e_score_correction_bias").
+        correction_bias_2d: that bias is stored as [1, E] rather than [E].
         shared: the shared-expert MLP's name, or None.  shared_gate: the Linear(H, 1) scaling
             the shared output through a sigmoid, or None.
         transposed / interleaved: layout of the stacked experts.gate_up_proj / down_proj.
@@ -213,6 +214,7 @@ class MoEKeys:
     prefixes: Tuple[str, ...]
     router: str = "gate"
     correction_bias: Optional[str] = None
+    correction_bias_2d: bool = False
     experts: str = "experts"
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
@@ -339,8 +341,9 @@ def _moe_plan(layer, ckpt: SafetensorsCheckpoint, keys: MoEKeys):
         if layer.gate.bias is not None:
             plan[f"{p}{keys.router}.bias"] = _entry((E,), layer.gate.bias.data)
     if layer.e_score_correction_bias is not None:
+        bias = layer.e_score_correction_bias
         plan[p + (keys.correction_bias or f"{keys.router}.e_score_correction_bias")] = _entry(
-            (E,), layer.e_score_correction_bias)
+            (1, E), bias.view(1, E)) if keys.correction_bias_2d else _entry((E,), bias)
     _expert_plan(layer, ckpt, p, keys, plan, groups)
     if layer.shared is not None:
         if keys.shared is None:

@@ -8,7 +8,7 @@ global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
 DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash,
-MiniCPM-5-MoE, Granite-MoE, GPT-OSS; and any other family whose block, router and shared-MLP
+MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, GPT-OSS; and any other family whose block, router and shared-MLP
 forward code is the same as one of these (comments, docstrings, annotations and names aside),
 e.g. MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as DeepSeek-V3). Anything
 else with an `experts` child is refused by name, before the model is modified.
@@ -125,7 +125,7 @@ class MoEBlock(nn.Module):
         if self.family.legacy_block and "." in name:
             prefixes.append(name.rsplit(".", 1)[0] + "." + self.family.legacy_block + ".")
         return MoEKeys(tuple(prefixes), router=self.family.router, correction_bias=self.family.correction_bias,
-                       shared=self.family.shared,
+                       correction_bias_2d=self.family.correction_bias_2d, shared=self.family.shared,
                        shared_gate=self.family.shared_gate, transposed=self.layout.transposed,
                        interleaved=self.layout.interleaved)
 
@@ -209,7 +209,8 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
     w = canonical_layout(up, ex.down_proj, up_bias, ex.down_proj_bias if layout.bias else None,
                          transposed=layout.transposed, interleaved=layout.interleaved)
     E, H, I = w.w2.shape
-    shared_cfg, shared = (None, None) if family.shared is None else _shared_mlp(block, family, owner)
+    has_shared = family.shared is not None and getattr(block, family.shared, None) is not None
+    shared_cfg, shared = _shared_mlp(block, family, owner) if has_shared else (None, None)
     routing = family.routing(router)
     if family.output_scale is not None:
         routing = dataclasses.replace(routing, routed_scaling_factor=float(getattr(block, family.output_scale)),
@@ -231,6 +232,8 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
         _adopt(moe.gate, "bias", _check(owner, "router bias", router.bias, (E,)), router.bias)
     if family.correction_bias is not None:
         bias = functools.reduce(getattr, family.correction_bias.split("."), block)
+        if family.correction_bias_2d:
+            bias = _check(owner, family.correction_bias, bias, (1, E)).view(E)
         moe.e_score_correction_bias = _check(owner, family.correction_bias, bias, (E,))
     if shared is not None:
         gate_up, down, gate = shared

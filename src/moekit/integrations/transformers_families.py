@@ -47,6 +47,11 @@ def _sigmoid_renorm_uncapped(r) -> RoutingConfig:
     return _sigmoid_renorm(r)
 
 
+def _softmax_biased_renorm(r) -> RoutingConfig:
+    """Ernie-4.5: softmax in fp32, the selection bias added to the probabilities, renormalised."""
+    return RoutingConfig(top_k=int(r.top_k), scoring="softmax", renormalize=True)
+
+
 def _grouped_sigmoid(r) -> RoutingConfig:
     return RoutingConfig(
         top_k=int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
@@ -83,7 +88,9 @@ class BlockFamily:
         router_bias: the router owns a bias [E].
         correction_bias: the name, within the block, of the selection bias [E]
             ("gate.e_score_correction_bias"), or None.
-        shared / shared_gate: attributes of the shared MLP and of its Linear(H, 1) sigmoid gate.
+        correction_bias_2d: the family stores that bias as [1, E] (Ernie-4.5).
+        shared / shared_gate: attributes of the shared MLP and of its Linear(H, 1) sigmoid gate
+            (a shared attribute holding None: that block has no shared experts).
         output_scale: the block attribute scaling the routed output before the shared experts
             are added (Laguna), or None.
         returns_scores: forward returns (hidden, router_scores [T, k]) rather than hidden.
@@ -99,6 +106,7 @@ class BlockFamily:
     router_dtype: Optional[torch.dtype] = None
     router_bias: bool = False
     correction_bias: Optional[str] = None
+    correction_bias_2d: bool = False
     shared_cls: Optional[str] = None
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
@@ -132,6 +140,10 @@ FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("minicpm5_moe", "minicpm5_moe", "MiniCPM5MoeMoE", "MiniCPM5MoeTopkRouter", "gate", _grouped_sigmoid,
                 router_dtype=torch.float32, correction_bias="gate.e_score_correction_bias",
                 shared_cls="MiniCPM5MoeMLP", shared="shared_experts"),
+    BlockFamily("ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "Ernie4_5_MoeTopKRouter", "gate",
+                _softmax_biased_renorm, router_dtype=torch.float32,
+                correction_bias="gate.moe_statics.e_score_correction_bias", correction_bias_2d=True,
+                shared_cls="Ernie4_5_MoeMLP", shared="shared_experts"),
     BlockFamily("granitemoe", "granitemoe", "GraniteMoeMoE", "GraniteMoeTopKRouter", "router", _topk_softmax),
     BlockFamily("lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniTopKRouter", "gate", _softmax_norm_topk,
                 router_dtype=torch.float32, shared_cls="LaraMiniMLP", shared="shared_expert"),

@@ -121,7 +121,9 @@ def renames(block: nn.Module) -> List[Rename]:
     if moe.gate.bias is not None:
         out.append(Rename("moe.gate.bias", (f"{r}.bias",), (E,)))
     if moe.e_score_correction_bias is not None:
-        out.append(Rename("moe.e_score_correction_bias", (family.correction_bias,), (E,)))
+        out.append(Rename("moe.e_score_correction_bias", (family.correction_bias,), (E,),
+                          *((lambda t: (t.view(1, -1),), lambda ts: ts[0].reshape(-1)) if family.correction_bias_2d
+                            else ())))
     out += _experts_renames(moe, block.layout)
     if moe.shared is not None:
         out += _shared_renames(moe, family)
