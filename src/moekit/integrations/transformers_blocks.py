@@ -11,8 +11,8 @@ DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo
 MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, GPT-OSS; and any other family whose block, router
 and shared-MLP forward code is the same as one of these (comments, docstrings, annotations and
 names aside), e.g. MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as
-DeepSeek-V3). Anything
-else with an `experts` child is refused by name, before the model is modified.
+DeepSeek-V3). Anything else with an `experts` child is refused by name, before the model is
+modified.
 
 Differences by design: moekit computes routing weights, expert outputs and the shared
 experts in fp32 and casts once at the end, where transformers rounds routing weights
