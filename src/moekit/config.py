@@ -50,7 +50,10 @@ class RoutingConfig:
     Fields (ROUTING.md names the model families that use each):
         top_k: experts per token, k >= 1.
         scoring: "softmax" | "sigmoid" | "sqrtsoftplus" (order "score_then_topk" only).
-        renormalize: divide the k selected weights by their sum.
+        renormalize: divide the k selected weights by their sum. None (the default) takes the
+            order's rule: True for "score_then_topk" and "topk_then_softmax" (whose k weights
+            already sum to 1), False for "topk_then_sigmoid" (Llama-4); True there renormalises
+            the k sigmoids (Cohere2-MoE). The field holds the resolved bool.
         num_expert_group / topk_group: DeepSeek grouped top-k (G groups, keep g); None = no groups.
         group_score: "top2_sum" | "max"; None picks "top2_sum" when a correction bias is
             given (DeepSeek-V3) and "max" otherwise (DeepSeek-V2).
@@ -70,7 +73,7 @@ class RoutingConfig:
 
     top_k: int
     scoring: str = "softmax"
-    renormalize: bool = True
+    renormalize: Optional[bool] = None
     num_expert_group: Optional[int] = None
     topk_group: Optional[int] = None
     group_score: Optional[str] = None
@@ -86,6 +89,8 @@ class RoutingConfig:
         for name in ("num_expert_group", "topk_group"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _int_field(name, getattr(self, name)))
+        if self.renormalize is None:
+            object.__setattr__(self, "renormalize", self.order != "topk_then_sigmoid")
         for name in ("renormalize", "apply_router_weight_on_input", "group_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

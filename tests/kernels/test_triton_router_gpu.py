@@ -27,6 +27,7 @@ CONFIGS = [
     ("gpt-oss", dict(top_k=4, order="topk_then_softmax"), 32, False),
     ("llama4", dict(top_k=1, order="topk_then_sigmoid", renormalize=False, apply_router_weight_on_input=True), 16,
      False),
+    ("cohere2-sigmoid", dict(top_k=8, order="topk_then_sigmoid", renormalize=True), 128, False),
     ("qwen3-next", dict(top_k=10), 512, False),
 ]
 

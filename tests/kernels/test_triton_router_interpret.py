@@ -53,6 +53,8 @@ else:
         ("gpt-oss topk then softmax", dict(top_k=4, order="topk_then_softmax"), 32, False),
         ("llama4 topk then sigmoid", dict(top_k=1, order="topk_then_sigmoid", renormalize=False,
                                            apply_router_weight_on_input=True), 16, False),
+        ("cohere2 topk then sigmoid, renormalised", dict(top_k=3, order="topk_then_sigmoid", renormalize=True), 16,
+         False),
         ("many experts", dict(top_k=10), 512, False),
     ]
 

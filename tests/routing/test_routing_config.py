@@ -112,3 +112,19 @@ def test_config_must_be_routing_config():
 def test_router_logits_must_be_2d():
     with pytest.raises(ValueError, match="router_logits must be 2-D"):
         route(torch.randn(2, 3, 8), RoutingConfig(top_k=2))
+
+
+def test_renormalize_defaults_to_the_orders_rule_and_is_honoured():
+    """Regression: renormalize (default True) was silently ignored by the top-k-first orders, so
+    top-k then sigmoid with renormalize=True (Cohere2-MoE) gave unnormalised weights."""
+    assert RoutingConfig(top_k=2).renormalize is True
+    assert RoutingConfig(top_k=2, order="topk_then_softmax").renormalize is True
+    assert RoutingConfig(top_k=1, order="topk_then_sigmoid").renormalize is False  # Llama-4
+    assert RoutingConfig(top_k=2) == RoutingConfig(top_k=2, renormalize=True)
+    z = torch.tensor([[0.5, -1.0, 2.0, 0.1]])
+    picked = torch.tensor([2.0, 0.5]).sigmoid()
+    w, ids = route(z, RoutingConfig(top_k=2, order="topk_then_sigmoid", renormalize=True))
+    assert ids.tolist() == [[2, 0]]
+    torch.testing.assert_close(w, (picked / picked.sum()).view(1, 2))
+    w, _ = route(z, RoutingConfig(top_k=2, order="topk_then_sigmoid"))
+    torch.testing.assert_close(w, picked.view(1, 2))

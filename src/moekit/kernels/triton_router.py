@@ -207,6 +207,8 @@ def triton_route(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.Tenso
     if cfg.order == "score_then_topk" and cfg.renormalize:
         eps, clamp = cfg.renorm_eps(grouped, bias is not None)
         mode = RENORM_CLAMP if clamp else RENORM_EPS if eps else RENORM_SUM
+    elif cfg.order == "topk_then_sigmoid" and cfg.renormalize:
+        mode = RENORM_SUM
     scale = cfg.routed_scaling_factor if cfg.scale_on == "router" else 1.0
     EP = triton.next_power_of_2(E)
     R, warps = program_shape(T, EP)

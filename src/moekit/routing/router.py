@@ -111,8 +111,10 @@ def _score_then_topk(z: torch.Tensor, cfg: RoutingConfig, bias: Optional[torch.T
 def _topk_then(z: torch.Tensor, cfg: RoutingConfig) -> TopK:
     ids = stable_topk(z, cfg.top_k)  # [T, k] on raw logits
     zk = z.gather(1, ids)  # [T, k]
-    w = torch.softmax(zk, dim=-1) if cfg.order == "topk_then_softmax" else torch.sigmoid(zk)
-    return TopK(w, ids)
+    if cfg.order == "topk_then_softmax":
+        return TopK(torch.softmax(zk, dim=-1), ids)
+    w = torch.sigmoid(zk)
+    return TopK(renormalize(w) if cfg.renormalize else w, ids)
 
 
 def _custom(z: torch.Tensor, cfg: RoutingConfig, hidden_states: Optional[torch.Tensor]) -> TopK:
