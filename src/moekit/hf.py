@@ -9,8 +9,8 @@ Three ways in, from the least to the most moekit:
 2. Whole-block replacement. `patch_model(model)` swaps each sparse-MoE block (router,
    experts, shared experts) for a FusedMoE, for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
    DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash,
-   MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, GPT-OSS and code-identical clones; other blocks
-   are refused by name.
+   MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, Cohere2-MoE, GPT-OSS and code-identical clones;
+   other blocks are refused by name.
 3. Loading. `from_pretrained(path)` builds the model from its config, patches it and
    loads the safetensors checkpoint (legacy per-expert or stacked layout, single file or
    sharded) straight into the canonical layout with `load_checkpoint`.

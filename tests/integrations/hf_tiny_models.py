@@ -5,7 +5,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "minimax_m2", "jamba",
-            "hy_v3", "laguna", "lara_mini", "mimo_v2_flash", "minicpm5_moe", "granitemoe", "ernie4_5_moe", "gpt_oss")
+            "hy_v3", "laguna", "lara_mini", "mimo_v2_flash", "minicpm5_moe", "granitemoe", "ernie4_5_moe", "cohere2_moe",
+            "gpt_oss")
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -45,6 +46,10 @@ CONFIGS = {
     "granitemoe": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     "ernie4_5_moe": dict(intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
                          moe_num_shared_experts=1, moe_layer_start_index=0, moe_layer_interval=1, head_dim=16),
+    # top-k then sigmoid, renormalised, with shared experts summed
+    "cohere2_moe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                        shared_expert_combination_strategy="sum", expert_selection_fn="sigmoid", head_dim=16,
+                        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"]),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=ROPE),
     # structural clones of those families (same block/router/shared code)

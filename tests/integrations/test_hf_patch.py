@@ -128,6 +128,21 @@ def test_deepseek_v2_routing(method, groups):
         mh.patch_model(model)
 
 
+@pytest.mark.parametrize("selection", ["softmax", "sigmoid"])
+def test_cohere2_selection_and_shared_strategy(selection):
+    model = build("cohere2_moe", expert_selection_fn=selection)
+    patched, _ = _patched(model)
+    r = patched.model.layers[0].mlp.moe.routing
+    assert r.order == f"topk_then_{selection}" and r.renormalize
+    ids = tie_free_prompt(model, length=8, min_margin=1e-3)
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, model(ids).logits) <= 1e-5
+    averaged = build("cohere2_moe", shared_expert_combination_strategy="average")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(Cohere2MoeSparseMoeBlock\): "
+                                         r"shared_expert_combination_strategy='average' is not reproduced"):
+        mh.patch_model(averaged)
+
+
 def test_ernie_without_shared_experts():
     """Ernie-4.5 builds its shared MLP only when moe_num_shared_experts > 0; its bias is [1, E]."""
     model = build("ernie4_5_moe", moe_num_shared_experts=0)

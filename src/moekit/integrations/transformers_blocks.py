@@ -8,8 +8,8 @@ global of transformers is touched.
 
 Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
 DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash,
-MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, GPT-OSS; and any other family whose block, router
-and shared-MLP forward code is the same as one of these (comments, docstrings, annotations and
+MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, Cohere2-MoE, GPT-OSS; and any other family whose
+block, router and shared-MLP forward code is the same as one of these (comments, docstrings, annotations and
 names aside), e.g. MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as
 DeepSeek-V3). Anything else with an `experts` child is refused by name, before the model is
 modified.
@@ -199,6 +199,9 @@ def build_moe(block: nn.Module, family: BlockFamily, name: str, backend: str = "
         eager_graphs: FusedMoE's eager_graphs.
     """
     owner = f"{name} ({type(block).__name__})"
+    why = None if family.refuse is None else family.refuse(block)
+    if why is not None:
+        raise ValueError(why)  # patch_model names the block
     router = getattr(block, family.router)
     layout = experts_layout(block.experts)
     if not hasattr(type(block.experts).forward, "__wrapped__"):  # the interface's dispatcher wraps the eager forward

@@ -52,6 +52,24 @@ def _softmax_biased_renorm(r) -> RoutingConfig:
     return RoutingConfig(top_k=int(r.top_k), scoring="softmax", renormalize=True)
 
 
+def _topk_first(r) -> RoutingConfig:
+    """Cohere2-MoE: top-k on the raw logits, then softmax over the k, or their sigmoids
+    renormalised when norm_topk_prob."""
+    if r.expert_selection_fn == "softmax":
+        return RoutingConfig(top_k=int(r.top_k), order="topk_then_softmax")
+    if r.expert_selection_fn == "sigmoid":
+        return RoutingConfig(top_k=int(r.top_k), order="topk_then_sigmoid", renormalize=bool(r.norm_topk_prob))
+    raise ValueError(f"expert_selection_fn={r.expert_selection_fn!r} is not reproduced by moekit (softmax, sigmoid)")
+
+
+def _shared_summed(block: nn.Module) -> Optional[str]:
+    """Cohere2-MoE adds its shared experts' output ("sum") or averages the two ("average")."""
+    if getattr(block, "shared_experts", None) is not None and block.shared_expert_combination_strategy != "sum":
+        return (f"shared_expert_combination_strategy={block.shared_expert_combination_strategy!r} is not "
+                "reproduced by moekit (it adds the shared experts' output: 'sum')")
+    return None
+
+
 def _grouped_sigmoid(r) -> RoutingConfig:
     return RoutingConfig(
         top_k=int(r.top_k), scoring="sigmoid", renormalize=bool(r.norm_topk_prob),
@@ -93,6 +111,8 @@ class BlockFamily:
             (a shared attribute holding None: that block has no shared experts).
         output_scale: the block attribute scaling the routed output before the shared experts
             are added (Laguna), or None.
+        refuse: block -> why moekit cannot reproduce this instance (a setting the code
+            branches on), or None.
         returns_scores: forward returns (hidden, router_scores [T, k]) rather than hidden.
         legacy_block: the block's name in older checkpoints (Mixtral: "block_sparse_moe").
     """
@@ -111,6 +131,7 @@ class BlockFamily:
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
     output_scale: Optional[str] = None
+    refuse: Optional[Callable[[nn.Module], Optional[str]]] = None
     returns_scores: bool = False
     legacy_block: Optional[str] = None
 
@@ -144,6 +165,8 @@ FAMILIES: Tuple[BlockFamily, ...] = (
                 _softmax_biased_renorm, router_dtype=torch.float32,
                 correction_bias="gate.moe_statics.e_score_correction_bias", correction_bias_2d=True,
                 shared_cls="Ernie4_5_MoeMLP", shared="shared_experts"),
+    BlockFamily("cohere2_moe", "cohere2_moe", "Cohere2MoeSparseMoeBlock", "Cohere2MoeTopKRouter", "gate", _topk_first,
+                shared_cls="Cohere2MoeMLP", shared="shared_experts", refuse=_shared_summed),
     BlockFamily("granitemoe", "granitemoe", "GraniteMoeMoE", "GraniteMoeTopKRouter", "router", _topk_softmax),
     BlockFamily("lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniTopKRouter", "gate", _softmax_norm_topk,
                 router_dtype=torch.float32, shared_cls="LaraMiniMLP", shared="shared_expert"),
