@@ -6,10 +6,10 @@ activation, biases and shared experts. The weights are adopted, not copied, when
 already are in the canonical layout. Only the given model changes: no class, function or
 global of transformers is touched.
 
-Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash,
-MiniCPM-5-MoE, Granite-MoE, Ernie-4.5-MoE, Cohere2-MoE, GPT-OSS; and any other family whose
-block, router and shared-MLP forward code is the same as one of these (comments, docstrings, annotations and
+Families reproduced exactly (ROUTING.md): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2,
+DeepSeek-V3, MiniMax-M2, Jamba, HunYuan-V3, Laguna, Lara-mini, MiMo-V2-Flash, MiniCPM-5-MoE,
+Granite-MoE, Ernie-4.5-MoE, Cohere2-MoE, GPT-OSS; and any other family whose block, router and
+shared-MLP forward code is the same as one of these (comments, docstrings, annotations and
 names aside), e.g. MiniMax (as Mixtral), FlexOlmo (as OLMoE), GLM-4-MoE and dots1 (as
 DeepSeek-V3). Anything else with an `experts` child is refused by name, before the model is
 modified.
