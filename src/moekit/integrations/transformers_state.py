@@ -44,6 +44,14 @@ def _only(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return ts[0]
 
 
+def _as_row(t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return (t.view(1, -1),)
+
+
+def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return ts[0].reshape(-1)
+
+
 @dataclass(frozen=True)
 class Rename:
     """One FusedMoE tensor and the transformers tensors it is stored as.
@@ -121,9 +129,9 @@ def renames(block: nn.Module) -> List[Rename]:
     if moe.gate.bias is not None:
         out.append(Rename("moe.gate.bias", (f"{r}.bias",), (E,)))
     if moe.e_score_correction_bias is not None:
+        as_row = family.correction_bias_2d  # Ernie-4.5 stores the [E] bias as [1, E]
         out.append(Rename("moe.e_score_correction_bias", (family.correction_bias,), (E,),
-                          *((lambda t: (t.view(1, -1),), lambda ts: ts[0].reshape(-1)) if family.correction_bias_2d
-                            else ())))
+                          _as_row if as_row else _same, _flat if as_row else _only))
     out += _experts_renames(moe, block.layout)
     if moe.shared is not None:
         out += _shared_renames(moe, family)
